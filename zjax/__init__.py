@@ -1,0 +1,20 @@
+"""zjax: train large models with JAX/XLA without running out of accelerator memory."""
+
+from . import sharding as sharding
+from . import stages as stages
+from ._loss_scale import DynamicLossScale as DynamicLossScale
+from ._loss_scale import LossScaleState as LossScaleState
+from ._memory import MemoryReport as MemoryReport
+from ._plan import Plan as Plan
+from ._precision import PRECISIONS as PRECISIONS
+from ._precision import Precision as Precision
+from ._state import MixedPrecisionState as MixedPrecisionState
+from ._state import TrainState as TrainState
+from ._step import TrainStep as TrainStep
+from .sharding import Rules as Rules
+from .sharding import make_mesh as make_mesh
+from .sharding import shard_batch as shard_batch
+from .stages import STAGES as STAGES
+from .stages import Stage as Stage
+
+__version__ = "0.1.0"

@@ -1,0 +1,193 @@
+"""Per-device memory: the ZeRO formula beside the numbers of the compiled step."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+
+from .sharding._axes import DP
+from .sharding._batch import batch_shardings
+from .sharding._mesh import axis_size
+from .stages._layout import Unsharded
+from .stages._placement import shard_count
+
+if TYPE_CHECKING:
+    from ._plan import Plan
+    from ._state import TrainState
+    from ._step import TrainStep
+
+CATEGORIES = ("params", "master", "optimizer", "gradients")
+LABELS = {
+    "params": "compute params",
+    "master": "fp32 master weights",
+    "optimizer": "optimizer state",
+    "gradients": "gradients",
+}
+
+
+def _nbytes(x: Any) -> int:
+    return int(math.prod(x.shape)) * np.dtype(x.dtype).itemsize
+
+
+def _shard_bytes(x: Any, sharding: Any) -> int:
+    shape = sharding.shard_shape(tuple(x.shape)) if sharding is not None else tuple(x.shape)
+    return int(math.prod(shape)) * np.dtype(x.dtype).itemsize
+
+
+def _fmt(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Per-device bytes by category. ``theory`` is the ZeRO formula; ``compiled`` the compiler's numbers.
+
+    ``theory`` counts ``psi / tp`` model-parallel parameters per device (the tp-sharded leaves divided by
+    their tp size) times the bytes per parameter of each category, divided by the dp size ``N`` where
+    the stage shards that category. ``compiled`` reads the compiled step: state bytes per category from
+    the shardings the compiler chose for its arguments, and the totals from ``memory_analysis()``.
+    """
+
+    stage: int
+    precision: str
+    mesh: dict[str, int]
+    accum_steps: int
+    num_params: int
+    theory: dict[str, int]
+    compiled: dict[str, int]
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    batch_bytes: int
+    unsharded: tuple[Unsharded, ...]
+
+    @property
+    def state_theory(self) -> int:
+        """Persistent model state per device by the formula: params + master + optimizer."""
+        return sum(self.theory[k] for k in ("params", "master", "optimizer"))
+
+    @property
+    def state_compiled(self) -> int:
+        """Persistent state per device in the compiled step: its argument bytes less the batch."""
+        return self.argument_bytes - self.batch_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """``argument + output - alias + temp`` (``peak_memory_in_bytes`` ignores temps on CPU)."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "precision": self.precision,
+            "mesh": dict(self.mesh),
+            "accum_steps": self.accum_steps,
+            "num_params": self.num_params,
+            "theory": dict(self.theory),
+            "compiled": dict(self.compiled),
+            "state_bytes_per_device": {"theory": self.state_theory, "compiled": self.state_compiled},
+            "temp_bytes_per_device": self.temp_bytes,
+            "argument_bytes": self.argument_bytes,
+            "output_bytes": self.output_bytes,
+            "alias_bytes": self.alias_bytes,
+            "peak_bytes": self.peak_bytes,
+            "dp_replicated": [dataclasses.asdict(u) for u in self.unsharded],
+        }
+
+    def __str__(self) -> str:
+        mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items())
+        lines = [
+            f"memory per device: ZeRO stage {self.stage}, {self.precision}, mesh {mesh}, "
+            f"{self.num_params:,} params" + (f", accum {self.accum_steps}" if self.accum_steps > 1 else ""),
+            f"  {'category':<22}{'theory':>14}{'compiled':>14}",
+        ]
+        for key in CATEGORIES:
+            compiled = self.compiled.get(key)
+            note = "" if compiled is not None else "   (inside temporaries)"
+            lines.append(f"  {LABELS[key]:<22}{_fmt(self.theory[key]):>14}{_fmt(compiled):>14}{note}")
+        lines += [
+            f"  {'model state':<22}{_fmt(self.state_theory):>14}{_fmt(self.state_compiled):>14}",
+            f"  {'temporaries':<22}{'':>14}{_fmt(self.temp_bytes):>14}",
+            f"  {'peak (arg+out-alias+temp)':<36}{_fmt(self.peak_bytes):>14}",
+        ]
+        if self.unsharded:
+            shown = ", ".join(f"{u.path} {u.shape}" for u in self.unsharded[:6])
+            more = f" and {len(self.unsharded) - 6} more" if len(self.unsharded) > 6 else ""
+            lines.append(f"  replicated over dp (no divisible dim): {shown}{more}")
+        return "\n".join(lines)
+
+
+def theory_bytes(plan: Plan, state: TrainState, accum_steps: int = 1) -> tuple[int, dict[str, int]]:
+    """The ZeRO formula per device for ``state``: (parameter count, bytes by category)."""
+    sizes = dict(plan.mesh.shape)
+    n = axis_size(plan.mesh, DP)
+    stage, precision = plan.stage, plan.precision
+    layout = plan.layout_of(state.params)
+    psi = sum(int(math.prod(p.leaf.shape)) for p in layout.placements)
+    # parameters per device after model parallelism (tp), before ZeRO's dp split
+    psi_mp = sum(math.prod(p.leaf.shape) / shard_count(p.compute, sizes) for p in layout.placements)
+    inner_bytes = sum(_nbytes(x) for x in jax.tree.leaves(state.opt_state.inner))
+    opt_per_param = inner_bytes / psi if psi else 0.0
+    grad_bytes = 4 if accum_steps > 1 else precision.compute_bytes  # accumulation runs in fp32
+
+    def per_device(bytes_per_param: float, sharded: bool) -> int:
+        return round(psi_mp * bytes_per_param / (n if sharded else 1))
+
+    theory = {
+        "params": per_device(precision.compute_bytes, stage.shard_parameters),
+        "master": per_device(4 if precision.master_weights else 0, stage.shard_optimizer),
+        "optimizer": per_device(opt_per_param, stage.shard_optimizer),
+        "gradients": per_device(grad_bytes, stage.shard_gradients),
+    }
+    return psi, theory
+
+
+def memory_report(plan: Plan, state: TrainState, batch: Any, step: TrainStep) -> MemoryReport:
+    """Compile ``step`` for ``(state, batch)`` and report per-device memory."""
+    compiled = step.lower(state, batch).compile()
+    analysis = compiled.memory_analysis()
+    state_shardings = compiled.input_shardings[0][0]
+
+    def category(tree: Any, shardings: Any) -> int:
+        return sum(_shard_bytes(x, s) for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True))
+
+    opt = state.opt_state
+    compiled_bytes = {
+        "params": category(state.params, state_shardings.params),
+        "master": 0 if opt.master is None else category(opt.master, state_shardings.opt_state.master),
+        "optimizer": category(opt.inner, state_shardings.opt_state.inner)
+        + category((state.step, state.loss_scale), (state_shardings.step, state_shardings.loss_scale)),
+    }
+    batch_bytes = sum(
+        _shard_bytes(x, s)
+        for x, s in zip(jax.tree.leaves(batch), jax.tree.leaves(batch_shardings(batch, plan.mesh)), strict=True)
+    )
+    psi, theory = theory_bytes(plan, state, step.accum_steps)
+    return MemoryReport(
+        stage=plan.stage.level,
+        precision=plan.precision.name,
+        mesh={k: int(v) for k, v in plan.mesh.shape.items()},
+        accum_steps=step.accum_steps,
+        num_params=psi,
+        theory=theory,
+        compiled=compiled_bytes,
+        argument_bytes=int(analysis.argument_size_in_bytes),
+        output_bytes=int(analysis.output_size_in_bytes),
+        alias_bytes=int(analysis.alias_size_in_bytes),
+        temp_bytes=int(analysis.temp_size_in_bytes),
+        batch_bytes=batch_bytes,
+        unsharded=tuple(plan.layout_of(state.params).unsharded),
+    )
+
+

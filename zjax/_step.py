@@ -1,0 +1,154 @@
+"""The jitted training step: mixed precision, loss scaling, gradient accumulation, clipping, the update."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+
+from ._state import MixedPrecisionState, TrainState
+from .sharding._batch import batch_shardings, check_batch
+from .stages._layout import Layout
+
+if TYPE_CHECKING:
+    from ._plan import Plan
+
+LossFn = Callable[[Any, Any], Any]
+
+
+def _constrain(tree: Any, specs: Any, mesh) -> Any:
+    return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)), tree, specs)
+
+
+def _split_microbatches(batch: Any, k: int) -> Any:
+    """``[B, ...] -> [k, B/k, ...]`` where microbatch ``i`` is rows ``i, i+k, ...``.
+
+    Reshaping to ``(B/k, k)`` keeps each dp shard's rows on that shard (the dp split stays on the
+    first dimension), so no data moves; ``(k, B/k)`` directly would put dp on the microbatch index.
+    """
+    return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
+
+
+def _tree_where(pred: jax.Array, new: Any, old: Any) -> Any:
+    return jax.tree.map(lambda n, o: jnp.where(pred, n, o), new, old)
+
+
+class TrainStep:
+    """A compiled training step for one plan and loss function; call it as ``step(state, batch)``.
+
+    ``loss_fn(params, batch)`` returns a scalar loss (a mean over the batch) or ``(loss, aux)``.
+    Returns the new state and metrics: ``loss``, ``grad_norm`` (unscaled, before clipping),
+    ``loss_scale``, ``skipped`` (non-finite gradients under loss scaling) and ``aux`` if given.
+    The input state is donated: do not use it after the call.
+    """
+
+    def __init__(self, plan: Plan, loss_fn: LossFn, accum_steps: int = 1):
+        if not callable(loss_fn):
+            raise TypeError(f"train_step: loss_fn must be callable, got {type(loss_fn).__name__}.")
+        if not isinstance(accum_steps, int) or isinstance(accum_steps, bool) or accum_steps < 1:
+            raise ValueError(f"train_step: accum_steps={accum_steps!r} must be an int >= 1.")
+        self.plan = plan
+        self.loss_fn = loss_fn
+        self.accum_steps = accum_steps
+        self._jitted: dict[Any, Any] = {}
+
+    def _jit(self, state: TrainState, batch: Any):
+        key = (jax.tree.structure(state), jax.tree.structure(batch))
+        if key not in self._jitted:
+            layout = self.plan.layout_of(state.params)
+            state_shardings = self.plan.state_shardings(state)
+            fn = jax.jit(
+                lambda s, b: self._step(layout, s, b),
+                in_shardings=(state_shardings, batch_shardings(batch, self.plan.mesh)),
+                out_shardings=(state_shardings, None),
+                donate_argnums=0,
+            )
+            self._jitted[key] = fn
+        return self._jitted[key]
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        check_batch(batch, self.plan.mesh, self.accum_steps)
+        return self._jit(state, batch)(state, batch)
+
+    def lower(self, state: TrainState, batch: Any):
+        """``jax.jit(...).lower`` for concrete or abstract (``ShapeDtypeStruct``) state and batch."""
+        check_batch(batch, self.plan.mesh, self.accum_steps)
+        return self._jit(state, batch).lower(state, batch)
+
+    # -- the traced step ------------------------------------------------------------------------
+
+    def _grads(self, layout: Layout, params: Any, batch: Any, scale: jax.Array):
+        """Mean loss, aux and gradients of ``loss * scale`` (summed over microbatches, fp32 if k > 1)."""
+        mesh = self.plan.mesh
+
+        def scaled(p, b):
+            out = self.loss_fn(p, b)
+            loss, aux = out if isinstance(out, tuple) else (out, None)
+            if jnp.ndim(loss) != 0:
+                raise ValueError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}.")
+            return loss.astype(jnp.float32) * scale, (loss.astype(jnp.float32), aux)
+
+        grad_fn = jax.grad(scaled, has_aux=True)
+        k = self.accum_steps
+        if k == 1:
+            grads, (loss, aux) = grad_fn(params, batch)
+            return loss, aux, _constrain(grads, layout.grad_specs, mesh)
+
+        def body(acc, microbatch):
+            grads, (loss, aux) = grad_fn(params, microbatch)
+            grads = _constrain(grads, layout.grad_specs, mesh)
+            acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+            return _constrain(acc, layout.grad_specs, mesh), (loss, aux)
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        acc, (losses, auxes) = jax.lax.scan(body, _constrain(zeros, layout.grad_specs, mesh),
+                                            _split_microbatches(batch, k))
+        aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
+        return jnp.mean(losses), aux, acc
+
+    def _step(self, layout: Layout, state: TrainState, batch: Any):
+        plan, mesh = self.plan, self.plan.mesh
+        precision = plan.precision
+        scale = state.loss_scale.scale
+        loss, aux, grads = self._grads(layout, state.params, batch, scale)
+
+        # fp32, unscaled, averaged over microbatches; laid out like the master weights so that the
+        # optimizer runs on each device's shard (a local slice at stage 1, no communication).
+        inv = 1.0 / (scale * self.accum_steps)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32) * inv, grads)
+        grads = _constrain(grads, layout.master_specs, mesh)
+        grad_norm = optax.global_norm(grads)
+        if plan.clip_norm is not None:
+            factor = jnp.minimum(1.0, plan.clip_norm / (grad_norm + 1e-6))
+            grads = jax.tree.map(lambda g: g * factor, grads)
+
+        master = state.master_params
+        updates, inner = state.tx.update(grads, state.opt_state.inner, master)
+        new_master = _constrain(optax.apply_updates(master, updates), layout.master_specs, mesh)
+        if precision.master_weights:
+            cast = jax.tree.map(lambda m: m.astype(precision.compute_dtype), new_master)
+            params = _constrain(cast, layout.param_specs, mesh)
+            opt_state = MixedPrecisionState(new_master, inner)
+        else:
+            params = _constrain(new_master, layout.param_specs, mesh)
+            opt_state = MixedPrecisionState(None, inner)
+
+        finite = jnp.isfinite(grad_norm)
+        loss_scale = state.loss_scale
+        if precision.loss_scaling:
+            params = _tree_where(finite, params, state.params)
+            opt_state = _tree_where(finite, opt_state, state.opt_state)
+            loss_scale = plan.loss_scale.update(loss_scale, finite)
+            skipped = ~finite
+        else:
+            skipped = jnp.zeros((), bool)
+
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, loss_scale=loss_scale)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "loss_scale": scale, "skipped": skipped}
+        if aux is not None:
+            metrics["aux"] = aux
+        return new_state, metrics

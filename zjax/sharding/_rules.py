@@ -1,0 +1,179 @@
+"""Rules that turn parameters into their tensor-parallel ("compute") ``PartitionSpec``.
+
+A parameter's compute spec says how it is split over the model-parallel axes (``tp``, later ``pp``).
+ZeRO's data-parallel sharding is added on top by the stage (:mod:`zjax.stages`), never here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jax.sharding import Mesh, PartitionSpec
+
+from ._annotations import Leaf
+from ._axes import DP, TP
+
+AxisTarget = str | tuple[str, ...] | None
+
+DEFAULT_LOGICAL_RULES: tuple[tuple[str, AxisTarget], ...] = (
+    # Megatron-style tensor parallelism: split the wide dims, keep the residual stream whole.
+    ("vocab", TP),
+    ("mlp", TP),
+    ("heads", TP),
+    ("kv_heads", TP),
+    ("embed", None),
+    ("head_dim", None),
+    ("norm", None),
+    ("layers", None),
+)
+
+
+def _as_axes(target: AxisTarget) -> tuple[str, ...]:
+    if target is None:
+        return ()
+    if isinstance(target, str):
+        return (target,)
+    return tuple(target)
+
+
+def _normalize_logical(rules: Any) -> tuple[tuple[str, AxisTarget], ...]:
+    pairs = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
+    seen: dict[str, AxisTarget] = {}
+    for pair in pairs:
+        if not (isinstance(pair, Sequence) and len(pair) == 2 and isinstance(pair[0], str)):
+            raise TypeError(f"Rules.logical: each rule is a (logical_name, mesh_axis) pair, got {pair!r}.")
+        name, target = pair
+        if target is not None and not isinstance(target, str):
+            if not (isinstance(target, Sequence) and all(isinstance(a, str) for a in target)):
+                raise TypeError(
+                    f"Rules.logical: logical name {name!r} maps to {target!r}; use a mesh axis name, "
+                    "a tuple of them, or None (replicated)."
+                )
+            target = tuple(target)
+        if name in seen:
+            raise ValueError(
+                f"Rules.logical: duplicate logical name {name!r} (mapped to {seen[name]!r} and {target!r}); "
+                "give each logical name exactly one rule."
+            )
+        seen[name] = target
+    return tuple(seen.items())
+
+
+def _normalize_regex(rules: Any) -> tuple[tuple[str, PartitionSpec], ...]:
+    out = []
+    pairs = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
+    for pair in pairs:
+        if not (isinstance(pair, Sequence) and len(pair) == 2 and isinstance(pair[0], str)):
+            raise TypeError(f"Rules.regex: each rule is a (path_regex, PartitionSpec) pair, got {pair!r}.")
+        pattern, spec = pair
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"Rules.regex: {pattern!r} is not a valid regular expression: {e}.") from None
+        out.append((pattern, spec if isinstance(spec, PartitionSpec) else PartitionSpec(*spec)))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """How parameters are split over the model-parallel mesh axes.
+
+    Two sources, in this order of precedence:
+
+    1. **Logical names** attached by the model (flax linen ``nn.with_logical_partitioning``, nnx
+       ``nnx.with_partitioning``), resolved through ``logical``: a map from logical name to a mesh
+       axis, a tuple of mesh axes, or ``None`` (replicated). A logical name with no rule is an error.
+    2. **Path regexes** for leaves without annotations: the first pattern that ``re.search``-es the
+       '/'-joined parameter path (``params/layers/mlp/kernel``) gives the leaf's ``PartitionSpec``
+       of mesh axes. Unmatched, unannotated leaves are replicated.
+
+    Data parallelism (``dp``) is not a target here: the ZeRO stage adds it.
+
+    Example:
+      >>> rules = zjax.Rules(logical={"mlp": "tp", "embed": None},
+      ...                    regex=[(r"dense_1/kernel$", P("tp", None))])
+    """
+
+    logical: Any = DEFAULT_LOGICAL_RULES
+    regex: Any = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "logical", _normalize_logical(self.logical))
+        object.__setattr__(self, "regex", _normalize_regex(self.regex))
+
+    def compute_spec(self, leaf: Leaf, mesh: Mesh) -> PartitionSpec:
+        """The compute (model-parallel) spec of one leaf, validated against ``mesh``."""
+        if leaf.names is not None:
+            table = dict(self.logical)
+            dims = []
+            for dim, name in enumerate(leaf.names):
+                if name is None:
+                    dims.append(())
+                    continue
+                if name not in table:
+                    raise ValueError(
+                        f"Parameter {leaf.path!r} (shape {leaf.shape}) has logical axis name {name!r} at "
+                        f"dimension {dim}, which has no rule. Known names: {sorted(table)}. Add "
+                        f"({name!r}, None) to Rules.logical to replicate it, or map it to a mesh axis."
+                    )
+                dims.append(_as_axes(table[name]))
+            source = f"logical names {leaf.names}"
+        else:
+            dims = [() for _ in leaf.shape]
+            source = "no rule (replicated)"
+            for pattern, spec in self.regex:
+                if re.search(pattern, leaf.path):
+                    if len(spec) > len(leaf.shape):
+                        raise ValueError(
+                            f"Parameter {leaf.path!r} has shape {leaf.shape} ({len(leaf.shape)} dims) but "
+                            f"regex rule {pattern!r} gives {spec} ({len(spec)} entries)."
+                        )
+                    dims = [_as_axes(a) for a in spec] + [() for _ in leaf.shape[len(spec) :]]
+                    source = f"regex rule {pattern!r}"
+                    break
+        return _validated(leaf, dims, mesh, source)
+
+    def compute_specs(self, leaves: Sequence[Leaf], mesh: Mesh) -> list[PartitionSpec]:
+        return [self.compute_spec(leaf, mesh) for leaf in leaves]
+
+
+def _validated(leaf: Leaf, dims: list[tuple[str, ...]], mesh: Mesh, source: str) -> PartitionSpec:
+    used: dict[str, int] = {}
+    for dim, axes in enumerate(dims):
+        for axis in axes:
+            if axis not in mesh.shape:
+                raise ValueError(
+                    f"Parameter {leaf.path!r} (shape {leaf.shape}): {source} puts dimension {dim} on mesh "
+                    f"axis {axis!r}, which is not in the mesh {dict(mesh.shape)}. Use one of "
+                    f"{list(mesh.axis_names)} or None."
+                )
+            if axis == DP:
+                raise ValueError(
+                    f"Parameter {leaf.path!r} (shape {leaf.shape}): {source} puts dimension {dim} on "
+                    f"{DP!r}. Data-parallel sharding of parameters comes from the ZeRO stage (stage=3); "
+                    "map this logical name to a model-parallel axis or None."
+                )
+            if axis in used:
+                raise ValueError(
+                    f"Parameter {leaf.path!r} (shape {leaf.shape}): {source} uses mesh axis {axis!r} for "
+                    f"dimensions {used[axis]} and {dim}; an axis can split only one dimension. Map one "
+                    "of the two logical names to None."
+                )
+            used[axis] = dim
+        size = math.prod(mesh.shape[a] for a in axes)
+        if axes and leaf.shape[dim] % size:
+            raise ValueError(
+                f"Parameter {leaf.path!r} (shape {leaf.shape}): dimension {dim} of size {leaf.shape[dim]} "
+                f"is not divisible by mesh axis {'x'.join(axes)!r} of size {size} ({source}). Pick sizes "
+                f"that divide, or map this logical name to None."
+            )
+    # Axes of size 1 split nothing; dropping them keeps specs minimal and lets dp take the best dim.
+    dims = [tuple(a for a in axes if mesh.shape[a] > 1) for axes in dims]
+    entries = [None if not axes else axes[0] if len(axes) == 1 else axes for axes in dims]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)

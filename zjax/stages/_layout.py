@@ -1,0 +1,179 @@
+"""Turn compute specs + a stage into the spec trees of parameters, gradients and optimizer state."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ..sharding._annotations import Leaf, path_str
+from ..sharding._axes import DP
+from ._placement import add_axis
+from ._stage import Stage
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where one parameter lives: its compute (model-parallel) spec and its spec with ``dp`` added."""
+
+    leaf: Leaf
+    compute: PartitionSpec
+    sharded: PartitionSpec  # compute + dp; equals compute when the leaf cannot take dp
+    reason: str | None  # why dp could not be added, or None
+
+
+@dataclasses.dataclass(frozen=True)
+class Unsharded:
+    """A leaf that a stage wanted to shard over dp but could not; it stays replicated over dp."""
+
+    path: str
+    shape: tuple[int, ...]
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The specs of every piece of training state for one (stage, mesh, parameter tree)."""
+
+    stage: Stage
+    mesh: Mesh
+    treedef: Any  # of the (unboxed) parameter tree
+    placements: tuple[Placement, ...]
+
+    @classmethod
+    def build(cls, stage: Stage, mesh: Mesh, treedef: Any, leaves: list[Leaf], compute: list[PartitionSpec]):
+        sizes = dict(mesh.shape)
+        placements = []
+        for leaf, spec in zip(leaves, compute, strict=True):
+            sharded, reason = add_axis(spec, leaf.shape, DP, sizes)
+            placements.append(Placement(leaf, spec, sharded, reason))
+        return cls(stage, mesh, treedef, tuple(placements))
+
+    @classmethod
+    def from_params(cls, stage: Stage, mesh: Mesh, params: Any) -> Layout:
+        """Recover the layout from parameters that already carry their shardings (e.g. a state).
+
+        The compute spec of a leaf is its sharding spec without ``dp``; the dp placement is
+        deterministic, so this gives back the layout the parameters were created with.
+        """
+        flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+        leaves, compute = [], []
+        for path, x in flat:
+            leaves.append(Leaf(path_str(path), tuple(x.shape), x.dtype, None))
+            compute.append(_without(_spec_of(x), DP))
+        return cls.build(stage, mesh, treedef, leaves, compute)
+
+    def _tree(self, pick) -> Any:
+        return jax.tree_util.tree_unflatten(self.treedef, [pick(p) for p in self.placements])
+
+    @property
+    def compute_specs(self) -> Any:
+        return self._tree(lambda p: p.compute)
+
+    @property
+    def param_specs(self) -> Any:
+        """Compute parameters: dp-sharded only at stage 3."""
+        return self._tree(lambda p: p.sharded if self.stage.shard_parameters else p.compute)
+
+    @property
+    def grad_specs(self) -> Any:
+        """Gradients (and their accumulation buffer): dp-sharded from stage 2."""
+        return self._tree(lambda p: p.sharded if self.stage.shard_gradients else p.compute)
+
+    @property
+    def master_specs(self) -> Any:
+        """fp32 master weights and per-parameter optimizer state: dp-sharded from stage 1."""
+        return self._tree(lambda p: p.sharded if self.stage.shard_optimizer else p.compute)
+
+    @property
+    def unsharded(self) -> list[Unsharded]:
+        """Leaves this stage leaves replicated over dp although it shards some state (empty at stage 0)."""
+        if not self.stage.shard_optimizer:
+            return []
+        return [Unsharded(p.leaf.path, p.leaf.shape, p.reason) for p in self.placements if p.reason]
+
+    def optimizer_specs(self, tx: optax.GradientTransformation, state: Any) -> Any:
+        """Specs for an optax state (abstract or concrete) of ``tx`` over parameters of this layout.
+
+        Each parameter-shaped subtree of the state (found with ``optax.tree_map_params``, so any optax
+        transformation works) inherits the master specs leaf by leaf. A state leaf whose shape differs
+        from its parameter's (e.g. Adafactor's factored rows) and every other state leaf get their own
+        placement: dp on their largest divisible dimension when the stage shards the optimizer.
+        """
+        sizes = dict(self.mesh.shape)
+        shard = self.stage.shard_optimizer
+
+        def own(x: Any) -> PartitionSpec:
+            shape = tuple(getattr(x, "shape", ()))
+            return add_axis(PartitionSpec(), shape, DP, sizes)[0] if shard else PartitionSpec()
+
+        def inherit(x: Any, spec: Any) -> Any:
+            if isinstance(x, optax.MaskedNode) or x is None:
+                return x
+            if tuple(getattr(x, "shape", ())) == tuple(spec.shape):
+                return spec.spec
+            return own(x)
+
+        masters = self._tree(lambda p: _SpecLeaf(p.leaf.shape, p.sharded if shard else p.compute))
+        is_leaf = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+        try:
+            return optax.tree_map_params(
+                tx,
+                inherit,
+                state,
+                masters,
+                transform_non_params=lambda v: jax.tree.map(own, v),
+                is_leaf=is_leaf,
+            )
+        except Exception:  # noqa: BLE001 - transforms whose init rejects optax's placeholder
+            return _map_by_structure(state, masters, inherit, own)
+
+
+def _spec_of(x: Any) -> PartitionSpec:
+    sharding = getattr(x, "sharding", None)
+    return sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
+
+
+def _without(spec: PartitionSpec, axis: str) -> PartitionSpec:
+    entries = []
+    for entry in spec:
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        kept = tuple(a for a in axes if a != axis)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SpecLeaf:
+    """A spec with the shape it was made for; a pytree leaf (not a node)."""
+
+    shape: tuple[int, ...]
+    spec: PartitionSpec
+
+
+def _map_by_structure(state: Any, masters: Any, inherit, own) -> Any:
+    """Fallback: any subtree whose structure equals the parameter tree's is parameter-shaped."""
+    params_def = jax.tree.structure(masters)
+
+    def visit(node: Any) -> Any:
+        if jax.tree.structure(node) == params_def:
+            return jax.tree.map(inherit, node, masters)
+        children, rebuild = _children(node)
+        if children is None:
+            return own(node)
+        return rebuild([visit(c) for c in children])
+
+    return visit(state)
+
+
+def _children(node: Any):
+    leaves, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1 and leaves and leaves[0] is node:
+        return None, None
+    return leaves, lambda new: jax.tree_util.tree_unflatten(treedef, new)
+

@@ -1,0 +1,58 @@
+"""Put one more mesh axis (ZeRO's ``dp``) on top of a leaf's spec."""
+
+from __future__ import annotations
+
+import math
+
+from jax.sharding import PartitionSpec
+
+
+def _axes(entry: object) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    return tuple(entry)  # type: ignore[arg-type]
+
+
+def add_axis(
+    spec: PartitionSpec, shape: tuple[int, ...], axis: str, sizes: dict[str, int]
+) -> tuple[PartitionSpec, str | None]:
+    """Shard ``shape`` additionally over mesh ``axis``.
+
+    The axis goes on the largest dimension that is not yet sharded and divides by the axis size
+    (earliest such dimension on a tie). Failing that, it is stacked onto an already sharded dimension
+    whose size divides by the product of its axes and ``axis`` (e.g. ``("tp", "dp")`` on a tp-sharded
+    bias). A leaf that can take neither stays as it is.
+
+    Returns:
+      ``(new_spec, None)`` or ``(spec, reason)`` when the leaf cannot be sharded over ``axis``.
+    """
+    size = sizes[axis]
+    if size == 1:
+        return spec, None
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    if not shape:
+        return spec, "scalar"
+    free = [d for d, e in enumerate(entries) if e is None and shape[d] % size == 0]
+    if free:
+        dim = max(free, key=lambda d: (shape[d], -d))
+        entries[dim] = axis
+    else:
+        stacked = [
+            d
+            for d, e in enumerate(entries)
+            if e is not None and shape[d] % (math.prod(sizes[a] for a in _axes(e)) * size) == 0
+        ]
+        if not stacked:
+            return spec, f"no dimension of shape {shape} is divisible by {axis}={size}"
+        dim = max(stacked, key=lambda d: (shape[d], -d))
+        entries[dim] = (*_axes(entries[dim]), axis)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries), None
+
+
+def shard_count(spec: PartitionSpec, sizes: dict[str, int]) -> int:
+    """Into how many pieces ``spec`` cuts a leaf."""
+    return math.prod(sizes[a] for entry in spec for a in _axes(entry))
