@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-
 from .sharding._axes import DP
 from .sharding._batch import batch_shardings
 from .sharding._mesh import axis_size
@@ -189,5 +188,3 @@ def memory_report(plan: Plan, state: TrainState, batch: Any, step: TrainStep) ->
         batch_bytes=batch_bytes,
         unsharded=tuple(plan.layout_of(state.params).unsharded),
     )
-
-

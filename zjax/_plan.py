@@ -126,9 +126,7 @@ class Plan:
             return TrainState(
                 step=jnp.zeros((), jnp.int32),
                 params=compute,
-                opt_state=MixedPrecisionState(
-                    master if precision.master_weights else None, tx.init(master)
-                ),
+                opt_state=MixedPrecisionState(master if precision.master_weights else None, tx.init(master)),
                 loss_scale=self.loss_scale.init(precision.loss_scaling),
                 tx=tx,
             )
@@ -143,9 +141,7 @@ class Plan:
         Nothing is allocated; use it to lower or compile a step ahead of time, or as a restore target.
         """
         state, shardings = self._abstract(init_fn, tx, rng)
-        return jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
-        )
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
 
     def _abstract(self, init_fn, tx, rng):
         if not isinstance(tx, optax.GradientTransformation):
@@ -160,9 +156,7 @@ class Plan:
         state = jax.eval_shape(make, rng)
         return state, self.state_shardings(state, layout)
 
-    def init(
-        self, init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransformation, rng: jax.Array
-    ) -> TrainState:
+    def init(self, init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransformation, rng: jax.Array) -> TrainState:
         """Create the training state directly in its sharded layout (never whole on one device).
 
         Args:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -70,14 +73,24 @@ class TrainStep:
             self._jitted[key] = fn
         return self._jitted[key]
 
+    def _context(self):
+        """The mesh and activation rules under which the loss is traced, so that
+        ``nn.with_logical_constraint`` inside the model resolves to this plan's mesh axes."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(self.plan.mesh))
+        stack.enter_context(nn.logical_axis_rules(self.plan.rules.activations))
+        return stack
+
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         check_batch(batch, self.plan.mesh, self.accum_steps)
-        return self._jit(state, batch)(state, batch)
+        with self._context():
+            return self._jit(state, batch)(state, batch)
 
     def lower(self, state: TrainState, batch: Any):
         """``jax.jit(...).lower`` for concrete or abstract (``ShapeDtypeStruct``) state and batch."""
         check_batch(batch, self.plan.mesh, self.accum_steps)
-        return self._jit(state, batch).lower(state, batch)
+        with self._context():
+            return self._jit(state, batch).lower(state, batch)
 
     # -- the traced step ------------------------------------------------------------------------
 
@@ -105,8 +118,9 @@ class TrainStep:
             return _constrain(acc, layout.grad_specs, mesh), (loss, aux)
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        acc, (losses, auxes) = jax.lax.scan(body, _constrain(zeros, layout.grad_specs, mesh),
-                                            _split_microbatches(batch, k))
+        acc, (losses, auxes) = jax.lax.scan(
+            body, _constrain(zeros, layout.grad_specs, mesh), _split_microbatches(batch, k)
+        )
         aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
         return jnp.mean(losses), aux, acc
 

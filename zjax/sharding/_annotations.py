@@ -85,8 +85,7 @@ def read_leaves(tree: Any) -> list[Leaf]:
             inner = jax.tree.leaves(value)
             if len(inner) != 1:
                 raise TypeError(
-                    f"Parameter {path_str(path)!r}: an annotated variable must hold one array, "
-                    f"got {len(inner)} leaves."
+                    f"Parameter {path_str(path)!r}: an annotated variable must hold one array, got {len(inner)} leaves."
                 )
             value = inner[0]
         shape = tuple(getattr(value, "shape", ()))

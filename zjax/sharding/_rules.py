@@ -31,6 +31,17 @@ DEFAULT_LOGICAL_RULES: tuple[tuple[str, AxisTarget], ...] = (
     ("layers", None),
 )
 
+DEFAULT_ACTIVATION_RULES: tuple[tuple[str, AxisTarget], ...] = (
+    ("batch", DP),
+    ("seq", None),
+    ("embed", None),
+    ("head_dim", None),
+    ("vocab", TP),
+    ("mlp", TP),
+    ("heads", TP),
+    ("kv_heads", TP),
+)
+
 
 def _as_axes(target: AxisTarget) -> tuple[str, ...]:
     if target is None:
@@ -40,23 +51,23 @@ def _as_axes(target: AxisTarget) -> tuple[str, ...]:
     return tuple(target)
 
 
-def _normalize_logical(rules: Any) -> tuple[tuple[str, AxisTarget], ...]:
+def _normalize_logical(rules: Any, field: str = "logical") -> tuple[tuple[str, AxisTarget], ...]:
     pairs = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
     seen: dict[str, AxisTarget] = {}
     for pair in pairs:
         if not (isinstance(pair, Sequence) and len(pair) == 2 and isinstance(pair[0], str)):
-            raise TypeError(f"Rules.logical: each rule is a (logical_name, mesh_axis) pair, got {pair!r}.")
+            raise TypeError(f"Rules.{field}: each rule is a (logical_name, mesh_axis) pair, got {pair!r}.")
         name, target = pair
         if target is not None and not isinstance(target, str):
             if not (isinstance(target, Sequence) and all(isinstance(a, str) for a in target)):
                 raise TypeError(
-                    f"Rules.logical: logical name {name!r} maps to {target!r}; use a mesh axis name, "
+                    f"Rules.{field}: logical name {name!r} maps to {target!r}; use a mesh axis name, "
                     "a tuple of them, or None (replicated)."
                 )
             target = tuple(target)
         if name in seen:
             raise ValueError(
-                f"Rules.logical: duplicate logical name {name!r} (mapped to {seen[name]!r} and {target!r}); "
+                f"Rules.{field}: duplicate logical name {name!r} (mapped to {seen[name]!r} and {target!r}); "
                 "give each logical name exactly one rule."
             )
         seen[name] = target
@@ -91,7 +102,11 @@ class Rules:
        '/'-joined parameter path (``params/layers/mlp/kernel``) gives the leaf's ``PartitionSpec``
        of mesh axes. Unmatched, unannotated leaves are replicated.
 
-    Data parallelism (``dp``) is not a target here: the ZeRO stage adds it.
+    Data parallelism (``dp``) is not a target for parameters: the ZeRO stage adds it.
+
+    ``activations`` are the rules for ``nn.with_logical_constraint`` inside the model, active while
+    zjax traces the loss (e.g. ``batch`` -> ``dp``); they keep activations split over the batch when
+    ZeRO-3 shards the weights.
 
     Example:
       >>> rules = zjax.Rules(logical={"mlp": "tp", "embed": None},
@@ -100,9 +115,11 @@ class Rules:
 
     logical: Any = DEFAULT_LOGICAL_RULES
     regex: Any = ()
+    activations: Any = DEFAULT_ACTIVATION_RULES
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "logical", _normalize_logical(self.logical))
+        object.__setattr__(self, "activations", _normalize_logical(self.activations, "activations"))
         object.__setattr__(self, "regex", _normalize_regex(self.regex))
 
     def compute_spec(self, leaf: Leaf, mesh: Mesh) -> PartitionSpec:

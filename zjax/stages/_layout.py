@@ -176,4 +176,3 @@ def _children(node: Any):
     if treedef.num_nodes == 1 and treedef.num_leaves == 1 and leaves and leaves[0] is node:
         return None, None
     return leaves, lambda new: jax.tree_util.tree_unflatten(treedef, new)
-

@@ -1,0 +1,166 @@
+"""Train a byte-level decoder LM with a ZeRO stage of your choice.
+
+    python examples/train_lm.py --stage 3 --mesh dp=8 --steps 50
+    python examples/train_lm.py --stage 2 --mesh dp=4,tp=2 --precision fp16 --accum 4
+
+With no accelerator the example runs on 8 simulated CPU devices. The text is the source of a few
+modules of Python's own standard library, read from this interpreter's installation (no downloads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+TEXT_FILES = (
+    "argparse.py",
+    "dataclasses.py",
+    "functools.py",
+    "textwrap.py",
+    "typing.py",
+    "inspect.py",
+    "json/decoder.py",
+    "collections/__init__.py",
+)
+
+
+def load_text() -> bytes:
+    """The training text: a fixed list of standard-library source files, concatenated."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return b"\n".join((root / name).read_bytes() for name in TEXT_FILES)
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    sizes = {}
+    for part in filter(None, text.replace(" ", "").split(",")):
+        name, eq, value = part.partition("=")
+        if not eq or name not in ("dp", "tp", "pp"):
+            raise argparse.ArgumentTypeError(f"--mesh: expected entries like dp=4,tp=2, got {part!r}")
+        try:
+            sizes[name] = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--mesh: {name}={value!r} is not an int") from None
+    return sizes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=3)
+    p.add_argument("--mesh", type=parse_mesh, default={"dp": -1}, help="e.g. dp=8 or dp=4,tp=2 (default dp=all)")
+    p.add_argument("--preset", default="small", help="model size: tiny, small, medium")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch-size", type=int, default=32, help="global batch (sequences per step)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
+    p.add_argument("--accum", type=int, default=1, help="gradient-accumulation microbatches per step")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--clip-norm", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu-devices", type=int, default=8, help="simulated devices when running on CPU")
+    p.add_argument("--metrics-json", type=Path, default=None, help="write losses and memory figures here")
+    p.add_argument("--no-progress", action="store_true", help="print a line per 10 steps instead of a bar")
+    return p
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write ``data`` to ``path`` so that a crash never leaves a half-written file."""
+    path = path.resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # must precede backend start
+
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from tqdm import tqdm
+
+    import zjax
+    from zjax.models import PRESETS, Decoder, lm_loss
+
+    if args.preset not in PRESETS:
+        raise SystemExit(f"--preset {args.preset!r}: choose one of {sorted(PRESETS)}")
+    cfg = PRESETS[args.preset]
+    cfg = type(cfg)(**{**cfg.__dict__, "max_len": args.seq_len})
+    model = Decoder(cfg)
+
+    mesh = zjax.make_mesh(**args.mesh)
+    plan = zjax.Plan(mesh, stage=args.stage, precision=args.precision, clip_norm=args.clip_norm)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), max(2, args.steps))
+    tx = optax.adamw(schedule, b2=0.95, weight_decay=0.1)
+    dummy = jnp.zeros((1, args.seq_len), jnp.int32)
+    state = plan.init(lambda r: model.init(r, dummy)["params"], tx, jax.random.key(args.seed))
+    step = plan.train_step(lambda params, batch: lm_loss(model, params, batch), accum_steps=args.accum)
+
+    data = np.frombuffer(load_text(), dtype=np.uint8)
+    rng = np.random.default_rng(args.seed)
+
+    def next_batch():
+        starts = rng.integers(0, len(data) - args.seq_len - 1, size=args.batch_size)
+        return np.stack([data[s : s + args.seq_len + 1] for s in starts]).astype(np.int32)
+
+    batch = plan.shard_batch(next_batch())
+    report = plan.memory_report(state, batch)
+    sizes = {k: int(v) for k, v in mesh.shape.items()}
+    print(
+        f"zjax example: {cfg.num_params:,} params, {len(data):,} bytes of text, devices: {jax.devices()[0].platform} "
+        f"x {jax.device_count()}"
+    )
+    print(report)
+
+    losses: list[float] = []
+    tokens_per_step = args.batch_size * args.seq_len
+    bar = tqdm(range(args.steps), desc=f"zero{args.stage}", disable=args.no_progress, file=sys.stdout)
+    start = time.perf_counter()
+    for i in bar:
+        state, metrics = step(state, batch)
+        batch = plan.shard_batch(next_batch())  # overlaps with the step running asynchronously
+        loss = float(metrics["loss"])
+        losses.append(loss)
+        rate = tokens_per_step * (i + 1) / (time.perf_counter() - start)
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:,.0f}", scale=float(metrics["loss_scale"]))
+        if args.no_progress and (i % 10 == 0 or i == args.steps - 1):
+            print(f"step {i:5d}  loss {loss:.4f}  tokens/s {rate:,.0f}")
+    elapsed = time.perf_counter() - start
+
+    result = {
+        "stage": args.stage,
+        "mesh": {"dp": sizes["dp"], "tp": sizes["tp"], "pp": sizes["pp"]},
+        "precision": args.precision,
+        "accum": args.accum,
+        "preset": args.preset,
+        "num_params": cfg.num_params,
+        "losses": losses,
+        "state_bytes_per_device": {"theory": report.state_theory, "compiled": report.state_compiled},
+        "temp_bytes_per_device": report.temp_bytes,
+        "memory": report.to_dict(),
+        "tokens_per_second": tokens_per_step * args.steps / elapsed if elapsed > 0 else None,
+        "final_step": int(state.step),
+    }
+    if args.metrics_json is not None:
+        write_json_atomic(args.metrics_json, result)
+        print(f"metrics written to {args.metrics_json}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""A decoder-only transformer in flax linen with logical axis names and scanned layers.
+
+Computation follows the dtype of the parameters it is given (bf16 params -> bf16 matmuls); norms,
+softmax and the loss run in fp32. Layers are stacked by ``nn.scan`` (one compiled layer, parameters
+with a leading ``layers`` axis) so that ZeRO-3 gathers one layer at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """Sizes of the decoder. ``scan`` stacks layers with ``nn.scan``; ``remat`` recomputes each layer."""
+
+    vocab: int = 256
+    embed: int = 128
+    layers: int = 4
+    heads: int = 4
+    head_dim: int = 32
+    mlp: int = 512
+    max_len: int = 128
+    scan: bool = True
+    remat: bool = True
+
+    @property
+    def num_params(self) -> int:
+        per_layer = 4 * self.embed * self.heads * self.head_dim + 3 * self.embed * self.mlp + 2 * self.embed
+        return 2 * self.vocab * self.embed + self.layers * per_layer + self.embed
+
+
+PRESETS: dict[str, DecoderConfig] = {
+    "tiny": DecoderConfig(embed=64, layers=2, heads=2, head_dim=32, mlp=256, max_len=64),
+    "small": DecoderConfig(),
+    "medium": DecoderConfig(embed=512, layers=8, heads=8, head_dim=64, mlp=2048, max_len=256),
+    "llama2-7b": DecoderConfig(vocab=32000, embed=4096, layers=32, heads=32, head_dim=128, mlp=11008, max_len=4096),
+}
+
+
+def _param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple[str, ...], init=None):
+    init = nn.initializers.lecun_normal() if init is None else init
+    return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
+
+
+class RMSNorm(nn.Module):
+    dim: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = _param(self, "scale", (self.dim,), ("norm",), nn.initializers.ones)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+        return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def _constrain(x: jax.Array) -> jax.Array:
+    """Keep the residual stream split over the batch: without it, GSPMD may copy the parameters'
+    ZeRO-3 sharding onto activations and compute the whole batch on every device."""
+    return nn.with_logical_constraint(x, ("batch", "seq", "embed"))
+
+
+def _rope(x: jax.Array) -> jax.Array:
+    """Rotary position embedding over the last dim of ``x`` [batch, seq, heads, head_dim]."""
+    seq, dim = x.shape[1], x.shape[-1]
+    freq = 1.0 / (10000.0 ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    angle = jnp.arange(seq, dtype=jnp.float32)[:, None] * freq[None, :]
+    sin, cos = jnp.sin(angle)[None, :, None, :], jnp.cos(angle)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Block(nn.Module):
+    cfg: DecoderConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _=None):
+        c = self.cfg
+        qkv_shape, qkv_names = (c.embed, c.heads, c.head_dim), ("embed", "heads", "head_dim")
+        wq = _param(self, "wq", qkv_shape, qkv_names)
+        wk = _param(self, "wk", qkv_shape, qkv_names)
+        wv = _param(self, "wv", qkv_shape, qkv_names)
+        wo = _param(self, "wo", (c.heads, c.head_dim, c.embed), ("heads", "head_dim", "embed"))
+        h = RMSNorm(c.embed, name="attn_norm")(x)
+        q = _rope(jnp.einsum("bse,ehd->bshd", h, wq))
+        k = _rope(jnp.einsum("bse,ehd->bshd", h, wk))
+        v = jnp.einsum("bse,ehd->bshd", h, wv)
+        scores = jnp.einsum("bshd,bthd->bhst", q, k).astype(jnp.float32) / jnp.sqrt(c.head_dim)
+        seq = x.shape[1]
+        causal = jnp.tril(jnp.ones((seq, seq), bool))
+        probs = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1).astype(x.dtype)
+        attn = jnp.einsum("bhst,bthd->bshd", probs, v)
+        x = x + jnp.einsum("bshd,hde->bse", attn, wo)
+
+        w_gate = _param(self, "w_gate", (c.embed, c.mlp), ("embed", "mlp"))
+        w_up = _param(self, "w_up", (c.embed, c.mlp), ("embed", "mlp"))
+        w_down = _param(self, "w_down", (c.mlp, c.embed), ("mlp", "embed"))
+        h = RMSNorm(c.embed, name="mlp_norm")(x)
+        h = jax.nn.silu(h @ w_gate) * (h @ w_up)
+        x = x + h @ w_down
+        return _constrain(x), None
+
+
+class Decoder(nn.Module):
+    """``Decoder(cfg)(tokens[batch, seq]) -> logits[batch, seq, vocab]`` (in the parameters' dtype)."""
+
+    cfg: DecoderConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        c = self.cfg
+        embedding = _param(self, "embedding", (c.vocab, c.embed), ("vocab", "embed"), nn.initializers.normal(1.0))
+        x = _constrain(jnp.take(embedding, tokens, axis=0))
+        block = nn.remat(Block, prevent_cse=not c.scan) if c.remat else Block
+        if c.scan:
+            stack = nn.scan(
+                block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=c.layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            x, _ = stack(c, name="layers")(x, None)
+        else:
+            for i in range(c.layers):
+                x, _ = block(c, name=f"layer_{i}")(x, None)
+        x = RMSNorm(c.embed, name="final_norm")(x)
+        head = _param(self, "head", (c.embed, c.vocab), ("embed", "vocab"))
+        return nn.with_logical_constraint(x @ head, ("batch", "seq", "vocab"))
+
+
+def lm_loss(model: Decoder, params, tokens: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy of ``tokens[batch, seq + 1]`` (fp32)."""
+    logits = model.apply({"params": params}, tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
