@@ -30,6 +30,19 @@ def _is_spec(x: Any) -> bool:
     return isinstance(x, PartitionSpec)
 
 
+def as_transformation(tx: Any) -> optax.GradientTransformation:
+    """``tx`` as an ``optax.GradientTransformation`` (accepting ``optax.MultiSteps`` and duck types)."""
+    if isinstance(tx, optax.GradientTransformation):
+        return tx
+    if callable(getattr(tx, "gradient_transformation", None)):
+        return tx.gradient_transformation()
+    if callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None)):
+        return optax.GradientTransformation(tx.init, tx.update)
+    raise TypeError(
+        f"Plan.init: tx must be an optax.GradientTransformation (e.g. optax.adamw(3e-4)), got {type(tx).__name__}."
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """How to train on a mesh: the ZeRO stage, the precision and the parameter rules.
@@ -144,11 +157,7 @@ class Plan:
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
 
     def _abstract(self, init_fn, tx, rng):
-        if not isinstance(tx, optax.GradientTransformation):
-            raise TypeError(
-                f"Plan.init: tx must be an optax.GradientTransformation (e.g. optax.adamw(3e-4)), "
-                f"got {type(tx).__name__}."
-            )
+        tx = as_transformation(tx)
         with nnx.use_eager_sharding(False):
             annotated = jax.eval_shape(init_fn, rng)
         layout = self.layout(annotated)
@@ -169,8 +178,7 @@ class Plan:
           A :class:`TrainState` whose leaves are sharded as this plan's stage says.
         """
         state, shardings = self._abstract(init_fn, tx, rng)
-        del state
-        return jax.jit(self._make_state_fn(init_fn, tx), out_shardings=shardings)(rng)
+        return jax.jit(self._make_state_fn(init_fn, state.tx), out_shardings=shardings)(rng)
 
     # -- training -------------------------------------------------------------------------------
 
