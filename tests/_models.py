@@ -47,8 +47,8 @@ class NnxMLP(nnx.Module):
 def regression_batch(n: int = 32, din: int = 32, dout: int = 32, seed: int = 0) -> dict[str, np.ndarray]:
     rs = np.random.RandomState(seed)
     x = rs.randn(n, din).astype(np.float32)
-    w = rs.randn(din, dout).astype(np.float32) / np.sqrt(din)
-    return {"x": x, "y": np.tanh(x @ w)}
+    w = (rs.randn(din, dout) / np.sqrt(din)).astype(np.float32)
+    return {"x": x, "y": np.tanh(x @ w).astype(np.float32)}
 
 
 def mse(pred, y):

@@ -7,7 +7,7 @@ from jax.sharding import PartitionSpec as P
 import zjax
 from zjax.stages import STAGES, Stage, add_axis
 
-from ._models import decoder_task
+from ._models import linen_mlp_task
 
 
 @pytest.mark.parametrize("level", sorted(STAGES))
@@ -85,7 +85,7 @@ def test_optimizer_state_follows_params(name):
     """Every parameter-shaped optimizer leaf is sharded like the master weights, for any optax transform."""
     mesh = zjax.make_mesh(dp=4, tp=2)
     plan = zjax.Plan(mesh, stage=1, precision="bf16")
-    init_fn, _ = decoder_task()
+    init_fn, _ = linen_mlp_task()
     state = plan.init(init_fn, OPTIMIZERS[name], jax.random.key(0))
     masters = {
         (tuple(x.shape), str(x.sharding.spec)) for x in jax.tree.leaves(state.opt_state.master) if x.ndim

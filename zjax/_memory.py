@@ -29,13 +29,18 @@ LABELS = {
 }
 
 
+def _itemsize(x: Any) -> int:
+    """Bytes per element as jax stores it (a float64 numpy batch becomes float32 without x64)."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(np.result_type(x))).itemsize
+
+
 def _nbytes(x: Any) -> int:
-    return int(math.prod(x.shape)) * np.dtype(x.dtype).itemsize
+    return int(math.prod(np.shape(x))) * _itemsize(x)
 
 
 def _shard_bytes(x: Any, sharding: Any) -> int:
-    shape = sharding.shard_shape(tuple(x.shape)) if sharding is not None else tuple(x.shape)
-    return int(math.prod(shape)) * np.dtype(x.dtype).itemsize
+    shape = sharding.shard_shape(tuple(np.shape(x))) if sharding is not None else tuple(np.shape(x))
+    return int(math.prod(shape)) * _itemsize(x)
 
 
 def _fmt(n: float | None) -> str:

@@ -135,7 +135,7 @@ class TrainStep:
         inv = 1.0 / (scale * self.accum_steps)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32) * inv, grads)
         grads = _constrain(grads, layout.master_specs, mesh)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         if plan.clip_norm is not None:
             factor = jnp.minimum(1.0, plan.clip_norm / (grad_norm + 1e-6))
             grads = jax.tree.map(lambda g: g * factor, grads)
