@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(report)
 
     losses: list[float] = []
+    skipped = 0
     tokens_per_step = args.batch_size * args.seq_len
     bar = tqdm(range(args.steps), desc=f"zero{args.stage}", disable=args.no_progress, file=sys.stdout)
     start = time.perf_counter()
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
         batch = plan.shard_batch(next_batch())  # overlaps with the step running asynchronously
         loss = float(metrics["loss"])
         losses.append(loss)
+        skipped += int(metrics["skipped"])
         rate = tokens_per_step * (i + 1) / (time.perf_counter() - start)
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:,.0f}", scale=float(metrics["loss_scale"]))
         if args.no_progress and (i % 10 == 0 or i == args.steps - 1):
@@ -155,6 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
         "memory": report.to_dict(),
         "tokens_per_second": tokens_per_step * args.steps / elapsed if elapsed > 0 else None,
         "final_step": int(state.step),
+        "skipped_steps": skipped,
+        "final_loss_scale": float(state.loss_scale.scale),
     }
     if args.metrics_json is not None:
         write_json_atomic(args.metrics_json, result)

@@ -19,7 +19,7 @@ def compiled_report(task, batch, *, stage, mesh, precision="bf16", tx=None, accu
     state = plan.abstract_state(init_fn, optax.adam(1e-3) if tx is None else tx, jax.random.key(0))
     step = plan.train_step(loss_fn, accum_steps=accum)
     abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-    return plan.memory_report(state, abstract_batch), plan
+    return plan.memory_report(state, abstract_batch, step=step), plan
 
 
 def formula(stage: int, psi: float, n: int) -> float:
@@ -93,8 +93,9 @@ def test_stage2_shards_the_accumulation_buffer():
     batch = regression_batch(64, DeepMLP.width, DeepMLP.width)
     temps = {}
     for stage in (1, 2):
-        report, _ = compiled_report(DeepMLP.task(), batch, stage=stage, mesh=mesh, precision="fp32",
-                                    tx=optax.sgd(0.1), accum=4)
+        report, _ = compiled_report(
+            DeepMLP.task(), batch, stage=stage, mesh=mesh, precision="fp32", tx=optax.sgd(0.1), accum=4
+        )
         temps[stage] = report.temp_bytes
     grad_bytes = DeepMLP.depth * DeepMLP.width**2 * 4
     saved = temps[1] - temps[2]

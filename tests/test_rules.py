@@ -68,7 +68,9 @@ def test_duplicate_logical_name():
 
 def test_not_divisible(mesh):
     leaves = [Leaf("ffn/kernel", (64, 129), None, ("embed", "mlp"))]
-    with pytest.raises(ValueError, match=r"'ffn/kernel' \(shape \(64, 129\)\): dimension 1 of size 129.*'tp' of size 2"):
+    with pytest.raises(
+        ValueError, match=r"'ffn/kernel' \(shape \(64, 129\)\): dimension 1 of size 129.*'tp' of size 2"
+    ):
         zjax.Rules().compute_specs(leaves, mesh)
 
 

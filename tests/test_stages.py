@@ -87,9 +87,7 @@ def test_optimizer_state_follows_params(name):
     plan = zjax.Plan(mesh, stage=1, precision="bf16")
     init_fn, _ = linen_mlp_task()
     state = plan.init(init_fn, OPTIMIZERS[name], jax.random.key(0))
-    masters = {
-        (tuple(x.shape), str(x.sharding.spec)) for x in jax.tree.leaves(state.opt_state.master) if x.ndim
-    }
+    masters = {(tuple(x.shape), str(x.sharding.spec)) for x in jax.tree.leaves(state.opt_state.master) if x.ndim}
     sharded = 0
     for leaf in jax.tree.leaves(state.opt_state.inner):
         spec = leaf.sharding.spec
