@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +68,7 @@ class Plan:
     rules: Rules | None = None
     clip_norm: float | None = None
     loss_scale: DynamicLossScale = DynamicLossScale()
-    _steps: list = dataclasses.field(default_factory=list, repr=False, compare=False, hash=False)
+    _steps: list = dataclasses.field(default_factory=list, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):
@@ -97,7 +97,7 @@ class Plan:
     def layout(self, abstract_params: Any) -> Layout:
         """The layout of a parameter tree (concrete or abstract, flax annotations allowed)."""
         leaves = read_leaves(abstract_params)
-        compute = self.rules.compute_specs(leaves, self.mesh)
+        compute = cast(Rules, self.rules).compute_specs(leaves, self.mesh)
         treedef = jax.tree.structure(unbox(abstract_params))
         return Layout.build(self.stage, self.mesh, treedef, leaves, compute)
 
@@ -109,11 +109,12 @@ class Plan:
         """A ``TrainState``-shaped tree of ``PartitionSpec`` for ``state`` (concrete or abstract)."""
         layout = self.layout_of(state.params) if layout is None else layout
         master = None if state.opt_state.master is None else layout.master_specs
+        scalar: Any = PartitionSpec()  # a spec tree mirrors the state, leaf for leaf
         return TrainState(
-            step=PartitionSpec(),
+            step=scalar,
             params=layout.param_specs,
             opt_state=MixedPrecisionState(master, layout.optimizer_specs(state.tx, state.opt_state.inner)),
-            loss_scale=LossScaleState(PartitionSpec(), PartitionSpec()),
+            loss_scale=LossScaleState(scalar, scalar),
             tx=state.tx,
         )
 

@@ -136,5 +136,5 @@ class Decoder(nn.Module):
 
 def lm_loss(model: Decoder, params, tokens: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy of ``tokens[batch, seq + 1]`` (fp32)."""
-    logits = model.apply({"params": params}, tokens[:, :-1])
+    logits: jax.Array = model.apply({"params": params}, tokens[:, :-1])  # type: ignore[assignment]
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()

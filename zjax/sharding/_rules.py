@@ -126,7 +126,7 @@ class Rules:
         """The compute (model-parallel) spec of one leaf, validated against ``mesh``."""
         if leaf.names is not None:
             table = dict(self.logical)
-            dims = []
+            dims: list[tuple[str, ...]] = []
             for dim, name in enumerate(leaf.names):
                 if name is None:
                     dims.append(())
@@ -140,7 +140,7 @@ class Rules:
                 dims.append(_as_axes(table[name]))
             source = f"logical names {leaf.names}"
         else:
-            dims = [() for _ in leaf.shape]
+            dims = [() for _ in leaf.shape]  # type: ignore[misc]  # declared above
             source = "no rule (replicated)"
             for pattern, spec in self.regex:
                 if re.search(pattern, leaf.path):

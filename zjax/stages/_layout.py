@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import jax
 import optax
@@ -158,7 +158,7 @@ class _SpecLeaf:
 
 def _map_by_structure(state: Any, masters: Any, inherit, own) -> Any:
     """Fallback: any subtree whose structure equals the parameter tree's is parameter-shaped."""
-    params_def = jax.tree.structure(masters)
+    params_def: Any = jax.tree.structure(masters)
 
     def visit(node: Any) -> Any:
         if jax.tree.structure(node) == params_def:
@@ -173,6 +173,7 @@ def _map_by_structure(state: Any, masters: Any, inherit, own) -> Any:
 
 def _children(node: Any):
     leaves, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
+    treedef = cast(Any, treedef)
     if treedef.num_nodes == 1 and treedef.num_leaves == 1 and leaves and leaves[0] is node:
         return None, None
     return leaves, lambda new: jax.tree_util.tree_unflatten(treedef, new)
