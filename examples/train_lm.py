@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32, help="global batch (sequences per step)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
+    p.add_argument("--remat", default="full", help="activation checkpointing policy (zjax.remat.POLICIES)")
     p.add_argument("--accum", type=int, default=1, help="gradient-accumulation microbatches per step")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--clip-norm", type=float, default=1.0)
@@ -96,11 +97,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     import zjax
     from zjax.models import PRESETS, Decoder, lm_loss
+    from zjax.remat import POLICIES
 
     if args.preset not in PRESETS:
         raise SystemExit(f"--preset {args.preset!r}: choose one of {sorted(PRESETS)}")
     cfg = PRESETS[args.preset]
-    cfg = type(cfg)(**{**cfg.__dict__, "max_len": args.seq_len})
+    if args.remat not in POLICIES:
+        raise SystemExit(f"--remat {args.remat!r}: choose one of {sorted(POLICIES)}")
+    cfg = type(cfg)(**{**cfg.__dict__, "max_len": args.seq_len, "remat": args.remat})
     model = Decoder(cfg)
 
     mesh = zjax.make_mesh(**args.mesh)
@@ -149,6 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
         "mesh": {"dp": sizes["dp"], "tp": sizes["tp"], "pp": sizes["pp"]},
         "precision": args.precision,
         "accum": args.accum,
+        "remat": args.remat,
         "preset": args.preset,
         "num_params": cfg.num_params,
         "losses": losses,

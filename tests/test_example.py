@@ -33,7 +33,10 @@ def test_metrics_schema_and_determinism(tmp_path):
 
 
 def test_tp_fp16_accumulation(tmp_path):
-    m = run_example(tmp_path, "c", "--stage", "2", "--mesh", "dp=4,tp=2", "--precision", "fp16", "--accum", "2")
+    m = run_example(
+        tmp_path, "c", "--stage", "2", "--mesh", "dp=4,tp=2", "--precision", "fp16", "--accum", "2", "--remat", "dots"
+    )
+    assert m["remat"] == "dots"
     assert m["mesh"] == {"dp": 4, "tp": 2, "pp": 1}
     assert m["accum"] == 2 and m["final_step"] == 4
     assert all(math.isfinite(x) for x in m["losses"])

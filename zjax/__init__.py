@@ -1,5 +1,6 @@
 """zjax: train large models with JAX/XLA without running out of accelerator memory."""
 
+from . import remat as remat
 from . import sharding as sharding
 from . import stages as stages
 from ._loss_scale import DynamicLossScale as DynamicLossScale

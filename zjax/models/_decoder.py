@@ -13,11 +13,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from jax.ad_checkpoint import checkpoint_name
+
+from ..remat import RematPolicy
 
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-    """Sizes of the decoder. ``scan`` stacks layers with ``nn.scan``; ``remat`` recomputes each layer."""
+    """Sizes of the decoder. ``scan`` stacks layers with ``nn.scan``; ``remat`` names the checkpointing
+    policy of each layer (:data:`zjax.remat.POLICIES`)."""
 
     vocab: int = 256
     embed: int = 128
@@ -27,7 +31,7 @@ class DecoderConfig:
     mlp: int = 512
     max_len: int = 128
     scan: bool = True
-    remat: bool = True
+    remat: str = "full"
 
     @property
     def num_params(self) -> int:
@@ -87,22 +91,23 @@ class Block(nn.Module):
         wv = _param(self, "wv", qkv_shape, qkv_names)
         wo = _param(self, "wo", (c.heads, c.head_dim, c.embed), ("heads", "head_dim", "embed"))
         h = RMSNorm(c.embed, name="attn_norm")(x)
-        q = _rope(jnp.einsum("bse,ehd->bshd", h, wq))
-        k = _rope(jnp.einsum("bse,ehd->bshd", h, wk))
-        v = jnp.einsum("bse,ehd->bshd", h, wv)
+        q = _rope(checkpoint_name(jnp.einsum("bse,ehd->bshd", h, wq), "qkv_proj"))
+        k = _rope(checkpoint_name(jnp.einsum("bse,ehd->bshd", h, wk), "qkv_proj"))
+        v = checkpoint_name(jnp.einsum("bse,ehd->bshd", h, wv), "qkv_proj")
         scores = jnp.einsum("bshd,bthd->bhst", q, k).astype(jnp.float32) / jnp.sqrt(c.head_dim)
         seq = x.shape[1]
         causal = jnp.tril(jnp.ones((seq, seq), bool))
         probs = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1).astype(x.dtype)
         attn = jnp.einsum("bhst,bthd->bshd", probs, v)
-        x = x + jnp.einsum("bshd,hde->bse", attn, wo)
+        x = x + checkpoint_name(jnp.einsum("bshd,hde->bse", attn, wo), "out_proj")
 
         w_gate = _param(self, "w_gate", (c.embed, c.mlp), ("embed", "mlp"))
         w_up = _param(self, "w_up", (c.embed, c.mlp), ("embed", "mlp"))
         w_down = _param(self, "w_down", (c.mlp, c.embed), ("mlp", "embed"))
         h = RMSNorm(c.embed, name="mlp_norm")(x)
-        h = jax.nn.silu(h @ w_gate) * (h @ w_up)
-        x = x + h @ w_down
+        gate = checkpoint_name(h @ w_gate, "mlp_in")
+        up = checkpoint_name(h @ w_up, "mlp_in")
+        x = x + checkpoint_name((jax.nn.silu(gate) * up) @ w_down, "mlp_out")
         return _constrain(x), None
 
 
@@ -116,7 +121,8 @@ class Decoder(nn.Module):
         c = self.cfg
         embedding = _param(self, "embedding", (c.vocab, c.embed), ("vocab", "embed"), nn.initializers.normal(1.0))
         x = _constrain(jnp.take(embedding, tokens, axis=0))
-        block = nn.remat(Block, prevent_cse=not c.scan) if c.remat else Block
+        policy = RematPolicy.from_str(c.remat)
+        block = nn.remat(Block, policy=policy.jax_policy(), prevent_cse=not c.scan) if policy.remat else Block
         if c.scan:
             stack = nn.scan(
                 block,
