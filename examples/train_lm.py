@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
     report = plan.memory_report(state, batch)
     sizes = {k: int(v) for k, v in mesh.shape.items()}
     print(
-        f"zjax example: {cfg.num_params:,} params, {len(data):,} bytes of text, devices: {jax.devices()[0].platform} "
+        f"zjax example: remat policy {args.remat!r}, {cfg.num_params:,} params, {len(data):,} bytes of text, "
+        f"devices: {jax.devices()[0].platform} "
         f"x {jax.device_count()}"
     )
     print(report)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import zjax
 from zjax.models import DecoderConfig
@@ -126,3 +127,49 @@ def test_stage3_liveness_scanned_is_flat_unrolled_grows():
     # the pitfall: unrolled temp grows by roughly one gathered layer per extra layer
     assert u8 - u4 >= 0.75 * 4 * layer_bytes, (u4, u8)
     assert u8 > 1.5 * s8
+
+
+class NnxLayer(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.up = nnx.Linear(32, 64, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), rngs=rngs)
+        self.down = nnx.Linear(64, 32, kernel_init=nnx.with_partitioning(init, ("mlp", "embed")), rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(nnx.gelu(self.up(x)))
+
+
+class NnxStack(nnx.Module):
+    def __init__(self, layers: int, rngs: nnx.Rngs, policy: str = "full"):
+        self.layers = zjax.remat.nnx_stack(NnxLayer, layers, rngs)
+        self.policy = policy
+
+    def __call__(self, x):
+        return zjax.remat.nnx_scan(self.layers, x, self.policy)
+
+
+def test_nnx_scan_helpers_stack_layers_and_train_under_stage3():
+    with nnx.use_eager_sharding(False):
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: NnxStack(4, nnx.Rngs(0))))
+
+    def init_fn(rng):
+        return nnx.split(NnxStack(4, nnx.Rngs(rng)), nnx.Param)[1]
+
+    def loss_fn(params, batch):
+        return jnp.mean((nnx.merge(graphdef, params)(batch["x"]) - batch["y"]) ** 2)
+
+    rs = np.random.RandomState(0)
+    data = [{"x": rs.randn(16, 32).astype(np.float32), "y": rs.randn(16, 32).astype(np.float32)}] * 4
+    losses, state, _ = train((init_fn, loss_fn), data, stage=3, mesh=zjax.make_mesh(dp=4, tp=2))
+    kernel = state.params["layers"]["up"]["kernel"]
+    assert kernel.shape == (4, 32, 64)  # stacked on the leading layers axis
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "dp", "tp")
+    assert losses[-1] < losses[0]
+
+
+def test_linen_scan_stacks_with_layers_name():
+    init_fn, _ = decoder_task()
+    with nnx.use_eager_sharding(False):
+        leaves = zjax.sharding.read_leaves(jax.eval_shape(init_fn, jax.random.key(0)))
+    wq = next(leaf for leaf in leaves if leaf.path.endswith("layers/wq"))
+    assert wq.names == ("layers", "embed", "heads", "head_dim") and wq.shape[0] == TINY.layers

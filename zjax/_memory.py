@@ -75,6 +75,7 @@ class MemoryReport:
     temp_bytes: int
     batch_bytes: int
     unsharded: tuple[Unsharded, ...]
+    flops: float | None = None  # per device, from cost_analysis (a scanned layer's body counted once)
 
     @property
     def state_theory(self) -> int:
@@ -106,6 +107,7 @@ class MemoryReport:
             "output_bytes": self.output_bytes,
             "alias_bytes": self.alias_bytes,
             "peak_bytes": self.peak_bytes,
+            "flops": self.flops,
             "dp_replicated": [dataclasses.asdict(u) for u in self.unsharded],
         }
 
@@ -125,6 +127,8 @@ class MemoryReport:
             f"  {'temporaries':<22}{'':>14}{_fmt(self.temp_bytes):>14}",
             f"  {'peak (arg+out-alias+temp)':<36}{_fmt(self.peak_bytes):>14}",
         ]
+        if self.flops is not None:
+            lines.append(f"  {'step FLOPs (scan body once)':<36}{self.flops:>14.3e}")
         if self.unsharded:
             shown = ", ".join(f"{u.path} {u.shape}" for u in self.unsharded[:6])
             more = f" and {len(self.unsharded) - 6} more" if len(self.unsharded) > 6 else ""
@@ -192,4 +196,12 @@ def memory_report(plan: Plan, state: TrainState, batch: Any, step: TrainStep) ->
         temp_bytes=int(analysis.temp_size_in_bytes),
         batch_bytes=batch_bytes,
         unsharded=tuple(plan.layout_of(state.params).unsharded),
+        flops=_flops(compiled),
     )
+
+
+def _flops(compiled: Any) -> float | None:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):  # older jax returned one dict per program
+        cost = cost[0] if cost else None
+    return float(cost["flops"]) if cost and "flops" in cost else None

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
-from ..remat import RematPolicy
+from ..remat import RematPolicy, linen_scan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,17 +122,10 @@ class Decoder(nn.Module):
         embedding = _param(self, "embedding", (c.vocab, c.embed), ("vocab", "embed"), nn.initializers.normal(1.0))
         x = _constrain(jnp.take(embedding, tokens, axis=0))
         policy = RematPolicy.from_str(c.remat)
-        block = nn.remat(Block, policy=policy.jax_policy(), prevent_cse=not c.scan) if policy.remat else Block
         if c.scan:
-            stack = nn.scan(
-                block,
-                variable_axes={"params": 0},
-                split_rngs={"params": True},
-                length=c.layers,
-                metadata_params={nn.PARTITION_NAME: "layers"},
-            )
-            x, _ = stack(c, name="layers")(x, None)
+            x, _ = linen_scan(Block, c.layers, policy)(c, name="layers")(x, None)
         else:
+            block = nn.remat(Block, policy=policy.jax_policy()) if policy.remat else Block
             for i in range(c.layers):
                 x, _ = block(c, name=f"layer_{i}")(x, None)
         x = RMSNorm(c.embed, name="final_norm")(x)

@@ -1,5 +1,9 @@
-"""Named activation-checkpointing policies."""
+"""Named activation-checkpointing policies and scan-over-layers helpers."""
 
 from ._policy import DECODER_NAMES as DECODER_NAMES
 from ._policy import POLICIES as POLICIES
 from ._policy import RematPolicy as RematPolicy
+from ._scan import LAYERS as LAYERS
+from ._scan import linen_scan as linen_scan
+from ._scan import nnx_scan as nnx_scan
+from ._scan import nnx_stack as nnx_stack

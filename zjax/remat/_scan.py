@@ -1,0 +1,74 @@
+"""Scan over layers with a remat policy per layer, for flax linen and nnx.
+
+A scanned stack compiles one layer and keeps its parameters stacked on a leading ``layers`` axis, so
+that ZeRO-3 gathers one layer at a time and the backward pass keeps about two layers alive; unrolled
+Python loops keep every gathered layer alive (the classic FSDP-in-XLA pitfall).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+from flax import nnx
+
+from ._policy import RematPolicy
+
+LAYERS = "layers"
+"""Logical name of the stacked-layer axis (replicated by the default rules)."""
+
+
+def linen_scan(block: type[nn.Module], length: int, policy: str | RematPolicy = "full") -> Any:
+    """A linen module class applying ``block`` ``length`` times with ``nn.scan``, remat'ed per layer.
+
+    ``block`` is called as ``block(...)(carry, x) -> (carry, y)``; its parameters get a leading axis of
+    size ``length`` named ``layers`` in their logical partitioning metadata.
+
+    Example:
+      >>> Stack = zjax.remat.linen_scan(Block, 16, "dots")
+      >>> x, _ = Stack(cfg, name="layers")(x, None)
+    """
+    policy = RematPolicy.from_str(policy)
+    cls = nn.remat(block, policy=policy.jax_policy(), prevent_cse=False) if policy.remat else block
+    return nn.scan(
+        cls,
+        variable_axes={"params": 0},
+        split_rngs={"params": True, "dropout": True},
+        length=length,
+        metadata_params={nn.PARTITION_NAME: LAYERS},
+    )
+
+
+def nnx_stack(make_layer: Callable[[nnx.Rngs], nnx.Module], length: int, rngs: nnx.Rngs) -> nnx.Module:
+    """Create ``length`` nnx layers stacked on a leading ``layers`` axis (one module, stacked variables).
+
+    Example:
+      >>> self.layers = zjax.remat.nnx_stack(lambda r: Block(cfg, rngs=r), cfg.layers, rngs)
+    """
+
+    @nnx.split_rngs(splits=length)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+    def create(r: nnx.Rngs) -> nnx.Module:
+        return make_layer(r)
+
+    return create(rngs)
+
+
+def nnx_scan(layers: nnx.Module, x: Any, policy: str | RematPolicy = "full") -> Any:
+    """Apply stacked nnx ``layers`` (from :func:`nnx_stack`) to ``x`` in a scan, remat'ed per layer.
+
+    Each layer is called as ``layer(x) -> x``.
+    """
+    policy = RematPolicy.from_str(policy)
+
+    def apply(layer: nnx.Module, h: Any) -> Any:
+        return layer(h)
+
+    body = nnx.remat(apply, policy=policy.jax_policy(), prevent_cse=False) if policy.remat else apply
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+    def step(h: Any, layer: nnx.Module) -> Any:
+        return body(layer, h)
+
+    return step(x, layers)
