@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
-from ..remat import RematPolicy, linen_scan
+from ..remat import RematPolicy, gather_checkpoint, linen_scan, partition_checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +85,9 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, _=None):
         c = self.cfg
+        partitioned = RematPolicy.from_str(c.remat).partition
+        if partitioned:
+            x = gather_checkpoint(x, axis=1)  # the saved input arrives split over tp along seq
         qkv_shape, qkv_names = (c.embed, c.heads, c.head_dim), ("embed", "heads", "head_dim")
         wq = _param(self, "wq", qkv_shape, qkv_names)
         wk = _param(self, "wk", qkv_shape, qkv_names)
@@ -108,6 +111,8 @@ class Block(nn.Module):
         gate = checkpoint_name(h @ w_gate, "mlp_in")
         up = checkpoint_name(h @ w_up, "mlp_in")
         x = x + checkpoint_name((jax.nn.silu(gate) * up) @ w_down, "mlp_out")
+        if partitioned:
+            return partition_checkpoint(_constrain(x), axis=1), None
         return _constrain(x), None
 
 

@@ -1,5 +1,7 @@
 """Named activation-checkpointing policies and scan-over-layers helpers."""
 
+from ._partition import gather_checkpoint as gather_checkpoint
+from ._partition import partition_checkpoint as partition_checkpoint
 from ._policy import DECODER_NAMES as DECODER_NAMES
 from ._policy import POLICIES as POLICIES
 from ._policy import RematPolicy as RematPolicy

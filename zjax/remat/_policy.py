@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import jax
 
+PARTITIONED = "+partitioned"
 Kind = Literal["none", "full", "dots", "dots_no_batch", "names"]
 OffloadDst = Literal["pinned_host"]
 
@@ -33,6 +34,9 @@ class RematPolicy:
       offload: names moved to host memory after the forward pass (``kind="names"``).
       offload_dst: the memory kind offloaded tensors go to. Only ``pinned_host``: in jax 0.10
         ``unpinned_host`` compiles but silently offloads nothing.
+      partition: ZeRO-R partitioned activation checkpoints: layer inputs saved for the backward pass
+        are stored split over ``tp`` (see :func:`zjax.remat.partition_checkpoint`). Registered as
+        ``NAME+partitioned``.
     """
 
     name: str
@@ -40,6 +44,7 @@ class RematPolicy:
     save: tuple[str, ...] = ()
     offload: tuple[str, ...] = ()
     offload_dst: str = "pinned_host"
+    partition: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("none", "full", "dots", "dots_no_batch", "names"):
@@ -80,6 +85,10 @@ class RematPolicy:
             )
         return cp.save_only_these_names(*self.save)
 
+    def partitioned(self) -> RematPolicy:
+        """This policy with ZeRO-R partitioned checkpoints, named ``NAME+partitioned``."""
+        return dataclasses.replace(self, name=f"{self.name}{PARTITIONED}", partition=True)
+
     @classmethod
     def custom(cls, save: Sequence[str] = (), offload: Sequence[str] = (), *, name: str = "custom") -> RematPolicy:
         """Save the ``save`` names, offload the ``offload`` names, recompute everything else."""
@@ -99,17 +108,17 @@ class RematPolicy:
         return POLICIES[value]
 
 
+_BASE = (
+    RematPolicy("none", "none"),
+    RematPolicy("full", "full"),
+    RematPolicy("dots", "dots"),
+    RematPolicy("dots_no_batch", "dots_no_batch"),
+    RematPolicy("minimal", "names", save=DECODER_NAMES),
+    RematPolicy("save_qkv_proj", "names", save=("qkv_proj",)),
+    RematPolicy("save_out_proj", "names", save=("out_proj",)),
+    RematPolicy("offload_minimal", "names", offload=DECODER_NAMES),
+    RematPolicy("offload_qkv_proj", "names", offload=("qkv_proj",)),
+)
 POLICIES: dict[str, RematPolicy] = {
-    p.name: p
-    for p in (
-        RematPolicy("none", "none"),
-        RematPolicy("full", "full"),
-        RematPolicy("dots", "dots"),
-        RematPolicy("dots_no_batch", "dots_no_batch"),
-        RematPolicy("minimal", "names", save=DECODER_NAMES),
-        RematPolicy("save_qkv_proj", "names", save=("qkv_proj",)),
-        RematPolicy("save_out_proj", "names", save=("out_proj",)),
-        RematPolicy("offload_minimal", "names", offload=DECODER_NAMES),
-        RematPolicy("offload_qkv_proj", "names", offload=("qkv_proj",)),
-    )
+    p.name: p for p in (*_BASE, *(b.partitioned() for b in _BASE if b.name in ("full", "dots", "minimal")))
 }
