@@ -161,9 +161,10 @@ def theory_bytes(plan: Plan, state: TrainState, accum_steps: int = 1) -> tuple[i
     return psi, theory
 
 
-def memory_report(plan: Plan, state: TrainState, batch: Any, step: TrainStep) -> MemoryReport:
-    """Compile ``step`` for ``(state, batch)`` and report per-device memory."""
-    compiled = step.lower(state, batch).compile()
+def memory_report(plan: Plan, state: TrainState, batch: Any, step: TrainStep, compiled: Any = None) -> MemoryReport:
+    """Compile ``step`` for ``(state, batch)`` (unless ``compiled`` is given) and report per-device memory."""
+    if compiled is None:
+        compiled = step.lower(state, batch).compile()
     analysis = compiled.memory_analysis()
     state_shardings = compiled.input_shardings[0][0]
 

@@ -203,16 +203,19 @@ class Plan:
         """Leaves that this stage keeps replicated over dp because no dimension divides by its size."""
         return self.layout_of(state.params).unsharded
 
-    def memory_report(self, state: TrainState, batch: Any, step: TrainStep | None = None) -> MemoryReport:
+    def memory_report(
+        self, state: TrainState, batch: Any, step: TrainStep | None = None, compiled: Any = None
+    ) -> MemoryReport:
         """Per-device memory by category: ZeRO theory beside the compiled program's numbers.
 
         Args:
           state: the training state (concrete or from :meth:`abstract_state`).
           batch: a batch (concrete or ``ShapeDtypeStruct``), global shape.
           step: the step to compile; the last one made by :meth:`train_step` by default.
+          compiled: the step's compiled executable, if already at hand (skips compiling again).
         """
         if step is None:
             if not self._steps:
                 raise ValueError("memory_report: build a step with plan.train_step(loss_fn) first, or pass step=.")
             step = self._steps[-1]
-        return memory_report(self, state, batch, step)
+        return memory_report(self, state, batch, step, compiled)

@@ -1,0 +1,174 @@
+"""The ``zjax`` command. ``zjax plan --model llama2-7b --mesh dp=64`` compiles every stage ahead of time on
+simulated CPU devices and prints per-device memory and communication."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> float:
+    """``"80GB"`` (1e9), ``"80GiB"`` (2**30) or a plain number of bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"--budget: expected e.g. 80GB, 75GiB or 1e9, got {text!r}")
+    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for part in filter(None, text.replace(" ", "").split(",")):
+        name, eq, value = part.partition("=")
+        if not eq or name not in ("dp", "tp", "pp") or not value.isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(f"--mesh: expected entries like dp=64,tp=2, got {part!r}")
+        sizes[name] = int(value)
+    if not sizes:
+        raise argparse.ArgumentTypeError("--mesh: give at least one axis, e.g. dp=64")
+    return sizes
+
+
+def parse_ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints, got {text!r}") from None
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path = path.resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _plot(est, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"stage {r.stage}\n{r.remat}" + (f" x{r.accum}" if r.accum > 1 else "") for r in est.rows]
+    parts = {
+        "compute params": [r.theory["params"] for r in est.rows],
+        "master + optimizer": [r.theory["optimizer"] for r in est.rows],
+        "temporaries (compiled)": [r.compiled["temp"] for r in est.rows],
+    }
+    fig, ax = plt.subplots(figsize=(1.6 * len(labels) + 2, 4))
+    bottom = [0.0] * len(labels)
+    for name, values in parts.items():
+        gb = [v / 1e9 for v in values]
+        ax.bar(labels, gb, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, gb, strict=True)]
+    ax.scatter(labels, [r.compiled["total"] / 1e9 for r in est.rows], color="black", zorder=3, label="compiled total")
+    mesh = " ".join(f"{k}={v}" for k, v in est.mesh.items())
+    ax.set_ylabel("GB per device")
+    ax.set_title(f"{est.model} ({est.params / 1e9:.2f}B params), {mesh}, {est.precision}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="per-device memory and communication for each ZeRO stage, compiled ahead of time")
+    p.add_argument("--model", default="small", help="preset: tiny, small, medium, llama2-7b")
+    p.add_argument("--mesh", type=parse_mesh, default={"dp": 8}, help="e.g. dp=64 or dp=32,tp=2")
+    p.add_argument("--stages", type=parse_ints, default=[0, 1, 2, 3])
+    p.add_argument("--remat", default="full", help="remat policy (zjax.remat.POLICIES); comma list with --budget")
+    p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--batch-size", type=int, default=None, help="global batch (default: 1 sequence per dp rank)")
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--accum", type=parse_ints, default=[1], help="microbatches; comma list with --budget")
+    p.add_argument("--budget", type=parse_bytes, default=None, help="per-device bytes: pick the cheapest fit")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None, help="PNG bar chart of memory by category")
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    devices = math.prod(args.mesh.values())
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", devices)
+    from . import planner
+    from .models import PRESETS
+    from .remat import POLICIES
+
+    if args.model not in PRESETS:
+        print(f"zjax plan: unknown --model {args.model!r}; presets: {sorted(PRESETS)}", file=sys.stderr)
+        return 2
+    remats = [r for r in args.remat.split(",") if r]
+    bad = [r for r in remats if r not in POLICIES]
+    if bad:
+        print(f"zjax plan: unknown --remat {bad}; valid: {sorted(POLICIES)}", file=sys.stderr)
+        return 2
+    batch = args.batch_size or args.mesh.get("dp", 1)
+    try:
+        if args.budget is None:
+            est = planner.estimate(
+                args.model, mesh=args.mesh, stages=args.stages, remat=remats[0], precision=args.precision,
+                batch_size=batch, seq_len=args.seq_len, accum=args.accum[0],
+            )  # fmt: skip
+            print(est)
+            result = est.to_dict()
+        else:
+            row, closest, tried = planner.fit(
+                args.budget, args.model, mesh=args.mesh, stages=args.stages, remats=remats, accums=args.accum,
+                precision=args.precision, batch_size=batch, seq_len=args.seq_len,
+            )  # fmt: skip
+            est = type(tried[0])(**{**tried[0].__dict__, "rows": tuple(r for e in tried for r in e.rows)})
+            print(est)
+            if row is not None:
+                print(
+                    f"\nfits in {args.budget / 1e9:.3f} GB: stage {row.stage}, remat {row.remat}, "
+                    f"{row.accum} microbatch(es): {row.compiled['total'] / 1e9:.3f} GB per device"
+                )
+            else:
+                print(
+                    f"\nnothing fits in {args.budget / 1e9:.3f} GB per device; closest: stage {closest.stage}, "
+                    f"remat {closest.remat}, {closest.accum} microbatch(es) at {closest.compiled['total'] / 1e9:.3f} GB"
+                )
+            result = est.to_dict() | {
+                "budget": args.budget,
+                "fits": row.to_dict() if row is not None else None,
+                "closest": closest.to_dict(),
+            }
+    except ValueError as e:
+        print(f"zjax plan: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        _write_json(args.json, result)
+        print(f"wrote {args.json}")
+    if args.plot:
+        _plot(est, args.plot)
+        print(f"wrote {args.plot}")
+    return 0 if args.budget is None or result.get("fits") is not None else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="zjax", description="zjax command line")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _plan_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command == "plan":
+        return _run_plan(args)
+    return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+if __name__ == "__main__":
+    sys.exit(main())

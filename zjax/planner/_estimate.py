@@ -1,0 +1,255 @@
+"""Ahead-of-time per-device memory and communication for any mesh, on simulated devices."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from .._plan import Plan
+from ..models import PRESETS, Decoder, DecoderConfig, lm_loss
+from ..sharding._mesh import make_mesh
+from ._hlo import Communication, count_collectives, partitioned_hlo
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One compiled configuration: bytes per device (theory and compiled) and communication per step."""
+
+    stage: int
+    remat: str
+    accum: int
+    theory: dict[str, int]
+    compiled: dict[str, int]
+    comm: Communication
+    comm_psi: float  # collective volume / (psi x compute-dtype bytes)
+    compile_seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "remat": self.remat,
+            "accum": self.accum,
+            "theory": dict(self.theory),
+            "compiled": dict(self.compiled),
+            "comm_bytes": dict(self.comm.volume),
+            "comm_wire_bytes": dict(self.comm.wire),
+            "comm_psi": round(self.comm_psi, 4),
+            "compile_seconds": round(self.compile_seconds, 2),
+        }
+
+
+def _unit(largest: float) -> tuple[str, float]:
+    return ("GB", 1e9) if largest >= 1e9 else ("MB", 1e6) if largest >= 1e6 else ("KB", 1e3)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """The planner's answer for one model, mesh and precision: one :class:`Row` per configuration."""
+
+    model: str
+    params: int
+    mesh: dict[str, int]
+    precision: str
+    batch_size: int
+    rows: tuple[Row, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "params": self.params,
+            "mesh": dict(self.mesh),
+            "precision": self.precision,
+            "batch_size": self.batch_size,
+            "rows": [r.to_dict() for r in self.rows],
+        }
+
+    def __str__(self) -> str:
+        mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items())
+        largest = max([r.theory["total"] for r in self.rows] + [r.compiled["total"] for r in self.rows] + [1])
+        unit, scale = _unit(largest)
+
+        def f(n: float) -> str:
+            return f"{n / scale:,.3f}"
+
+        head = (
+            f"{self.model}: {self.params:,} params, mesh {mesh}, {self.precision}, global batch {self.batch_size}"
+            f" -- {unit} per device; comm = collective volume per step (ZeRO counting)"
+        )
+        cols = f"{'stage':>5} {'remat':<16}{'acc':>4} | {'params':>9}{'optim':>9}{'grads':>9}{'theory':>9} | "
+        cols += f"{'state':>9}{'temp':>9}{'total':>9} | {'comm':>9}{'x psi':>7}{'wire':>9}{'compile':>9}"
+        lines = [head, cols]
+        for r in self.rows:
+            t, c = r.theory, r.compiled
+            lines.append(
+                f"{r.stage:>5} {r.remat:<16}{r.accum:>4} | {f(t['params']):>9}{f(t['optimizer']):>9}"
+                f"{f(t['grads']):>9}{f(t['total']):>9} | {f(c['state']):>9}{f(c['temp']):>9}"
+                f"{f(c['total']):>9} | {f(r.comm.total_volume):>9}{r.comm_psi:>7.2f}"
+                f"{f(r.comm.total_wire):>9}{r.compile_seconds:>8.1f}s"
+            )
+        return "\n".join(lines)
+
+
+def _check_devices(mesh: dict[str, int]) -> None:
+    unknown = sorted(set(mesh) - {"dp", "tp", "pp"})
+    if unknown:
+        raise ValueError(f"planner: unknown mesh axes {unknown} in {mesh}; use dp, tp and pp.")
+    if any(not isinstance(v, int) or v < 1 for v in mesh.values()):
+        raise ValueError(f"planner: mesh sizes must be positive ints, got {mesh}.")
+    need, have = math.prod(mesh.values()), jax.device_count()
+    if need > have:
+        raise ValueError(
+            f"planner: mesh {mesh} needs {need} devices but this process has {have}. Simulate them with "
+            f"jax.config.update('jax_num_cpu_devices', {need}) before jax starts its backend (a fresh "
+            "process), or use the `zjax plan` command, which does that for you."
+        )
+
+
+def estimate_fn(
+    init_fn: Callable[[jax.Array], Any],
+    loss_fn: Callable[[Any, Any], Any],
+    batch: Any,
+    *,
+    mesh: dict[str, int],
+    stages: Sequence[int] = (0, 1, 2, 3),
+    precision: str = "bf16",
+    tx: optax.GradientTransformation | None = None,
+    accum: int = 1,
+    name: str = "custom",
+    remat: str = "-",
+) -> Estimate:
+    """Estimate a user's model: ``init_fn``/``loss_fn`` as for :meth:`zjax.Plan.init`, ``batch`` a tree of
+    ``ShapeDtypeStruct`` (global shapes). Nothing is allocated; every stage is compiled ahead of time."""
+    _check_devices(mesh)
+    device_mesh = make_mesh(
+        dp=mesh.get("dp", 1),
+        tp=mesh.get("tp", 1),
+        pp=mesh.get("pp", 1),
+        devices=jax.devices()[: math.prod(mesh.values())],
+    )
+    tx = optax.adamw(1e-4) if tx is None else tx
+    rows, psi = [], 0
+    for stage in stages:
+        start = time.perf_counter()
+        plan = Plan(device_mesh, stage=stage, precision=precision)
+        state = plan.abstract_state(init_fn, tx, jax.random.key(0))
+        step = plan.train_step(loss_fn, accum_steps=accum)
+        compiled, hlo = partitioned_hlo(step.lower(state, batch))
+        report = plan.memory_report(state, batch, step, compiled=compiled)
+        psi = report.num_params
+        comm = count_collectives(hlo)
+        theory = {
+            "params": report.theory["params"],
+            "optimizer": report.theory["master"] + report.theory["optimizer"],
+            "grads": report.theory["gradients"],
+        }
+        theory["total"] = sum(theory.values())
+        compiled_bytes = {"state": report.state_compiled, "temp": report.temp_bytes, "total": report.peak_bytes}
+        rows.append(
+            Row(
+                stage=plan.stage.level,
+                remat=remat,
+                accum=accum,
+                theory=theory,
+                compiled=compiled_bytes,
+                comm=comm,
+                comm_psi=comm.total_volume / (psi * plan.precision.compute_bytes) if psi else 0.0,
+                compile_seconds=time.perf_counter() - start,
+            )
+        )
+    sizes = {k: int(v) for k, v in device_mesh.shape.items()}
+    batch_size = int(jax.tree.leaves(batch)[0].shape[0])
+    return Estimate(name, psi, sizes, precision, batch_size, tuple(rows))
+
+
+def resolve_model(model: str | DecoderConfig) -> tuple[str, DecoderConfig]:
+    if isinstance(model, DecoderConfig):
+        return "custom", model
+    if model not in PRESETS:
+        raise ValueError(f"planner: unknown model preset {model!r}; valid presets are {sorted(PRESETS)}.")
+    return model, PRESETS[model]
+
+
+def estimate(
+    model: str | DecoderConfig = "small",
+    *,
+    mesh: dict[str, int],
+    stages: Sequence[int] = (0, 1, 2, 3),
+    remat: str = "full",
+    precision: str = "bf16",
+    batch_size: int = 8,
+    seq_len: int | None = None,
+    accum: int = 1,
+) -> Estimate:
+    """Estimate a decoder preset (``zjax.models.PRESETS``, e.g. ``"llama2-7b"``) or a ``DecoderConfig``.
+
+    Example:
+      >>> est = zjax.planner.estimate("llama2-7b", mesh={"dp": 64}, batch_size=64, seq_len=2048)
+      >>> print(est)
+    """
+    name, cfg = resolve_model(model)
+    cfg = dataclasses.replace(cfg, remat=remat, max_len=seq_len or cfg.max_len)
+    net = Decoder(cfg)
+    dummy = jnp.zeros((1, cfg.max_len), jnp.int32)
+    batch = jax.ShapeDtypeStruct((batch_size, cfg.max_len + 1), jnp.int32)
+    return estimate_fn(
+        lambda r: net.init(r, dummy)["params"],
+        lambda p, b: lm_loss(net, p, b),
+        batch,
+        mesh=mesh,
+        stages=stages,
+        precision=precision,
+        accum=accum,
+        name=name,
+        remat=remat,
+    )
+
+
+# cost order for the budget search: less communication first, then less recomputation, then fewer microbatches
+REMAT_COST = ("none", "dots_no_batch", "minimal", "dots", "save_qkv_proj", "save_out_proj", "full")
+
+
+def fit(
+    budget: float,
+    model: str | DecoderConfig = "small",
+    *,
+    mesh: dict[str, int],
+    stages: Sequence[int] = (0, 1, 2, 3),
+    remats: Sequence[str] = ("none", "dots", "full"),
+    accums: Sequence[int] = (1, 2, 4, 8),
+    precision: str = "bf16",
+    batch_size: int = 8,
+    seq_len: int | None = None,
+) -> tuple[Row | None, Row, list[Estimate]]:
+    """The cheapest (stage, remat, microbatches) whose compiled per-device total fits in ``budget`` bytes.
+
+    Candidates are tried cheapest first: lower stage (less communication), then less recomputation, then
+    fewer microbatches. Returns ``(fitting row or None, closest row, every estimate compiled)``.
+    """
+    order = sorted(remats, key=lambda r: REMAT_COST.index(r) if r in REMAT_COST else len(REMAT_COST))
+    tried: list[Estimate] = []
+    closest: Row | None = None
+    for stage in sorted(stages):
+        for remat in order:
+            for accum in sorted(accums):
+                if batch_size % (accum * mesh.get("dp", 1)):
+                    continue
+                est = estimate(
+                    model, mesh=mesh, stages=(stage,), remat=remat, precision=precision,
+                    batch_size=batch_size, seq_len=seq_len, accum=accum,
+                )  # fmt: skip
+                tried.append(est)
+                row = est.rows[0]
+                if closest is None or row.compiled["total"] < closest.compiled["total"]:
+                    closest = row
+                if row.compiled["total"] <= budget:
+                    return row, row, tried
+    if closest is None:
+        raise ValueError(f"planner: no candidate: batch_size={batch_size} does not divide over dp x accum.")
+    return None, closest, tried
