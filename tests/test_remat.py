@@ -39,7 +39,18 @@ def test_registry_round_trip(name):
 
 
 # Partitioned twins compile to the same single-device program; their numerics under tp are tested below.
-@pytest.mark.parametrize("name", sorted(n for n in POLICIES if not POLICIES[n].partition))
+# One policy of each kind runs in the fast suite, the rest in the slow step.
+FAST = ("full", "dots", "minimal", "offload_minimal")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        n if n in FAST else pytest.param(n, marks=pytest.mark.slow)
+        for n in sorted(POLICIES)
+        if not POLICIES[n].partition
+    ],
+)
 def test_equal_gradients(name, reference_grads):
     fn, params, batch = grad_program(name)
     grads = jax.device_get(fn(params, batch))
@@ -200,6 +211,7 @@ def test_partitioned_checkpoints_halve_saved_activations_with_tp2():
     assert partitioned == {"f32[4,4,32,64]"}  # each tp rank saves its half
 
 
+@pytest.mark.slow
 def test_partitioned_checkpoints_train_identically():
     data = [token_batch(16, seed=i) for i in range(3)]
     mesh = zjax.make_mesh(dp=4, tp=2)

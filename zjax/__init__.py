@@ -1,5 +1,7 @@
 """zjax: train large models with JAX/XLA without running out of accelerator memory."""
 
+from . import pallas as pallas
+from . import planner as planner
 from . import remat as remat
 from . import sharding as sharding
 from . import stages as stages

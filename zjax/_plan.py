@@ -30,10 +30,10 @@ def _is_spec(x: Any) -> bool:
     return isinstance(x, PartitionSpec)
 
 
-def as_transformation(tx: Any) -> optax.GradientTransformation:
+def as_transformation(tx: Any) -> Any:
     """``tx`` as an ``optax.GradientTransformation`` (accepting ``optax.MultiSteps`` and duck types)."""
-    if isinstance(tx, optax.GradientTransformation):
-        return tx
+    if isinstance(tx, optax.GradientTransformation) or callable(getattr(tx, "fused_apply", None)):
+        return tx  # optax transformations, and fused optimizers (zjax.pallas) that the step recognizes
     if callable(getattr(tx, "gradient_transformation", None)):
         return tx.gradient_transformation()
     if callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None)):

@@ -131,33 +131,46 @@ class TrainStep:
         scale = state.loss_scale.scale
         loss, aux, grads = self._grads(layout, state.params, batch, scale)
 
-        # fp32, unscaled, averaged over microbatches; laid out like the master weights so that the
-        # optimizer runs on each device's shard (a local slice at stage 1, no communication).
-        inv = 1.0 / (scale * self.accum_steps)
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32) * inv, grads)
         grads = _constrain(grads, layout.master_specs, mesh)
-        grad_norm = optax.tree.norm(grads)
+        inv = 1.0 / (scale * self.accum_steps)
+        grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32) * inv, grads))
+        factor = jnp.float32(1.0)
         if plan.clip_norm is not None:
             factor = jnp.minimum(1.0, plan.clip_norm / (grad_norm + 1e-6))
-            grads = jax.tree.map(lambda g: g * factor, grads)
+        finite = jnp.isfinite(grad_norm)
+        skip_nonfinite = precision.loss_scaling
 
         master = state.master_params
-        updates, inner = state.tx.update(grads, state.opt_state.inner, master)
-        new_master = _constrain(optax.apply_updates(master, updates), layout.master_specs, mesh)
+        fused = getattr(state.tx, "fused_apply", None)
+        if fused is not None:
+            # One pass per device over its shard: unscale, clip, skip, update, cast (zjax.pallas).
+            new_master, inner, cast = fused(
+                grads, state.opt_state.inner, master, compute_dtype=precision.compute_dtype,
+                inv_scale=inv * factor, apply=finite if skip_nonfinite else jnp.float32(1.0),
+                mesh=mesh, specs=layout.master_specs,
+            )  # fmt: skip
+            skip_nonfinite = False  # done inside
+        else:
+            # fp32, unscaled, averaged over microbatches, in the master weights' layout: the optimizer
+            # runs on each device's shard.
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32) * (inv * factor), grads)
+            updates, inner = state.tx.update(grads, state.opt_state.inner, master)
+            new_master = optax.apply_updates(master, updates)
+            cast = jax.tree.map(lambda m: m.astype(precision.compute_dtype), new_master)
+        new_master = _constrain(new_master, layout.master_specs, mesh)
         if precision.master_weights:
             # Cast on the shard, then gather: XLA would otherwise all-gather the fp32 master (2x bytes).
-            cast = jax.tree.map(lambda m: m.astype(precision.compute_dtype), new_master)
             params = _constrain(_constrain(cast, layout.master_specs, mesh), layout.param_specs, mesh)
             opt_state = MixedPrecisionState(new_master, inner)
         else:
             params = _constrain(new_master, layout.param_specs, mesh)
             opt_state = MixedPrecisionState(None, inner)
 
-        finite = jnp.isfinite(grad_norm)
         loss_scale = state.loss_scale
-        if precision.loss_scaling:
+        if skip_nonfinite:
             params = _tree_where(finite, params, state.params)
             opt_state = _tree_where(finite, opt_state, state.opt_state)
+        if precision.loss_scaling:
             loss_scale = plan.loss_scale.update(loss_scale, finite)
             skipped = ~finite
         else:

@@ -1,0 +1,196 @@
+"""``fused_adamw``: mixed-precision AdamW that owns the fp32 master, m and v and updates them in one pass."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec
+
+from ._config import FusedAdamWConfig
+from ._kernel import NUM_SCALARS, adamw_kernel
+from ._reference import Scalars, adamw_reference
+
+Implementation = Literal["auto", "pallas", "xla"]
+IMPLEMENTATIONS = ("auto", "pallas", "xla")
+
+
+class FusedAdamWState(NamedTuple):
+    """Step count and the fp32 first and second moments (shaped like the parameters)."""
+
+    count: jax.Array  # type: ignore[assignment]  # optax names it count too
+    mu: Any
+    nu: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedAdamW:
+    """A fused AdamW. Use it wherever zjax takes an optax transformation; it also speaks optax's
+    ``init``/``update`` protocol (the reference math) for use outside a :class:`zjax.Plan`.
+
+    Inside ``plan.train_step`` the fused path runs instead: per device, on its local shard (under
+    ``shard_map``, so the optimizer state is never gathered), one kernel pass reads the compute-dtype
+    gradient and the fp32 master, m, v once and writes master, m, v and the new compute copy once,
+    unscaling by the loss scale, clipping and skipping non-finite steps on the way.
+    """
+
+    learning_rate: float | Callable[[jax.Array], jax.Array]
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 1e-4
+    mask: Any = None
+    implementation: Implementation = "auto"
+    interpret: bool | None = None
+    config: FusedAdamWConfig = FusedAdamWConfig()
+
+    def __post_init__(self) -> None:
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"fused_adamw: unknown implementation {self.implementation!r}; valid names are {list(IMPLEMENTATIONS)}."
+            )
+
+    # -- optax protocol -------------------------------------------------------------------------
+
+    def init(self, params: Any) -> FusedAdamWState:
+        zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+        return FusedAdamWState(jnp.zeros((), jnp.int32), zeros, jax.tree.map(jnp.copy, zeros))
+
+    def update(self, updates: Any, state: FusedAdamWState, params: Any = None):
+        """optax protocol: returns ``(new_params - params, new_state)`` computed by the reference."""
+        if params is None:
+            raise ValueError("fused_adamw.update needs params (decoupled weight decay reads them).")
+        master, state = self._reference_tree(updates, state, params, jnp.float32(1.0), jnp.float32(1.0))[:2]
+        return jax.tree.map(lambda n, p: n - p, master, params), state
+
+    # -- the fused path -------------------------------------------------------------------------
+
+    def resolved_implementation(self) -> str:
+        if self.implementation != "auto":
+            return self.implementation
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+    def _scalars(self, count: jax.Array, wd: float, inv_scale: jax.Array, apply: jax.Array) -> Scalars:
+        t = (count + 1).astype(jnp.float32)
+        lr = self.learning_rate(count) if callable(self.learning_rate) else self.learning_rate
+        f = jnp.float32
+        return Scalars(
+            f(lr), f(self.b1), f(self.b2), f(self.eps), f(wd), 1 - f(self.b1) ** t, 1 - f(self.b2) ** t,
+            f(inv_scale), f(apply),
+        )  # fmt: skip
+
+    def _decay(self, params: Any) -> list[float]:
+        if self.mask is None:
+            flags = [True] * len(jax.tree.leaves(params))
+        else:
+            mask = self.mask(params) if callable(self.mask) else self.mask
+            flags = [bool(x) for x in jax.tree.leaves(mask)]
+        return [self.weight_decay if f else 0.0 for f in flags]
+
+    def _reference_tree(self, grads, state, master, inv_scale, apply, compute_dtype=jnp.float32):
+        leaves, treedef = jax.tree.flatten(master)
+        outs = [
+            adamw_reference(self._scalars(state.count, wd, inv_scale, apply), g, p, m, v, compute_dtype)
+            for g, p, m, v, wd in zip(
+                jax.tree.leaves(grads), leaves, jax.tree.leaves(state.mu), jax.tree.leaves(state.nu),
+                self._decay(master), strict=True,
+            )
+        ]  # fmt: skip
+        unflat = [jax.tree.unflatten(treedef, [o[i] for o in outs]) for i in range(4)]
+        count = state.count + jnp.asarray(apply, jnp.int32)
+        return unflat[0], FusedAdamWState(count, unflat[1], unflat[2]), unflat[3]
+
+    def fused_apply(
+        self,
+        grads: Any,
+        state: FusedAdamWState,
+        master: Any,
+        *,
+        compute_dtype: Any,
+        inv_scale: jax.Array,
+        apply: jax.Array,
+        mesh: Any,
+        specs: Any,
+    ) -> tuple[Any, FusedAdamWState, Any]:
+        """``(new_master, new_state, new_compute_params)``; all laid out by ``specs`` (the master specs).
+
+        ``grads`` are in the compute dtype, scaled by the loss scale; ``inv_scale`` undoes that (and
+        may fold in a clipping factor); ``apply=0`` keeps everything unchanged.
+        """
+        if self.resolved_implementation() == "xla":
+            return self._reference_tree(grads, state, master, inv_scale, apply, compute_dtype)
+        interpret = jax.default_backend() == "cpu" if self.interpret is None else self.interpret
+        decay = self._decay(master)
+        leaves, treedef = jax.tree.flatten(master)
+        spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        scal = [self._scalars(state.count, wd, inv_scale, apply).as_array(NUM_SCALARS) for wd in decay]
+
+        def local(scal, g, p, m, v):
+            outs = []
+            for s, gi, pi, mi, vi in zip(scal, g, p, m, v, strict=True):
+                shape = pi.shape
+                o = adamw_kernel(
+                    s, gi.reshape(-1), pi.reshape(-1), mi.reshape(-1), vi.reshape(-1), compute_dtype,
+                    self.config, interpret,
+                )  # fmt: skip
+                outs.append(tuple(x.reshape(shape) for x in o))
+            return tuple(tuple(o[i] for o in outs) for i in range(4))
+
+        tree_specs = tuple(spec_leaves)
+        run = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=((PartitionSpec(),) * len(scal), tree_specs, tree_specs, tree_specs, tree_specs),
+            out_specs=(tree_specs,) * 4,
+            check_vma=False,
+        )
+        new_p, new_m, new_v, new_c = run(
+            tuple(scal), tuple(jax.tree.leaves(grads)), tuple(leaves), tuple(jax.tree.leaves(state.mu)),
+            tuple(jax.tree.leaves(state.nu)),
+        )  # fmt: skip
+        count = state.count + jnp.asarray(apply, jnp.int32)
+        return (
+            jax.tree.unflatten(treedef, list(new_p)),
+            FusedAdamWState(count, jax.tree.unflatten(treedef, list(new_m)), jax.tree.unflatten(treedef, list(new_v))),
+            jax.tree.unflatten(treedef, list(new_c)),
+        )
+
+
+def fused_adamw(
+    learning_rate: float | optax.Schedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-4,
+    mask: Any = None,
+    *,
+    implementation: Implementation = "auto",
+    interpret: bool | None = None,
+    config: FusedAdamWConfig | None = None,
+) -> FusedAdamW:
+    """Mixed-precision AdamW in one memory pass (see :mod:`zjax.pallas.adamw`).
+
+    Args:
+      learning_rate: a float or an optax schedule of the step count.
+      b1, b2, eps: Adam's constants (``eps`` outside the square root, as optax).
+      weight_decay: decoupled weight decay.
+      mask: a pytree of bools (or a function of the params returning one): decay only where True.
+      implementation: ``"pallas"`` (the kernel), ``"xla"`` (the jnp reference) or ``"auto"`` (Pallas on
+        GPU, the reference elsewhere).
+      interpret: run the Pallas kernel in interpret mode (default: on CPU).
+      config: block size and launch parameters.
+
+    Raises:
+      ValueError: for an unknown implementation name, listing the valid ones.
+
+    Example:
+      >>> state = plan.init(init_fn, zjax.pallas.fused_adamw(3e-4, weight_decay=0.1), rng)
+    """
+    return FusedAdamW(
+        learning_rate, b1, b2, eps, weight_decay, mask, implementation, interpret,
+        FusedAdamWConfig() if config is None else config,
+    )  # fmt: skip
