@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remat", default="full", help="activation checkpointing policy (zjax.remat.POLICIES)")
     p.add_argument("--accum", type=int, default=1, help="gradient-accumulation microbatches per step")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument(
+        "--optimizer",
+        choices=("adamw", "fused_adamw"),
+        default="adamw",
+        help="optax.adamw, or zjax.pallas.fused_adamw (one-pass update; Pallas kernel on GPU)",
+    )
     p.add_argument("--clip-norm", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu-devices", type=int, default=8, help="simulated devices when running on CPU")
@@ -110,7 +116,10 @@ def main(argv: list[str] | None = None) -> dict:
     mesh = zjax.make_mesh(**args.mesh)
     plan = zjax.Plan(mesh, stage=args.stage, precision=args.precision, clip_norm=args.clip_norm)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), max(2, args.steps))
-    tx = optax.adamw(schedule, b2=0.95, weight_decay=0.1)
+    if args.optimizer == "fused_adamw":
+        tx = zjax.pallas.fused_adamw(schedule, b2=0.95, weight_decay=0.1)
+    else:
+        tx = optax.adamw(schedule, b2=0.95, weight_decay=0.1)
     dummy = jnp.zeros((1, args.seq_len), jnp.int32)
     state = plan.init(lambda r: model.init(r, dummy)["params"], tx, jax.random.key(args.seed))
     step = plan.train_step(lambda params, batch: lm_loss(model, params, batch), accum_steps=args.accum)
@@ -155,6 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
         "precision": args.precision,
         "accum": args.accum,
         "remat": args.remat,
+        "optimizer": args.optimizer,
         "preset": args.preset,
         "num_params": cfg.num_params,
         "losses": losses,

@@ -119,7 +119,8 @@ class FusedAdamW:
         """``(new_master, new_state, new_compute_params)``; all laid out by ``specs`` (the master specs).
 
         ``grads`` are in the compute dtype, scaled by the loss scale; ``inv_scale`` undoes that (and
-        may fold in a clipping factor); ``apply=0`` keeps everything unchanged.
+        may fold in a clipping factor); ``apply=0`` keeps everything unchanged. ``mesh=None`` runs on
+        whole leaves (a single device).
         """
         if self.resolved_implementation() == "xla":
             return self._reference_tree(grads, state, master, inv_scale, apply, compute_dtype)
@@ -140,14 +141,17 @@ class FusedAdamW:
                 outs.append(tuple(x.reshape(shape) for x in o))
             return tuple(tuple(o[i] for o in outs) for i in range(4))
 
-        tree_specs = tuple(spec_leaves)
-        run = jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=((PartitionSpec(),) * len(scal), tree_specs, tree_specs, tree_specs, tree_specs),
-            out_specs=(tree_specs,) * 4,
-            check_vma=False,
-        )
+        if mesh is None:  # one device: the kernel on whole leaves
+            run = local
+        else:  # each device on its local shard: the optimizer state is never gathered
+            tree_specs = tuple(spec_leaves)
+            run = jax.shard_map(
+                local,
+                mesh=mesh,
+                in_specs=((PartitionSpec(),) * len(scal), tree_specs, tree_specs, tree_specs, tree_specs),
+                out_specs=(tree_specs,) * 4,
+                check_vma=False,
+            )
         new_p, new_m, new_v, new_c = run(
             tuple(scal), tuple(jax.tree.leaves(grads)), tuple(leaves), tuple(jax.tree.leaves(state.mu)),
             tuple(jax.tree.leaves(state.nu)),
