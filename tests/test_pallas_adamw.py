@@ -107,9 +107,12 @@ def test_kernel_reads_and_writes_each_byte_once():
     assert per_param == 28
 
 
-def test_lowers_for_cuda_under_shard_map_without_gathering():
+@pytest.mark.parametrize(("group_bytes", "launches"), [(4 << 20, 1), (0, 2)])
+def test_lowers_for_cuda_under_shard_map_without_gathering(group_bytes, launches):
+    """Small leaves share one launch (a constant-size buffer); with grouping off each leaf gets its own."""
     mesh = zjax.make_mesh(dp=4, tp=2)
-    tx = fused_adamw(1e-3, implementation="pallas", interpret=False)
+    config = FusedAdamWConfig(group_bytes=group_bytes)
+    tx = fused_adamw(1e-3, implementation="pallas", interpret=False, config=config)
     specs = {"w": P("dp", "tp"), "b": P("dp")}
     shapes = {"w": (64, 32), "b": (40,)}
 
@@ -127,7 +130,7 @@ def test_lowers_for_cuda_under_shard_map_without_gathering():
         jax.jit(update), platforms=["cuda"], disabled_checks=[DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)]
     )(sds(jnp.bfloat16), FusedAdamWState(count, sds(jnp.float32), sds(jnp.float32)), sds(jnp.float32))
     text = exported.mlir_module()
-    assert text.count(TRITON_CUSTOM_CALL) == 2  # one launch per leaf, on the local shard
+    assert text.count(TRITON_CUSTOM_CALL) == launches  # on the local shards
     assert "all_gather" not in text and "all-gather" not in text  # master, m, v stay sharded
 
 

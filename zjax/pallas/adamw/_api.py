@@ -130,29 +130,49 @@ class FusedAdamW:
         spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
         scal = [self._scalars(state.count, wd, inv_scale, apply).as_array(NUM_SCALARS) for wd in decay]
 
+        config = self.config
+
+        def launch(s, g, p, m, v):
+            return adamw_kernel(s, g, p, m, v, compute_dtype, config, interpret)
+
         def local(scal, g, p, m, v):
-            outs = []
-            for s, gi, pi, mi, vi in zip(scal, g, p, m, v, strict=True):
-                shape = pi.shape
-                o = adamw_kernel(
-                    s, gi.reshape(-1), pi.reshape(-1), mi.reshape(-1), vi.reshape(-1), compute_dtype,
-                    self.config, interpret,
-                )  # fmt: skip
-                outs.append(tuple(x.reshape(shape) for x in o))
+            outs: list[Any] = [None] * len(p)
+            groups: dict[float, list[list[int]]] = {}
+            for i, pi in enumerate(p):
+                if pi.size * 4 >= config.group_bytes:  # a big leaf: its own launch, no copy
+                    o = launch(scal[i], g[i].reshape(-1), pi.reshape(-1), m[i].reshape(-1), v[i].reshape(-1))
+                    outs[i] = tuple(x.reshape(pi.shape) for x in o)
+                    continue
+                chunks = groups.setdefault(decay[i], [[]])  # small leaves share buffers of <= group_bytes
+                if sum(p[j].size for j in chunks[-1]) * 4 + pi.size * 4 > config.group_bytes:
+                    chunks.append([])
+                chunks[-1].append(i)
+            for chunks in groups.values():
+                for chunk in filter(None, chunks):
+
+                    def cat(xs, chunk=chunk):
+                        return jnp.concatenate([xs[j].reshape(-1) for j in chunk])
+
+                    o = launch(scal[chunk[0]], cat(g), cat(p), cat(m), cat(v))
+                    offset = 0
+                    for j in chunk:
+                        size = p[j].size
+                        outs[j] = tuple(x[offset : offset + size].reshape(p[j].shape) for x in o)
+                        offset += size
             return tuple(tuple(o[i] for o in outs) for i in range(4))
 
         if mesh is None:  # one device: the kernel on whole leaves
-            run = local
+            update = local
         else:  # each device on its local shard: the optimizer state is never gathered
             tree_specs = tuple(spec_leaves)
-            run = jax.shard_map(
+            update = jax.shard_map(
                 local,
                 mesh=mesh,
                 in_specs=((PartitionSpec(),) * len(scal), tree_specs, tree_specs, tree_specs, tree_specs),
                 out_specs=(tree_specs,) * 4,
                 check_vma=False,
             )
-        new_p, new_m, new_v, new_c = run(
+        new_p, new_m, new_v, new_c = update(
             tuple(scal), tuple(jax.tree.leaves(grads)), tuple(leaves), tuple(jax.tree.leaves(state.mu)),
             tuple(jax.tree.leaves(state.nu)),
         )  # fmt: skip
