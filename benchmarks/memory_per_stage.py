@@ -14,7 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from train_lm import parse_mesh, write_json_atomic  # noqa: E402
+from train_lm import parse_mesh  # noqa: E402
+
+from zjax import write_json_atomic  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

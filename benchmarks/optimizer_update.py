@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from train_lm import write_json_atomic  # noqa: E402
+from zjax import write_json_atomic  # noqa: E402
 
 KERNEL_BYTES_PER_PARAM = 2 + 3 * 4 + 3 * 4 + 2
 

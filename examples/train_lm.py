@@ -10,11 +10,8 @@ modules of Python's own standard library, read from this interpreter's installat
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import sysconfig
-import tempfile
 import time
 from pathlib import Path
 
@@ -73,20 +70,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-json", type=Path, default=None, help="write losses and memory figures here")
     p.add_argument("--no-progress", action="store_true", help="print a line per 10 steps instead of a bar")
     return p
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    """Write ``data`` to ``path`` so that a crash never leaves a half-written file."""
-    path = path.resolve()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -177,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
         "final_loss_scale": float(state.loss_scale.scale),
     }
     if args.metrics_json is not None:
-        write_json_atomic(args.metrics_json, result)
+        zjax.write_json_atomic(args.metrics_json, result)
         print(f"metrics written to {args.metrics_json}")
     return result
 

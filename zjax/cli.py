@@ -4,13 +4,12 @@ simulated CPU devices and prints per-device memory and communication."""
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import re
 import sys
-import tempfile
 from pathlib import Path
+
+from ._jsonfile import write_json_atomic
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -40,19 +39,6 @@ def parse_ints(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints, got {text!r}") from None
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path = path.resolve()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def _plot(est, path: Path) -> None:
@@ -152,7 +138,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(f"zjax plan: {e}", file=sys.stderr)
         return 2
     if args.json:
-        _write_json(args.json, result)
+        write_json_atomic(args.json, result)
         print(f"wrote {args.json}")
     if args.plot:
         _plot(est, args.plot)
