@@ -1,5 +1,6 @@
 """zjax: train large models with JAX/XLA without running out of accelerator memory."""
 
+from . import checkpoint as checkpoint
 from . import pallas as pallas
 from . import planner as planner
 from . import remat as remat
@@ -15,6 +16,7 @@ from ._precision import Precision as Precision
 from ._state import MixedPrecisionState as MixedPrecisionState
 from ._state import TrainState as TrainState
 from ._step import TrainStep as TrainStep
+from .checkpoint import Checkpointer as Checkpointer
 from .sharding import Rules as Rules
 from .sharding import make_mesh as make_mesh
 from .sharding import shard_batch as shard_batch

@@ -1,0 +1,185 @@
+"""Checkpoints of the whole ``TrainState`` that restore into any plan (stage, mesh, process count).
+
+One logical checkpoint per step, written by orbax's ``CheckpointManager``: the state as global arrays
+(unpadded logical shapes) plus a JSON item with the plan, the zjax version and the caller's metadata
+(e.g. the data position). Restoring builds its target from the *new* plan's :meth:`zjax.Plan.abstract_state`,
+so orbax reads each device's slice straight into the new layout: no offline conversion between ZeRO stages
+or meshes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from .._plan import Plan
+from .._state import TrainState
+
+log = logging.getLogger("zjax.checkpoint")
+
+STATE, META = "state", "meta"
+
+
+def plan_metadata(plan: Plan) -> dict[str, Any]:
+    """What a checkpoint records about the plan that wrote it."""
+    from .. import __version__
+
+    return {
+        "stage": plan.stage.level,
+        "precision": plan.precision.name,
+        "mesh": {k: int(v) for k, v in plan.mesh.shape.items()},
+        "processes": jax.process_count(),
+        "rules": repr(plan.rules),
+        "zjax_version": __version__,
+    }
+
+
+class Checkpointer:
+    """Save a run every ``save_every`` steps (asynchronously) and restore it into any plan.
+
+    Use it as a context manager (or call :meth:`close`): the last write is always waited for, so a run
+    never ends with only a temporary directory.
+
+    Args:
+      directory: where steps go (made absolute: orbax's background writer needs that).
+      save_every: :meth:`maybe_save` saves when ``step % save_every == 0``.
+      max_to_keep: keep this many newest steps.
+
+    Example:
+      >>> with zjax.Checkpointer("runs/ckpt", save_every=100) as ckpt:
+      ...     state, meta = ckpt.restore_or_init(plan, init_fn, tx, rng)
+      ...     for ...: state, m = step(state, batch); ckpt.maybe_save(state, {"data_position": i})
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, save_every: int = 1000, max_to_keep: int = 3):
+        if save_every < 1:
+            raise ValueError(f"Checkpointer: save_every={save_every} must be >= 1.")
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.save_every = save_every
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            item_names=(STATE, META),
+            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+        )
+
+    # -- context ------------------------------------------------------------------------------
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Wait for the last write and release the manager."""
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def wait(self) -> None:
+        """Block until the pending asynchronous save is on disk (and raise if it failed)."""
+        self._manager.wait_until_finished()
+
+    # -- save ---------------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def save(
+        self, state: TrainState, plan: Plan, metadata: dict[str, Any] | None = None, *, force: bool = True
+    ) -> bool:
+        """Start writing ``state`` at step ``state.step``; returns before the write ends."""
+        step = int(jax.device_get(state.step))
+        meta = plan_metadata(plan) | {"step": step, "user": metadata or {}}
+        return bool(
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)}),
+                force=force,
+            )
+        )
+
+    def maybe_save(self, state: TrainState, plan: Plan, metadata: dict[str, Any] | None = None) -> bool:
+        """Save when the state's step is a multiple of ``save_every``."""
+        step = int(jax.device_get(state.step))
+        if step % self.save_every:
+            return False
+        return self.save(state, plan, metadata)
+
+    # -- restore ------------------------------------------------------------------------------
+
+    def metadata(self, step: int) -> dict[str, Any]:
+        """The JSON item saved with ``step``."""
+        restored = self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))
+        return dict(restored[META])
+
+    def restore(
+        self,
+        plan: Plan,
+        init_fn: Callable[[jax.Array], Any],
+        tx: Any,
+        rng: jax.Array,
+        step: int | None = None,
+    ) -> tuple[TrainState, dict[str, Any]]:
+        """Restore into ``plan``'s layout: ``(state, metadata)``.
+
+        Without ``step``, the newest step that restores cleanly: an incomplete or corrupt step is
+        skipped with a warning naming it, and the previous one is tried.
+
+        Raises:
+          FileNotFoundError: if there is no (restorable) step.
+          ValueError: if the checkpoint's precision differs from the plan's (the state trees differ).
+        """
+        target = plan.abstract_state(init_fn, tx, rng)
+        candidates = [step] if step is not None else sorted(self._manager.all_steps(), reverse=True)
+        if not candidates:
+            raise FileNotFoundError(f"No checkpoint steps in {self.directory}.")
+        errors: list[tuple[int, Exception]] = []
+        for candidate in candidates:
+            try:
+                meta = self.metadata(candidate)
+                if meta.get("precision") != plan.precision.name:
+                    raise ValueError(
+                        f"checkpoint step {candidate} was saved with precision {meta.get('precision')!r}; this plan "
+                        f"uses {plan.precision.name!r}. Restore with a plan of the same precision."
+                    )
+                restored = self._manager.restore(
+                    candidate, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target)})
+                )
+            except ValueError as e:
+                if "precision" in str(e):
+                    raise
+                errors.append((candidate, e))
+            except Exception as e:  # noqa: BLE001 - a truncated or empty step: fall back to the previous one
+                errors.append((candidate, e))
+            else:
+                for bad, err in errors:
+                    warnings.warn(f"zjax: skipped checkpoint step {bad} in {self.directory}: {err}", stacklevel=2)
+                changed = {k: (meta.get(k), v) for k, v in plan_metadata(plan).items() if k in ("stage", "mesh")}
+                changed = {k: v for k, v in changed.items() if v[0] != v[1]}
+                if changed:
+                    log.warning(
+                        "zjax: restored step %d with a different plan: %s",
+                        candidate,
+                        ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()),
+                    )
+                return restored[STATE], meta
+        detail = "; ".join(f"step {s}: {type(e).__name__}: {e}" for s, e in errors)
+        raise FileNotFoundError(f"No restorable checkpoint step in {self.directory} ({detail}).")
+
+    def restore_or_init(
+        self, plan: Plan, init_fn: Callable[[jax.Array], Any], tx: Any, rng: jax.Array
+    ) -> tuple[TrainState, dict[str, Any] | None]:
+        """The newest restorable step, or a fresh ``plan.init`` when there is none."""
+        if not self._manager.all_steps():
+            return plan.init(init_fn, tx, rng), None
+        try:
+            return self.restore(plan, init_fn, tx, rng)
+        except FileNotFoundError as e:
+            warnings.warn(f"zjax: starting fresh: {e}", stacklevel=2)
+            return plan.init(init_fn, tx, rng), None
