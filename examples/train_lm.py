@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu-devices", type=int, default=8, help="simulated devices when running on CPU")
     p.add_argument("--metrics-json", type=Path, default=None, help="write losses and memory figures here")
+    p.add_argument("--checkpoint-dir", type=Path, default=None, help="save the run here (orbax, async)")
+    p.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    p.add_argument("--stop-at", type=int, default=None, help="stop after this step (as if preempted)")
     p.add_argument("--no-progress", action="store_true", help="print a line per 10 steps instead of a bar")
     return p
 
@@ -104,7 +108,18 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         tx = optax.adamw(schedule, b2=0.95, weight_decay=0.1)
     dummy = jnp.zeros((1, args.seq_len), jnp.int32)
-    state = plan.init(lambda r: model.init(r, dummy)["params"], tx, jax.random.key(args.seed))
+    if args.resume and args.checkpoint_dir is None:
+        raise SystemExit("--resume needs --checkpoint-dir")
+    init_fn = lambda r: model.init(r, dummy)["params"]  # noqa: E731
+    ckpt = zjax.Checkpointer(args.checkpoint_dir, save_every=args.save_every) if args.checkpoint_dir else None
+    start = 0
+    if ckpt is not None and args.resume:
+        state, meta = ckpt.restore_or_init(plan, init_fn, tx, jax.random.key(args.seed))
+        start = int(meta["user"]["data_position"]) if meta else 0
+        if meta:
+            print(f"resumed from step {meta['step']} (saved at stage {meta['stage']}, mesh {meta['mesh']})")
+    else:
+        state = plan.init(init_fn, tx, jax.random.key(args.seed))
     step = plan.train_step(lambda params, batch: lm_loss(model, params, batch), accum_steps=args.accum)
 
     data = np.frombuffer(load_text(), dtype=np.uint8)
@@ -114,6 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
         starts = rng.integers(0, len(data) - args.seq_len - 1, size=args.batch_size)
         return np.stack([data[s : s + args.seq_len + 1] for s in starts]).astype(np.int32)
 
+    for _ in range(start):  # the data position: replay the sampler up to where the checkpoint was
+        next_batch()
     batch = plan.shard_batch(next_batch())
     report = plan.memory_report(state, batch)
     sizes = {k: int(v) for k, v in mesh.shape.items()}
@@ -127,19 +144,26 @@ def main(argv: list[str] | None = None) -> dict:
     losses: list[float] = []
     skipped = 0
     tokens_per_step = args.batch_size * args.seq_len
-    bar = tqdm(range(args.steps), desc=f"zero{args.stage}", disable=args.no_progress, file=sys.stdout)
-    start = time.perf_counter()
+    end = args.steps if args.stop_at is None else min(args.steps, args.stop_at)
+    bar = tqdm(range(start, end), desc=f"zero{args.stage}", disable=args.no_progress, file=sys.stdout)
+    t0 = time.perf_counter()
     for i in bar:
         state, metrics = step(state, batch)
         batch = plan.shard_batch(next_batch())  # overlaps with the step running asynchronously
         loss = float(metrics["loss"])
         losses.append(loss)
         skipped += int(metrics["skipped"])
-        rate = tokens_per_step * (i + 1) / (time.perf_counter() - start)
+        if ckpt is not None:
+            ckpt.maybe_save(state, plan, {"data_position": i + 1})
+        rate = tokens_per_step * (i + 1 - start) / (time.perf_counter() - t0)
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:,.0f}", scale=float(metrics["loss_scale"]))
-        if args.no_progress and (i % 10 == 0 or i == args.steps - 1):
+        if args.no_progress and (i % 10 == 0 or i == end - 1):
             print(f"step {i:5d}  loss {loss:.4f}  tokens/s {rate:,.0f}")
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - t0
+    if ckpt is not None:
+        if end > start and end % args.save_every:
+            ckpt.save(state, plan, {"data_position": end})  # the last step, always
+        ckpt.close()  # waits for the last write
 
     result = {
         "stage": args.stage,
@@ -154,7 +178,8 @@ def main(argv: list[str] | None = None) -> dict:
         "state_bytes_per_device": {"theory": report.state_theory, "compiled": report.state_compiled},
         "temp_bytes_per_device": report.temp_bytes,
         "memory": report.to_dict(),
-        "tokens_per_second": tokens_per_step * args.steps / elapsed if elapsed > 0 else None,
+        "tokens_per_second": tokens_per_step * (end - start) / elapsed if elapsed > 0 else None,
+        "resumed_from": start if args.resume else None,
         "final_step": int(state.step),
         "skipped_steps": skipped,
         "final_loss_scale": float(state.loss_scale.scale),

@@ -1,5 +1,7 @@
-"""The ``zjax`` command. ``zjax plan --model llama2-7b --mesh dp=64`` compiles every stage ahead of time on
-simulated CPU devices and prints per-device memory and communication."""
+"""The ``zjax`` command.
+
+``zjax plan --model llama2-7b --mesh dp=64`` compiles every stage ahead of time on simulated CPU devices
+and prints per-device memory and communication; ``zjax ckpt info PATH`` describes a checkpoint."""
 
 from __future__ import annotations
 
@@ -146,13 +148,52 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0 if args.budget is None or result.get("fits") is not None else 1
 
 
+def _ckpt_parser(sub) -> None:
+    p = sub.add_parser("ckpt", help="inspect checkpoints")
+    ckpt_sub = p.add_subparsers(dest="ckpt_command", required=True)
+    info = ckpt_sub.add_parser("info", help="steps, the saved plan and every array's shape, dtype and spec")
+    info.add_argument("path", type=Path)
+    info.add_argument("--step", type=int, default=None, help="default: the newest step")
+
+
+def _run_ckpt_info(args: argparse.Namespace) -> int:
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    from .checkpoint import Checkpointer
+
+    if not args.path.is_dir():
+        print(f"zjax ckpt info: {args.path} is not a directory", file=sys.stderr)
+        return 2
+    with Checkpointer(args.path) as ckpt:
+        steps = ckpt.steps()
+        if not steps:
+            print(f"zjax ckpt info: no checkpoint steps in {args.path}", file=sys.stderr)
+            return 2
+        step = steps[-1] if args.step is None else args.step
+        if step not in steps:
+            print(f"zjax ckpt info: step {step} not in {steps}", file=sys.stderr)
+            return 2
+        meta = ckpt.metadata(step)
+        rows = ckpt.array_metadata(step)
+    print(f"{args.path.resolve()}: steps {steps}")
+    print(f"step {step}: " + ", ".join(f"{k}={v}" for k, v in meta.items() if k not in ("rules",)))
+    width = max(len(r[0]) for r in rows)
+    for path, shape, dtype, spec in rows:
+        print(f"  {path:<{width}}  {dtype:<9} {str(shape):<22} {spec}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zjax", description="zjax command line")
     sub = parser.add_subparsers(dest="command", required=True)
     _plan_parser(sub)
+    _ckpt_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "plan":
         return _run_plan(args)
+    if args.command == "ckpt":
+        return _run_ckpt_info(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from jax.sharding import PartitionSpec
 
 from .._plan import Plan
 from .._state import TrainState
@@ -64,7 +65,7 @@ class Checkpointer:
         self.save_every = save_every
         self._manager = ocp.CheckpointManager(
             self.directory,
-            item_names=(STATE, META),
+            item_handlers={STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()},
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
         )
 
@@ -112,6 +113,19 @@ class Checkpointer:
         return self.save(state, plan, metadata)
 
     # -- restore ------------------------------------------------------------------------------
+
+    def array_metadata(self, step: int) -> list[tuple[str, tuple[int, ...], str, str]]:
+        """``(path, shape, dtype, sharding)`` of every saved array at ``step``, read from disk metadata."""
+        tree = self._manager.item_metadata(step)[STATE]
+        rows = []
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            sharding = getattr(leaf, "sharding", None)
+            spec = getattr(sharding, "partition_spec", None)
+            if spec is None:
+                spec = getattr(sharding, "spec", sharding)
+            text = str(PartitionSpec(*spec)) if isinstance(spec, (tuple, list)) else str(spec)
+            rows.append((jax.tree_util.keystr(path), tuple(leaf.shape), str(leaf.dtype), text))
+        return rows
 
     def metadata(self, step: int) -> dict[str, Any]:
         """The JSON item saved with ``step``."""
