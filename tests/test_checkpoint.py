@@ -1,0 +1,171 @@
+"""Checkpoints: restore into any stage and mesh bitwise, resume bitwise, survive junk steps."""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import zjax
+
+from ._models import linen_mlp_task, regression_batch
+
+ROOT = Path(__file__).resolve().parents[1]
+MESHES = {"dp8": {"dp": 8}, "dp4_tp2": {"dp": 4, "tp": 2}}
+
+
+def trained_state(stage, mesh_kw=None, tx=None, precision="bf16"):
+    init_fn, loss_fn = linen_mlp_task()
+    plan = zjax.Plan(zjax.make_mesh(**(mesh_kw or {"dp": 8})), stage=stage, precision=precision)
+    tx = optax.adamw(1e-2, weight_decay=0.1) if tx is None else tx
+    state = plan.init(init_fn, tx, jax.random.key(0))
+    state, _ = plan.train_step(loss_fn)(state, plan.shard_batch(regression_batch()))
+    return plan, state, tx
+
+
+def assert_bitwise(a, b):
+    la, lb = jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b))
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One checkpoint per stage 0-3, saved on dp=8."""
+    out = {}
+    for stage in range(4):
+        directory = tmp_path_factory.mktemp(f"stage{stage}")
+        plan, state, tx = trained_state(stage)
+        with zjax.Checkpointer(directory) as ckpt:
+            ckpt.save(state, plan, {"data_position": 1})
+        out[stage] = (directory, jax.device_get(state), tx)
+    return out
+
+
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+@pytest.mark.parametrize("to_stage", range(4))
+@pytest.mark.parametrize("from_stage", range(4))
+def test_reshard_matrix(saved, from_stage, to_stage, mesh_name):
+    directory, want, tx = saved[from_stage]
+    plan = zjax.Plan(zjax.make_mesh(**MESHES[mesh_name]), stage=to_stage, precision="bf16")
+    with zjax.Checkpointer(directory) as ckpt:
+        state, meta = ckpt.restore(plan, linen_mlp_task()[0], tx, jax.random.key(0))
+    assert meta["stage"] == from_stage and meta["user"] == {"data_position": 1}
+    assert_bitwise(state, want)
+    target = plan.state_shardings(state)
+    for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(target), strict=True):
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+
+
+def test_restore_in_a_four_device_process(saved, tmp_path):
+    directory, want, _ = saved[3]
+    expected = tmp_path / "want.npz"
+    np.savez(expected, *[np.asarray(x, np.float32) for x in jax.tree.leaves(want)])
+    script = f"""
+import jax
+jax.config.update("jax_num_cpu_devices", 4)
+import numpy as np, optax, zjax
+from tests._models import linen_mlp_task
+plan = zjax.Plan(zjax.make_mesh(dp=2, tp=2), stage=1, precision="bf16")
+with zjax.Checkpointer({str(directory)!r}) as ckpt:
+    state, meta = ckpt.restore(plan, linen_mlp_task()[0], optax.adamw(1e-2, weight_decay=0.1), jax.random.key(0))
+want = np.load({str(expected)!r})
+got = [np.asarray(x, np.float32) for x in jax.tree.leaves(jax.device_get(state))]
+assert len(got) == len(want.files)
+assert all(np.array_equal(g, want[f"arr_{{i}}"]) for i, g in enumerate(got))
+print("OK", jax.device_count())
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0 and "OK 4" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_donated_step_right_after_save_does_not_corrupt(tmp_path):
+    init_fn, loss_fn = linen_mlp_task()
+    plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, precision="bf16")
+    tx = optax.adamw(1e-2)
+    state = plan.init(init_fn, tx, jax.random.key(0))
+    step = plan.train_step(loss_fn)
+    want = jax.device_get(state)
+    with zjax.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(state, plan)  # returns while the write may still run
+        for _ in range(3):
+            state, _ = step(state, plan.shard_batch(regression_batch()))  # donates the saved buffers
+        jax.block_until_ready(state)
+    with zjax.Checkpointer(tmp_path) as ckpt:
+        restored, _ = ckpt.restore(plan, init_fn, tx, jax.random.key(0))
+    assert_bitwise(restored, want)
+
+
+def test_fallback_past_an_empty_step_directory(tmp_path):
+    plan, state, tx = trained_state(2)
+    with zjax.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(state, plan, {"data_position": 1})
+    want = jax.device_get(state)
+    os.makedirs(tmp_path / "7")  # an empty integer-named directory counts as a step for orbax
+    with zjax.Checkpointer(tmp_path) as ckpt, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        restored, meta = ckpt.restore(plan, linen_mlp_task()[0], tx, jax.random.key(0))
+    assert meta["step"] == 1
+    assert any("skipped checkpoint step 7" in str(w.message) for w in caught)
+    assert_bitwise(restored, want)
+
+
+def test_precision_change_is_a_clear_error(saved):
+    directory, _, tx = saved[1]
+    plan = zjax.Plan(zjax.make_mesh(dp=8), stage=1, precision="fp32")
+    with zjax.Checkpointer(directory) as ckpt, pytest.raises(ValueError, match="saved with precision 'bf16'"):
+        ckpt.restore(plan, linen_mlp_task()[0], tx, jax.random.key(0))
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [
+        optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2),
+        optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+        optax.multi_transform(
+            {"a": optax.adam(1e-2), "s": optax.sgd(1e-2)},
+            lambda p: jax.tree.map(lambda x: "a" if x.ndim > 1 else "s", p),
+        ),
+    ],
+    ids=["inject_hyperparams", "masked", "multi_transform"],
+)
+def test_optax_states_round_trip(tmp_path, tx):
+    plan, state, tx = trained_state(1, tx=tx)
+    with zjax.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(state, plan)
+    with zjax.Checkpointer(tmp_path) as ckpt:
+        restored, _ = ckpt.restore(plan, linen_mlp_task()[0], tx, jax.random.key(0))
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    assert_bitwise(restored, state)
+
+
+def run_example(tmp_path, name, *flags):
+    out = tmp_path / f"{name}.json"
+    cmd = [
+        sys.executable, str(ROOT / "examples" / "train_lm.py"), "--preset", "tiny", "--steps", "4", "--seq-len", "32",
+        "--batch-size", "16", "--no-progress", "--metrics-json", str(out), *flags,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_resume_in_a_new_process_is_bitwise(tmp_path):
+    straight, _ = run_example(tmp_path, "straight")
+    ckpt = str(tmp_path / "ckpt")
+    run_example(tmp_path, "first", "--checkpoint-dir", ckpt, "--save-every", "2", "--stop-at", "2")
+    resumed, out = run_example(tmp_path, "resumed", "--checkpoint-dir", ckpt, "--save-every", "2", "--resume")
+    assert "resumed from step 2" in out
+    assert resumed["losses"] == straight["losses"][2:]
+    info = subprocess.run(
+        [sys.executable, "-m", "zjax.cli", "ckpt", "info", ckpt], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert info.returncode == 0, info.stderr
+    assert "steps [2, 4]" in info.stdout and "['params']['layers']['wq']" in info.stdout
