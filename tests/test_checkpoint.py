@@ -169,3 +169,40 @@ def test_resume_in_a_new_process_is_bitwise(tmp_path):
     )
     assert info.returncode == 0, info.stderr
     assert "steps [2, 4]" in info.stdout and "['params']['layers']['wq']" in info.stdout
+
+
+def test_fallback_past_a_truncated_step(tmp_path):
+    plan, state, tx = trained_state(3)
+    init_fn, loss_fn = linen_mlp_task()
+    with zjax.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(state, plan)
+        want = jax.device_get(state)
+        state, _ = plan.train_step(loss_fn)(state, plan.shard_batch(regression_batch(seed=1)))
+        ckpt.save(state, plan)
+    files = [p for p in (tmp_path / "2" / "state").rglob("*") if p.is_file() and p.stat().st_size > 0]
+    assert files
+    for f in files:
+        if f.name not in ("_METADATA", "_sharding", "manifest.ocdbt", "_CHECKPOINT_METADATA"):
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # a write cut short
+    with zjax.Checkpointer(tmp_path) as ckpt, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        restored, meta = ckpt.restore(plan, init_fn, tx, jax.random.key(0))
+    assert meta["step"] == 1
+    assert any("skipped checkpoint step 2" in str(w.message) for w in caught)
+    assert_bitwise(restored, want)
+
+
+def test_nnx_state_restores_into_another_stage_and_mesh(tmp_path):
+    from ._models import nnx_mlp_task, train
+
+    init_fn, loss_fn = nnx_mlp_task()
+    tx = optax.adamw(1e-2)
+    _, state, plan = train((init_fn, loss_fn), [regression_batch()], stage=3, tx=tx, precision="bf16")
+    with zjax.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(state, plan)
+    plan2 = zjax.Plan(zjax.make_mesh(dp=4, tp=2), stage=1, precision="bf16")
+    with zjax.Checkpointer(tmp_path) as ckpt:
+        restored, _ = ckpt.restore(plan2, init_fn, tx, jax.random.key(0))
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    assert_bitwise(restored, state)
+    assert "tp" in str(restored.params["up"]["kernel"].sharding.spec)

@@ -32,6 +32,7 @@ def test_metrics_schema_and_determinism(tmp_path):
     assert a["losses"] == b["losses"]
 
 
+@pytest.mark.slow  # the same paths run in-process elsewhere; this is the script end to end
 def test_tp_fp16_accumulation(tmp_path):
     m = run_example(
         tmp_path, "c", "--stage", "2", "--mesh", "dp=4,tp=2", "--precision", "fp16", "--accum", "2", "--remat", "dots"
