@@ -206,3 +206,56 @@ def test_nnx_state_restores_into_another_stage_and_mesh(tmp_path):
     assert jax.tree.structure(restored) == jax.tree.structure(state)
     assert_bitwise(restored, state)
     assert "tp" in str(restored.params["up"]["kernel"].sharding.spec)
+
+
+KILL_SCRIPT = """
+import sys, time
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import jax.numpy as jnp, optax, zjax
+plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, precision="bf16")
+init = lambda r: {"w": jax.random.normal(r, (4096, 4096)), "b": jnp.zeros((4096,))}
+state = plan.init(init, optax.adamw(1e-3), jax.random.key(0))
+ckpt = zjax.Checkpointer(sys.argv[1])
+if not ckpt.steps():
+    ckpt.save(state.replace(step=jnp.asarray(1, jnp.int32)), plan)
+    ckpt.wait()
+print("SAVING", flush=True)
+ckpt.save(state.replace(step=jnp.asarray(2, jnp.int32)), plan)
+time.sleep(60)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.0, 0.1, 0.3, 0.8])
+def test_sigkill_during_save_leaves_a_restorable_checkpoint(tmp_path, delay):
+    import time
+
+    directory = tmp_path / "ckpt"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILL_SCRIPT, str(directory)], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    try:
+        assert proc.stdout.readline().strip() == "SAVING"
+        time.sleep(delay)
+    finally:
+        proc.kill()  # SIGKILL: no cleanup, no atexit
+        proc.wait(timeout=60)
+        proc.stdout.close()
+    plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, precision="bf16")
+
+    def init(r):
+        return {"w": jax.random.normal(r, (4096, 4096)), "b": jax.numpy.zeros((4096,))}
+
+    tx = optax.adamw(1e-3)
+    want = jax.device_get(plan.init(init, tx, jax.random.key(0)).params)
+    with zjax.Checkpointer(directory) as ckpt, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        restored, meta = ckpt.restore(plan, init, tx, jax.random.key(0))
+        assert meta["step"] in (1, 2)  # step 2 only if its write completed before the kill
+        assert_bitwise(restored.params, want)
+        # saving the interrupted step again works
+        ckpt.save(restored.replace(step=jax.numpy.asarray(2, jax.numpy.int32)), plan)
+    with zjax.Checkpointer(directory) as ckpt:
+        _, meta = ckpt.restore(plan, init, tx, jax.random.key(0))
+        assert meta["step"] == 2
