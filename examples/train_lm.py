@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="save the run here (orbax, async)")
     p.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    p.add_argument(
+        "--preemptible",
+        action="store_true",
+        help="start jax.distributed (one local process) so that SIGTERM saves a checkpoint and exits cleanly",
+    )
     p.add_argument("--stop-at", type=int, default=None, help="stop after this step (as if preempted)")
     p.add_argument("--no-progress", action="store_true", help="print a line per 10 steps instead of a bar")
     return p
@@ -82,6 +87,16 @@ def main(argv: list[str] | None = None) -> dict:
     import jax
 
     jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # must precede backend start
+    if args.preemptible:
+        if args.checkpoint_dir is None:
+            raise SystemExit("--preemptible needs --checkpoint-dir")
+        import socket
+
+        with socket.socket() as s:  # a free local port for the coordinator
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0)
 
     import jax.numpy as jnp
     import numpy as np
@@ -155,15 +170,21 @@ def main(argv: list[str] | None = None) -> dict:
         skipped += int(metrics["skipped"])
         if ckpt is not None:
             ckpt.maybe_save(state, plan, {"data_position": i + 1})
+            if ckpt.preempted:
+                print(f"preempted: saved step {i + 1}, exiting", flush=True)
+                end = i + 1
+                break
         rate = tokens_per_step * (i + 1 - start) / (time.perf_counter() - t0)
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:,.0f}", scale=float(metrics["loss_scale"]))
         if args.no_progress and (i % 10 == 0 or i == end - 1):
             print(f"step {i:5d}  loss {loss:.4f}  tokens/s {rate:,.0f}")
     elapsed = time.perf_counter() - t0
     if ckpt is not None:
-        if end > start and end % args.save_every:
+        if end > start and end % args.save_every and not ckpt.preempted:
             ckpt.save(state, plan, {"data_position": end})  # the last step, always
         ckpt.close()  # waits for the last write
+    if args.preemptible:
+        jax.distributed.shutdown()
 
     result = {
         "stage": args.stage,

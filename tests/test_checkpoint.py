@@ -259,3 +259,45 @@ def test_sigkill_during_save_leaves_a_restorable_checkpoint(tmp_path, delay):
     with zjax.Checkpointer(directory) as ckpt:
         _, meta = ckpt.restore(plan, init, tx, jax.random.key(0))
         assert meta["step"] == 2
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_agreed_step_and_exits_cleanly(tmp_path):
+    """With jax.distributed up (--preemptible), SIGTERM saves at the processes' agreed step and exits 0."""
+    import signal
+
+    ckpt = tmp_path / "ckpt"
+    common = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "16", "--no-progress", "--save-every", "1000"]
+    cmd = [sys.executable, "-u", str(ROOT / "examples" / "train_lm.py"), *common, "--steps", "400"]
+    proc = subprocess.Popen(
+        [*cmd, "--checkpoint-dir", str(ckpt), "--preemptible"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+    )
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("step "):  # training is under way
+                proc.send_signal(signal.SIGTERM)
+                break
+        lines += proc.stdout.readlines()
+        assert proc.wait(timeout=120) == 0, "".join(lines)
+    finally:
+        proc.kill()
+        proc.stdout.close()
+    saved = [line for line in lines if line.startswith("preempted: saved step")]
+    assert saved, "".join(lines)
+    step = int(saved[0].split()[3].rstrip(","))
+    with zjax.Checkpointer(ckpt) as c:
+        assert c.steps() == [step]
+    resumed = subprocess.run(
+        [*cmd[:-1], str(step + 2), "--checkpoint-dir", str(ckpt), "--resume"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert resumed.returncode == 0 and f"resumed from step {step}" in resumed.stdout, resumed.stdout + resumed.stderr

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
 
 from .._plan import Plan
@@ -63,6 +64,7 @@ class Checkpointer:
             raise ValueError(f"Checkpointer: save_every={save_every} must be >= 1.")
         self.directory = os.path.abspath(os.fspath(directory))
         self.save_every = save_every
+        self.preempted = False
         self._manager = ocp.CheckpointManager(
             self.directory,
             item_handlers={STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()},
@@ -106,8 +108,17 @@ class Checkpointer:
         )
 
     def maybe_save(self, state: TrainState, plan: Plan, metadata: dict[str, Any] | None = None) -> bool:
-        """Save when the state's step is a multiple of ``save_every``."""
+        """Save when the state's step is a multiple of ``save_every``, or at a preemption.
+
+        With ``jax.distributed`` initialized, a SIGTERM makes every process agree on a step (JAX's
+        preemption sync point); at that step this saves on all of them and sets :attr:`preempted`: the
+        training loop should then stop and :meth:`close`.
+        """
         step = int(jax.device_get(state.step))
+        if jax.distributed.is_initialized() and multihost_utils.reached_preemption_sync_point(step):
+            self.preempted = True
+            log.warning("zjax: preemption: saving step %d in %s", step, self.directory)
+            return self.save(state, plan, metadata)
         if step % self.save_every:
             return False
         return self.save(state, plan, metadata)
