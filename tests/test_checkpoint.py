@@ -301,3 +301,46 @@ def test_sigterm_saves_the_agreed_step_and_exits_cleanly(tmp_path):
         cwd=ROOT,
     )
     assert resumed.returncode == 0 and f"resumed from step {step}" in resumed.stdout, resumed.stdout + resumed.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_processes(directory: Path, mode: str) -> None:
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests._mp_checkpoint_worker", str(pid), port, str(directory), mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+        )
+        for pid in (0, 1)
+    ]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    for pid, (p, out) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0 and f"OK {pid} 2 8" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_two_processes_save_and_restore_anywhere(tmp_path):
+    """2 processes x 4 devices (gloo): save at stage 3 on dp=8 with per-process batch rows; restore at stage 1
+    on dp=4 x tp=2 in 2 processes, and at stage 0 in 1 process x 8 devices: bitwise."""
+    directory = tmp_path / "ckpt"
+    _two_processes(directory, "save")
+    _two_processes(directory, "restore")
+    saved = np.load(f"{directory}.save.npz")
+    restored = np.load(f"{directory}.restore.npz")
+    assert all(np.array_equal(saved[f], restored[f]) for f in saved.files)
+    plan = zjax.Plan(zjax.make_mesh(dp=8), stage=0, precision="bf16")
+    with zjax.Checkpointer(directory) as ckpt:
+        state, meta = ckpt.restore(plan, linen_mlp_task()[0], optax.adamw(1e-2), jax.random.key(0))
+    assert meta["processes"] == 2
+    got = [np.asarray(x, np.float32) for x in jax.tree.leaves(jax.device_get(state.params))]
+    assert all(np.array_equal(g, saved[f"arr_{i}"]) for i, g in enumerate(got))
