@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec
 
 from .._plan import Plan
 from .._state import TrainState
+from ..sharding._annotations import path_str
 
 log = logging.getLogger("zjax.checkpoint")
 
@@ -40,6 +41,29 @@ def plan_metadata(plan: Plan) -> dict[str, Any]:
         "rules": repr(plan.rules),
         "zjax_version": __version__,
     }
+
+
+_MISMATCH_SIGNS = ("not compatible with the stored shape", "tree structures do not match", "Requested shape")
+
+
+class _Mismatch(Exception):
+    """The checkpoint holds different arrays than the plan's state: never pad or truncate silently."""
+
+
+def _check_shapes(step: int, saved: list[tuple[str, tuple[int, ...], str, str]], target: Any) -> None:
+    want = {path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
+    have = {path: shape for path, shape, _, _ in saved}
+    problems = [
+        f"{p}: saved {have.get(p)}, model {want.get(p)}"
+        for p in sorted(set(want) | set(have), key=lambda p: (not p.startswith("params"), p))  # parameters first
+        if have.get(p) != want.get(p)
+    ]
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise _Mismatch(
+            f"checkpoint step {step} does not match this model's state ({shown}). Restore with the model and "
+            "optimizer that wrote it; zjax never pads or truncates arrays on restore."
+        )
 
 
 class Checkpointer:
@@ -135,7 +159,7 @@ class Checkpointer:
             if spec is None:
                 spec = getattr(sharding, "spec", sharding)
             text = str(PartitionSpec(*spec)) if isinstance(spec, (tuple, list)) else str(spec)
-            rows.append((jax.tree_util.keystr(path), tuple(leaf.shape), str(leaf.dtype), text))
+            rows.append((path_str(path), tuple(leaf.shape), str(leaf.dtype), text))
         return rows
 
     def metadata(self, step: int) -> dict[str, Any]:
@@ -168,19 +192,28 @@ class Checkpointer:
         for candidate in candidates:
             try:
                 meta = self.metadata(candidate)
-                if meta.get("precision") != plan.precision.name:
-                    raise ValueError(
-                        f"checkpoint step {candidate} was saved with precision {meta.get('precision')!r}; this plan "
-                        f"uses {plan.precision.name!r}. Restore with a plan of the same precision."
-                    )
+            except Exception as e:  # noqa: BLE001 - an empty or unreadable step: fall back to the previous one
+                errors.append((candidate, e))
+                continue
+            if meta.get("precision") != plan.precision.name:
+                raise ValueError(
+                    f"checkpoint step {candidate} was saved with precision {meta.get('precision')!r}; this plan "
+                    f"uses {plan.precision.name!r}. Restore with a plan of the same precision."
+                )
+            try:
                 restored = self._manager.restore(
                     candidate, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target)})
                 )
-            except ValueError as e:
-                if "precision" in str(e):
-                    raise
-                errors.append((candidate, e))
-            except Exception as e:  # noqa: BLE001 - a truncated or empty step: fall back to the previous one
+            except Exception as e:  # noqa: BLE001
+                # A different model is the caller's error (never padded or truncated); anything else is a
+                # damaged step: fall back to the previous one. Only an intact step's metadata is read:
+                # reading a damaged one leaves orbax futures with unretrieved errors behind.
+                if any(sign in str(e) for sign in _MISMATCH_SIGNS):
+                    try:
+                        _check_shapes(candidate, self.array_metadata(candidate), target)
+                    except _Mismatch as mismatch:
+                        raise ValueError(str(mismatch)) from None
+                    raise ValueError(f"checkpoint step {candidate} does not match this model's state: {e}") from None
                 errors.append((candidate, e))
             else:
                 for bad, err in errors:
