@@ -121,6 +121,7 @@ def test_cli_budget_picks_a_config_that_fits(tmp_path):
     assert "fits in 0.005 GB" in proc.stdout
 
 
+@pytest.mark.slow
 def test_cli_impossible_budget_shows_closest(tmp_path):
     out = tmp_path / "none.json"
     args = ["--model", "tiny", "--mesh", "dp=8", "--stages", "3", "--remat", "full", "--batch-size", "16"]

@@ -40,7 +40,7 @@ def test_registry_round_trip(name):
 
 # Partitioned twins compile to the same single-device program; their numerics under tp are tested below.
 # One policy of each kind runs in the fast suite, the rest in the slow step.
-FAST = ("full", "dots", "minimal", "offload_minimal")
+FAST = ("full", "dots", "minimal")
 
 
 @pytest.mark.parametrize(
