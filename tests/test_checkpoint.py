@@ -182,6 +182,9 @@ def test_resume_in_a_new_process_is_bitwise(tmp_path):
     assert "steps [2, 4]" in info.stdout and "params/layers/wq" in info.stdout
 
 
+# A damaged step's failed reads leave orbax/tensorstore futures whose errors nobody retrieves; Python reports
+# them as unraisable when they are collected. Expected here: collect them inside this test and ignore them.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_fallback_past_a_truncated_step(tmp_path):
     plan, state, tx = trained_state(3)
     init_fn, loss_fn = linen_mlp_task()
@@ -201,6 +204,9 @@ def test_fallback_past_a_truncated_step(tmp_path):
     assert meta["step"] == 1
     assert any("skipped checkpoint step 2" in str(w.message) for w in caught)
     assert_bitwise(restored, want)
+    import gc
+
+    gc.collect()
 
 
 def test_nnx_state_restores_into_another_stage_and_mesh(tmp_path):

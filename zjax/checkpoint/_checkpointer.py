@@ -43,9 +43,6 @@ def plan_metadata(plan: Plan) -> dict[str, Any]:
     }
 
 
-_MISMATCH_SIGNS = ("not compatible with the stored shape", "tree structures do not match", "Requested shape")
-
-
 class _Mismatch(Exception):
     """The checkpoint holds different arrays than the plan's state: never pad or truncate silently."""
 
@@ -201,19 +198,15 @@ class Checkpointer:
                     f"uses {plan.precision.name!r}. Restore with a plan of the same precision."
                 )
             try:
+                # A different model is the caller's error (never padded or truncated): checked before
+                # reading any array. Anything else that fails is a damaged step: fall back.
+                _check_shapes(candidate, self.array_metadata(candidate), target)
                 restored = self._manager.restore(
                     candidate, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target)})
                 )
+            except _Mismatch as mismatch:
+                raise ValueError(str(mismatch)) from None
             except Exception as e:  # noqa: BLE001
-                # A different model is the caller's error (never padded or truncated); anything else is a
-                # damaged step: fall back to the previous one. Only an intact step's metadata is read:
-                # reading a damaged one leaves orbax futures with unretrieved errors behind.
-                if any(sign in str(e) for sign in _MISMATCH_SIGNS):
-                    try:
-                        _check_shapes(candidate, self.array_metadata(candidate), target)
-                    except _Mismatch as mismatch:
-                        raise ValueError(str(mismatch)) from None
-                    raise ValueError(f"checkpoint step {candidate} does not match this model's state: {e}") from None
                 errors.append((candidate, e))
             else:
                 for bad, err in errors:
