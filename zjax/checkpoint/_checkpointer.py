@@ -48,8 +48,11 @@ class _Mismatch(Exception):
 
 
 def _check_shapes(step: int, saved: list[tuple[str, tuple[int, ...], str, str]], target: Any) -> None:
-    want = {path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
-    have = {path: shape for path, shape, _, _ in saved}
+    def key(path: str) -> str:  # nnx variables are saved as dicts with a 'value' entry
+        return path.removesuffix("/value")
+
+    want = {key(path_str(p)): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
+    have = {key(path): shape for path, shape, _, _ in saved}
     problems = [
         f"{p}: saved {have.get(p)}, model {want.get(p)}"
         for p in sorted(set(want) | set(have), key=lambda p: (not p.startswith("params"), p))  # parameters first
