@@ -2,6 +2,7 @@
 
     python examples/train_lm.py --stage 3 --mesh dp=8 --steps 50
     python examples/train_lm.py --stage 2 --mesh dp=4,tp=2 --precision fp16 --accum 4
+    python examples/train_lm.py --stage 3 --mesh replica=2,dp=4 --processes 2   # HSDP, 2 processes x 4 devices
 
 With no accelerator the example runs on 8 simulated CPU devices. The text is the source of a few
 modules of Python's own standard library, read from this interpreter's installation (no downloads).
@@ -37,8 +38,8 @@ def parse_mesh(text: str) -> dict[str, int]:
     sizes = {}
     for part in filter(None, text.replace(" ", "").split(",")):
         name, eq, value = part.partition("=")
-        if not eq or name not in ("dp", "tp", "pp"):
-            raise argparse.ArgumentTypeError(f"--mesh: expected entries like dp=4,tp=2, got {part!r}")
+        if not eq or name not in ("replica", "dp", "tp", "pp"):
+            raise argparse.ArgumentTypeError(f"--mesh: expected entries like dp=4,tp=2 or replica=2,dp=4, got {part!r}")
         try:
             sizes[name] = int(value)
         except ValueError:
@@ -49,7 +50,12 @@ def parse_mesh(text: str) -> dict[str, int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=3)
-    p.add_argument("--mesh", type=parse_mesh, default={"dp": -1}, help="e.g. dp=8 or dp=4,tp=2 (default dp=all)")
+    p.add_argument(
+        "--mesh",
+        type=parse_mesh,
+        default={"dp": -1},
+        help="e.g. dp=8, dp=4,tp=2, or replica=2,dp=4 for HSDP (shard over dp, replicate over replica); default dp=all",
+    )
     p.add_argument("--preset", default="small", help="model size: tiny, small, medium")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=32, help="global batch (sequences per step)")
@@ -66,7 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--clip-norm", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cpu-devices", type=int, default=8, help="simulated devices when running on CPU")
+    p.add_argument("--cpu-devices", type=int, default=8, help="simulated CPU devices in all (split among --processes)")
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="run as this many processes on this machine (one multi-process job on 127.0.0.1)",
+    )
     p.add_argument("--metrics-json", type=Path, default=None, help="write losses and memory figures here")
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="save the run here (orbax, async)")
     p.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
@@ -81,13 +93,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _relaunch(argv: list[str], processes: int, cpu_devices: int) -> int:
+    """Run this script as ``processes`` processes (zjax.distributed.launch) and return their status."""
+    import os
+
+    from zjax.distributed import launch
+
+    if cpu_devices % processes:
+        raise SystemExit(f"--cpu-devices {cpu_devices} must divide among --processes {processes}")
+    os.environ["ZJAX_EXAMPLE_CHILD"] = "1"
+    return launch([sys.executable, __file__, *argv], processes, cpu_devices=cpu_devices // processes)
+
+
 def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    import os
+
+    if args.processes > 1 and not os.environ.get("ZJAX_EXAMPLE_CHILD"):
+        raise SystemExit(_relaunch(argv, args.processes, args.cpu_devices))
 
     import jax
 
-    jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # must precede backend start
-    if args.preemptible:
+    import zjax
+
+    if args.processes > 1:  # one of the launched processes: join the job first
+        zjax.distributed.initialize()
+    else:
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # must precede backend start
+    if args.preemptible and args.processes == 1:
         if args.checkpoint_dir is None:
             raise SystemExit("--preemptible needs --checkpoint-dir")
         import socket
@@ -103,7 +137,6 @@ def main(argv: list[str] | None = None) -> dict:
     import optax
     from tqdm import tqdm
 
-    import zjax
     from zjax.models import PRESETS, Decoder, lm_loss
     from zjax.remat import POLICIES
 
@@ -115,7 +148,13 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = type(cfg)(**{**cfg.__dict__, "max_len": args.seq_len, "remat": args.remat})
     model = Decoder(cfg)
 
-    mesh = zjax.make_mesh(**args.mesh)
+    sizes = dict(args.mesh)
+    if "replica" in sizes:
+        sizes["dp"] = (sizes.pop("replica"), sizes.get("dp", -1))
+    mesh = zjax.make_mesh(**sizes)
+    main_process = jax.process_index() == 0
+    if args.preemptible and jax.process_count() > 1 and args.checkpoint_dir is None:
+        raise SystemExit("--preemptible needs --checkpoint-dir")
     plan = zjax.Plan(mesh, stage=args.stage, precision=args.precision, clip_norm=args.clip_norm)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), max(2, args.steps))
     if args.optimizer == "fused_adamw":
@@ -140,27 +179,30 @@ def main(argv: list[str] | None = None) -> dict:
     data = np.frombuffer(load_text(), dtype=np.uint8)
     rng = np.random.default_rng(args.seed)
 
-    def next_batch():
+    def next_batch():  # the global batch (the same on every process); each feeds its own rows
         starts = rng.integers(0, len(data) - args.seq_len - 1, size=args.batch_size)
-        return np.stack([data[s : s + args.seq_len + 1] for s in starts]).astype(np.int32)
+        rows = np.stack([data[s : s + args.seq_len + 1] for s in starts]).astype(np.int32)
+        return zjax.sharding.process_rows(rows, mesh)
 
     for _ in range(start):  # the data position: replay the sampler up to where the checkpoint was
         next_batch()
     batch = plan.shard_batch(next_batch())
     report = plan.memory_report(state, batch)
     sizes = {k: int(v) for k, v in mesh.shape.items()}
-    print(
+    log = print if main_process else (lambda *a, **k: None)
+    log(
         f"zjax example: remat policy {args.remat!r}, {cfg.num_params:,} params, {len(data):,} bytes of text, "
-        f"devices: {jax.devices()[0].platform} "
-        f"x {jax.device_count()}"
+        f"devices: {jax.devices()[0].platform} x {jax.device_count()} in {jax.process_count()} process(es), "
+        f"mesh {sizes}"
     )
-    print(report)
+    log(report)
 
     losses: list[float] = []
     skipped = 0
     tokens_per_step = args.batch_size * args.seq_len
     end = args.steps if args.stop_at is None else min(args.steps, args.stop_at)
-    bar = tqdm(range(start, end), desc=f"zero{args.stage}", disable=args.no_progress, file=sys.stdout)
+    quiet = args.no_progress or not main_process
+    bar = tqdm(range(start, end), desc=f"zero{args.stage}", disable=quiet, file=sys.stdout)
     t0 = time.perf_counter()
     for i in bar:
         state, metrics = step(state, batch)
@@ -171,24 +213,23 @@ def main(argv: list[str] | None = None) -> dict:
         if ckpt is not None:
             ckpt.maybe_save(state, plan, {"data_position": i + 1})
             if ckpt.preempted:
-                print(f"preempted: saved step {i + 1}, exiting", flush=True)
+                log(f"preempted: saved step {i + 1}, exiting", flush=True)
                 end = i + 1
                 break
         rate = tokens_per_step * (i + 1 - start) / (time.perf_counter() - t0)
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:,.0f}", scale=float(metrics["loss_scale"]))
         if args.no_progress and (i % 10 == 0 or i == end - 1):
-            print(f"step {i:5d}  loss {loss:.4f}  tokens/s {rate:,.0f}")
+            log(f"step {i:5d}  loss {loss:.4f}  tokens/s {rate:,.0f}")
     elapsed = time.perf_counter() - t0
     if ckpt is not None:
         if end > start and end % args.save_every and not ckpt.preempted:
             ckpt.save(state, plan, {"data_position": end})  # the last step, always
         ckpt.close()  # waits for the last write
-    if args.preemptible:
-        jax.distributed.shutdown()
 
     result = {
         "stage": args.stage,
-        "mesh": {"dp": sizes["dp"], "tp": sizes["tp"], "pp": sizes["pp"]},
+        "mesh": {"replica": sizes["replica"], "dp": sizes["dp"], "tp": sizes["tp"], "pp": sizes["pp"]},
+        "processes": jax.process_count(),
         "precision": args.precision,
         "accum": args.accum,
         "remat": args.remat,
@@ -205,9 +246,11 @@ def main(argv: list[str] | None = None) -> dict:
         "skipped_steps": skipped,
         "final_loss_scale": float(state.loss_scale.scale),
     }
-    if args.metrics_json is not None:
+    if args.metrics_json is not None and main_process:
         zjax.write_json_atomic(args.metrics_json, result)
-        print(f"metrics written to {args.metrics_json}")
+        log(f"metrics written to {args.metrics_json}")
+    if args.preemptible or jax.process_count() > 1:
+        jax.distributed.shutdown()
     return result
 
 

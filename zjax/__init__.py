@@ -1,6 +1,7 @@
 """zjax: train large models with JAX/XLA without running out of accelerator memory."""
 
 from . import checkpoint as checkpoint
+from . import distributed as distributed
 from . import pallas as pallas
 from . import planner as planner
 from . import remat as remat

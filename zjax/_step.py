@@ -77,7 +77,7 @@ class TrainStep:
         ``nn.with_logical_constraint`` inside the model resolves to this plan's mesh axes."""
         stack = contextlib.ExitStack()
         stack.enter_context(jax.set_mesh(self.plan.mesh))
-        stack.enter_context(nn.logical_axis_rules(self.plan.rules.activations))
+        stack.enter_context(nn.logical_axis_rules(self.plan.rules.activations_for(self.plan.mesh)))
         return stack
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:

@@ -28,8 +28,10 @@ def parse_mesh(text: str) -> dict[str, int]:
     sizes: dict[str, int] = {}
     for part in filter(None, text.replace(" ", "").split(",")):
         name, eq, value = part.partition("=")
-        if not eq or name not in ("dp", "tp", "pp") or not value.isdigit() or int(value) < 1:
-            raise argparse.ArgumentTypeError(f"--mesh: expected entries like dp=64,tp=2, got {part!r}")
+        if not eq or name not in ("replica", "dp", "tp", "pp") or not value.isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(
+                f"--mesh: expected entries like dp=64,tp=2 or replica=8,dp=8 (HSDP), got {part!r}"
+            )
         sizes[name] = int(value)
     if not sizes:
         raise argparse.ArgumentTypeError("--mesh: give at least one axis, e.g. dp=64")
@@ -75,7 +77,7 @@ def _plot(est, path: Path) -> None:
 def _plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="per-device memory and communication for each ZeRO stage, compiled ahead of time")
     p.add_argument("--model", default="small", help="preset: tiny, small, medium, llama2-7b")
-    p.add_argument("--mesh", type=parse_mesh, default={"dp": 8}, help="e.g. dp=64 or dp=32,tp=2")
+    p.add_argument("--mesh", type=parse_mesh, default={"dp": 8}, help="dp=64, dp=32,tp=2, replica=8,dp=8 (HSDP)")
     p.add_argument("--stages", type=parse_ints, default=[0, 1, 2, 3])
     p.add_argument("--remat", default="full", help="remat policy (zjax.remat.POLICIES); comma list with --budget")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
@@ -105,7 +107,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     if bad:
         print(f"zjax plan: unknown --remat {bad}; valid: {sorted(POLICIES)}", file=sys.stderr)
         return 2
-    batch = args.batch_size or args.mesh.get("dp", 1)
+    batch = args.batch_size or args.mesh.get("dp", 1) * args.mesh.get("replica", 1)
     try:
         if args.budget is None:
             est = planner.estimate(
@@ -184,16 +186,40 @@ def _run_ckpt_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch_parser(sub) -> None:
+    p = sub.add_parser(
+        "launch",
+        help="run a command as N processes on this machine (one job on 127.0.0.1); end all when one fails",
+    )
+    p.add_argument("-n", "--processes", type=int, required=True)
+    p.add_argument("--cpu-devices", type=int, default=None, help="simulated CPU devices per process")
+    p.add_argument("--grace", type=float, default=70.0, help="seconds the others get to end after one fails")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- python train.py ...")
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    from .distributed import launch
+
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        print("zjax launch: give a command, e.g. zjax launch -n 2 -- python train.py", file=sys.stderr)
+        return 2
+    return launch(cmd, args.processes, cpu_devices=args.cpu_devices, grace_s=args.grace)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zjax", description="zjax command line")
     sub = parser.add_subparsers(dest="command", required=True)
     _plan_parser(sub)
     _ckpt_parser(sub)
+    _launch_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "plan":
         return _run_plan(args)
     if args.command == "ckpt":
         return _run_ckpt_info(args)
+    if args.command == "launch":
+        return _run_launch(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

@@ -41,6 +41,7 @@ class Row:
             "comm_bytes": dict(self.comm.volume),
             "comm_wire_bytes": dict(self.comm.wire),
             "comm_psi": round(self.comm_psi, 4),
+            "comm_cross_replica_bytes": self.comm.volume_across("replica"),
             "compile_seconds": round(self.compile_seconds, 2),
         }
 
@@ -84,6 +85,10 @@ class Estimate:
         )
         cols = f"{'stage':>5} {'remat':<16}{'acc':>4} | {'params':>9}{'optim':>9}{'grads':>9}{'theory':>9} | "
         cols += f"{'state':>9}{'temp':>9}{'total':>9} | {'comm':>9}{'x psi':>7}{'wire':>9}{'compile':>9}"
+        hsdp = self.mesh.get("replica", 1) > 1
+        if hsdp:
+            cols += f"{'x-replica':>10}"
+            head += "; x-replica = the part of comm that crosses replica groups (nodes)"
         lines = [head, cols]
         for r in self.rows:
             t, c = r.theory, r.compiled
@@ -92,14 +97,15 @@ class Estimate:
                 f"{f(t['grads']):>9}{f(t['total']):>9} | {f(c['state']):>9}{f(c['temp']):>9}"
                 f"{f(c['total']):>9} | {f(r.comm.total_volume):>9}{r.comm_psi:>7.2f}"
                 f"{f(r.comm.total_wire):>9}{r.compile_seconds:>8.1f}s"
+                + (f"{f(r.comm.volume_across('replica')):>10}" if hsdp else "")
             )
         return "\n".join(lines)
 
 
 def _check_devices(mesh: dict[str, int]) -> None:
-    unknown = sorted(set(mesh) - {"dp", "tp", "pp"})
+    unknown = sorted(set(mesh) - {"replica", "dp", "tp", "pp"})
     if unknown:
-        raise ValueError(f"planner: unknown mesh axes {unknown} in {mesh}; use dp, tp and pp.")
+        raise ValueError(f"planner: unknown mesh axes {unknown} in {mesh}; use replica (HSDP), dp, tp and pp.")
     if any(not isinstance(v, int) or v < 1 for v in mesh.values()):
         raise ValueError(f"planner: mesh sizes must be positive ints, got {mesh}.")
     need, have = math.prod(mesh.values()), jax.device_count()
@@ -128,7 +134,7 @@ def estimate_fn(
     ``ShapeDtypeStruct`` (global shapes). Nothing is allocated; every stage is compiled ahead of time."""
     _check_devices(mesh)
     device_mesh = make_mesh(
-        dp=mesh.get("dp", 1),
+        dp=(mesh.get("replica", 1), mesh.get("dp", 1)),
         tp=mesh.get("tp", 1),
         pp=mesh.get("pp", 1),
         devices=jax.devices()[: math.prod(mesh.values())],
@@ -143,7 +149,7 @@ def estimate_fn(
         compiled, hlo = partitioned_hlo(step.lower(state, batch))
         report = plan.memory_report(state, batch, step, compiled=compiled)
         psi = report.num_params
-        comm = count_collectives(hlo)
+        comm = count_collectives(hlo, dict(device_mesh.shape))
         theory = {
             "params": report.theory["params"],
             "optimizer": report.theory["master"] + report.theory["optimizer"],
@@ -238,7 +244,7 @@ def fit(
     for stage in sorted(stages):
         for remat in order:
             for accum in sorted(accums):
-                if batch_size % (accum * mesh.get("dp", 1)):
+                if batch_size % (accum * mesh.get("dp", 1) * mesh.get("replica", 1)):
                     continue
                 est = estimate(
                     model, mesh=mesh, stages=(stage,), remat=remat, precision=precision,

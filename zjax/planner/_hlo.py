@@ -20,6 +20,8 @@ import tempfile
 from collections import defaultdict
 from typing import Any
 
+import numpy as np
+
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
@@ -38,19 +40,58 @@ def _bytes(type_text: str) -> int:
     return total
 
 
-def _group_size(attrs: str) -> int:
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([0-9,]*)\](?:T\(([0-9,]*)\))?\))?\s*\{([^}]*)\}"
+)
+
+
+def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    return ids.transpose(perm) if perm else ids
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def replica_groups(attrs: str, num_devices: int) -> list[list[int]]:
+    """The device groups of a collective's ``replica_groups`` (every HLO text format), as partition ids.
+
+    Formats: ``{{0,1},{2,3}}``; the iota form ``[G,S]<=[dims]T(perm)``; the mesh form
+    ``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`` with an optional ``device_ids=([dims]T(perm))``;
+    and ``{}`` (one group of all devices).
+    """
+    m = _MESH_GROUPS.search(attrs)
     if m:
-        sizes = {k.strip("'"): int(v) for k, v in re.findall(r"('[^']+'|\w+)=(\d+)", m.group(1))}
-        axes = [a.strip().strip("'") for a in m.group(2).split(",") if a.strip()]
-        return math.prod(sizes.get(a, 1) for a in axes)
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", attrs)
+        pairs = re.findall(r"'?([\w.]+)'?=(\d+)", m.group(1))
+        names, sizes = [n for n, _ in pairs], [int(v) for _, v in pairs]
+        ids = _iota(_ints(m.group(2)), _ints(m.group(3)) or None) if m.group(2) else np.arange(math.prod(sizes))
+        ids = ids.reshape(sizes)
+        over = [names.index(a.strip().strip("'")) for a in m.group(4).split(",") if a.strip()]
+        rest = [i for i in range(len(names)) if i not in over]
+        size = math.prod(sizes[i] for i in over)
+        return ids.transpose(rest + over).reshape(-1, size).tolist()
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]*)\](?:T\(([0-9,]*)\))?", attrs)
     if m:
-        return int(m.group(2))
-    m = re.search(r"replica_groups=\{\{([^}]*)\}", attrs)
-    if m:
-        return len([x for x in m.group(1).split(",") if x.strip()])
-    return 1
+        ids = _iota(_ints(m.group(3)), _ints(m.group(4)) if m.group(4) else None)
+        return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
+    m = re.search(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}", attrs)
+    if m and m.group(1):
+        return [_ints(g) for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+    pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attrs)
+    if pairs:
+        return [_ints(g) for g in re.findall(r"\{([0-9,]*)\}", pairs.group(1))]
+    return [list(range(num_devices))]
+
+
+def spanned_axes(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes along which some group's devices differ (partition id = position in the mesh)."""
+    names, sizes = list(mesh_shape), list(mesh_shape.values())
+    varies = set()
+    for group in groups:
+        coords = np.array(np.unravel_index(np.array(group), sizes)).T
+        varies |= {names[i] for i in range(len(names)) if len(set(coords[:, i].tolist())) > 1}
+    return tuple(n for n in names if n in varies)
 
 
 @dataclasses.dataclass
@@ -105,51 +146,56 @@ def _callees(attrs: str) -> list[str]:
     return names
 
 
-def _multiplicities(comps: dict[str, list[_Instr]], entry: str) -> dict[str, int]:
+def _multiplicities(comps: dict[str, list[_Instr]], entry: str) -> tuple[dict[str, int], set[str]]:
+    """Trips per step of every computation reachable from ``entry``, and those inside a ``while`` body."""
     mult: dict[str, int] = defaultdict(int)
+    looped: set[str] = set()
 
-    def visit(name: str, factor: int) -> None:
+    def visit(name: str, factor: int, in_loop: bool) -> None:
         mult[name] += factor
+        if in_loop:
+            looped.add(name)
         for instr in comps.get(name, []):
             if instr.opcode == "while":
                 body = re.search(r"body=%?([\w.\-]+)", instr.rest)
                 if body:
-                    visit(body.group(1), factor * _trip_count(instr, comps))
+                    visit(body.group(1), factor * _trip_count(instr, comps), True)
             elif instr.opcode in ("call", "conditional"):
                 for callee in _callees(instr.rest):
                     if callee in comps and callee != name:
-                        visit(callee, factor)
+                        visit(callee, factor, in_loop)
 
-    visit(entry, 1)
-    return mult
+    visit(entry, 1, False)
+    return mult, looped
 
 
 @dataclasses.dataclass(frozen=True)
-class Communication:
-    """Collective bytes per device per step, by kind: ZeRO-paper volume and ring wire bytes."""
+class Collective:
+    """One collective instruction of a partitioned HLO module."""
 
-    volume: dict[str, int]
-    wire: dict[str, int]
-    count: dict[str, int]
-
-    @property
-    def total_volume(self) -> int:
-        return sum(self.volume.values())
-
-    @property
-    def total_wire(self) -> int:
-        return sum(self.wire.values())
+    name: str
+    kind: str  # one of KINDS; an all-reduce feeding only dynamic-slices counts as a reduce-scatter
+    bytes: int  # size of its result
+    volume: int  # ZeRO-paper volume per execution
+    wire: int  # ring bytes sent per device per execution
+    trips: int  # executions per step (while-loop trips multiplied out)
+    in_loop: bool
+    groups: list[list[int]]
 
 
-def count_collectives(hlo_text: str) -> Communication:
-    """Collective bytes per device per step of an HLO module's text."""
+def _num_devices(text: str) -> int:
+    m = re.search(r"num_partitions=(\d+)", text)
+    return int(m.group(1)) if m else 1
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective of an HLO module's text, with its bytes, trips per step and device groups."""
     comps, entry = _parse(hlo_text)
     if entry is None:
         raise ValueError("count_collectives: no ENTRY computation found in the HLO text.")
-    mult = _multiplicities(comps, entry)
-    volume: dict[str, int] = dict.fromkeys(KINDS, 0)
-    wire: dict[str, int] = dict.fromkeys(KINDS, 0)
-    count: dict[str, int] = dict.fromkeys(KINDS, 0)
+    mult, looped = _multiplicities(comps, entry)
+    devices = _num_devices(hlo_text)
+    out = []
     for comp, instrs in comps.items():
         factor = mult.get(comp, 0)
         if not factor:
@@ -163,7 +209,8 @@ def count_collectives(hlo_text: str) -> Communication:
             if kind not in KINDS or instr.opcode.endswith("-done"):
                 continue
             size = _bytes(instr.type_text)
-            n = _group_size(instr.rest)
+            groups = replica_groups(instr.rest, devices)
+            n = max((len(g) for g in groups), default=1)
             if kind == "all-reduce" and users[instr.name] and all(u == "dynamic-slice" for u in users[instr.name]):
                 kind = "reduce-scatter"  # what the GPU compiler makes of all-reduce + dynamic-slice
                 vol = size
@@ -175,10 +222,55 @@ def count_collectives(hlo_text: str) -> Communication:
             else:
                 vol = size
             ring = 1.0 if kind == "collective-permute" else (n - 1) / n if n > 1 else 0.0
-            volume[kind] += vol * factor
-            wire[kind] += round(vol * ring) * factor
-            count[kind] += factor
-    return Communication(volume, wire, count)
+            out.append(Collective(instr.name, kind, size, vol, round(vol * ring), factor, comp in looped, groups))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Communication:
+    """Collective bytes per device per step, by kind: ZeRO-paper volume and ring wire bytes.
+
+    ``by_axes`` (when counted against a mesh) is the volume by the mesh axes a collective spans,
+    e.g. ``{("dp",): ..., ("replica",): ...}``: what crosses the slow network under HSDP.
+    """
+
+    volume: dict[str, int]
+    wire: dict[str, int]
+    count: dict[str, int]
+    by_axes: dict[tuple[str, ...], int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def total_volume(self) -> int:
+        return sum(self.volume.values())
+
+    @property
+    def total_wire(self) -> int:
+        return sum(self.wire.values())
+
+    def volume_across(self, axis: str) -> int:
+        """Volume of the collectives whose groups span mesh ``axis``."""
+        return sum(v for axes, v in self.by_axes.items() if axis in axes)
+
+
+def count_collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None) -> Communication:
+    """Collective bytes per device per step of an HLO module's text.
+
+    Args:
+      hlo_text: the module (see :func:`partitioned_hlo`).
+      mesh_shape: the mesh's ``{axis: size}`` in order (``dict(mesh.shape)``); with it, volumes are
+        also broken down by the axes each collective spans.
+    """
+    volume: dict[str, int] = dict.fromkeys(KINDS, 0)
+    wire: dict[str, int] = dict.fromkeys(KINDS, 0)
+    count: dict[str, int] = dict.fromkeys(KINDS, 0)
+    by_axes: dict[tuple[str, ...], int] = defaultdict(int)
+    for c in collectives(hlo_text):
+        volume[c.kind] += c.volume * c.trips
+        wire[c.kind] += c.wire * c.trips
+        count[c.kind] += c.trips
+        if mesh_shape is not None:
+            by_axes[spanned_axes(c.groups, mesh_shape)] += c.volume * c.trips
+    return Communication(volume, wire, count, dict(by_axes))
 
 
 def partitioned_hlo(lowered: Any) -> tuple[Any, str]:

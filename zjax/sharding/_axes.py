@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+REPLICA = "replica"
+"""Hybrid sharded data parallelism (HSDP): the batch is split over it, model state is replicated over it.
+
+Size 1 unless ``zjax.make_mesh(dp=(replica, shard))`` asks for HSDP; it is the outer part of data
+parallelism and the axis meant to cross nodes."""
 DP = "dp"
-"""Data parallel axis: the batch is split over it; ZeRO stages shard model state over it."""
+"""Data parallel axis (the HSDP shard axis): the batch is split over it; ZeRO stages shard model state over it."""
 TP = "tp"
 """Tensor parallel axis: parameters are split over it by logical-axis rules."""
 PP = "pp"
 """Pipeline parallel axis: layer stages are placed along it."""
 
-MESH_AXES: tuple[str, ...] = (PP, DP, TP)
+MESH_AXES: tuple[str, ...] = (PP, REPLICA, DP, TP)
 """Axis order of every zjax mesh, outermost first: tp is innermost so that it lands on the closest devices."""
+
+DATA_AXES: tuple[str, ...] = (REPLICA, DP)
+"""The axes the batch is split over, outermost first."""

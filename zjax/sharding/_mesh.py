@@ -1,4 +1,4 @@
-"""Build the (pp, dp, tp) device mesh."""
+"""Build the (pp, replica, dp, tp) device mesh, on one process or many."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import math
 from collections.abc import Sequence
 
 import jax
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from ._axes import DP, MESH_AXES, PP, TP
+from ._axes import DATA_AXES, DP, MESH_AXES, PP, REPLICA, TP
 
 
 def _resolve_sizes(sizes: dict[str, int], num_devices: int) -> dict[str, int]:
@@ -26,14 +27,14 @@ def _resolve_sizes(sizes: dict[str, int], num_devices: int) -> dict[str, int]:
     fixed = math.prod(size for size in sizes.values() if size != -1)
     if inferred:
         if num_devices % fixed:
-            given = ", ".join(f"{n}={s}" for n, s in sizes.items() if s != -1)
+            given = ", ".join(f"{n}={s}" for n, s in sizes.items() if s != -1 and not (n == REPLICA and s == 1))
             raise ValueError(
                 f"make_mesh: cannot infer {inferred[0]}: {num_devices} devices are not divisible by "
                 f"{given} (product {fixed}). Choose sizes whose product divides {num_devices}."
             )
         sizes = {**sizes, inferred[0]: num_devices // fixed}
     elif fixed != num_devices:
-        given = " x ".join(f"{n}={s}" for n, s in sizes.items())
+        given = " x ".join(f"{n}={s}" for n, s in sizes.items() if not (n == REPLICA and s == 1))
         raise ValueError(
             f"make_mesh: {given} = {fixed} devices, but {num_devices} are available. "
             f"Make the product equal {num_devices}, or pass -1 for one axis to infer it."
@@ -41,40 +42,120 @@ def _resolve_sizes(sizes: dict[str, int], num_devices: int) -> dict[str, int]:
     return sizes
 
 
+def _split_dp(dp: object) -> tuple[int, int]:
+    """``dp`` as ``(replica, shard)``: an int is ``(1, dp)``; a pair asks for HSDP."""
+    if isinstance(dp, tuple | list):
+        if len(dp) != 2:
+            raise ValueError(
+                f"make_mesh: dp={tuple(dp)!r} must be an int or a (replica, shard) pair for hybrid sharding "
+                "(HSDP), e.g. dp=(2, 4): shard model state over 4 devices, replicate it over 2 groups."
+            )
+        return dp[0], dp[1]  # type: ignore[return-value]
+    return 1, dp  # type: ignore[return-value]
+
+
+def dcn_split(sizes: dict[str, int], num_slices: int) -> dict[str, int]:
+    """How many slices (nodes) each axis spans: the slow network goes to ``replica``, then ``pp``, then
+    ``dp``; ``tp`` never crosses it.
+
+    Raises:
+      ValueError: when the slices cannot be divided among those axes.
+    """
+    left, dcn = num_slices, dict.fromkeys(sizes, 1)
+    for name in (REPLICA, PP, DP):
+        take = math.gcd(left, sizes.get(name, 1))
+        dcn[name] = take
+        left //= take
+    if left != 1:
+        raise ValueError(
+            f"make_mesh: the devices span {num_slices} slices (nodes), which cannot be divided among "
+            f"{REPLICA}={sizes.get(REPLICA, 1)}, {PP}={sizes.get(PP, 1)} and {DP}={sizes.get(DP, 1)} without "
+            f"putting {TP} across the slow network. Make {REPLICA} x {PP} x {DP} a multiple of {num_slices}, "
+            f"e.g. dp=({num_slices}, -1)."
+        )
+    return dcn
+
+
+def _slices(devices: Sequence[jax.Device]) -> int:
+    return len({getattr(d, "slice_index", 0) for d in devices})
+
+
 def make_mesh(
-    dp: int = -1,
+    dp: int | tuple[int, int] = -1,
     tp: int = 1,
     pp: int = 1,
     *,
     devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
-    """Make a mesh with the named axes ``pp``, ``dp`` and ``tp`` (outermost first).
+    """Make a mesh with the named axes ``pp``, ``replica``, ``dp`` and ``tp`` (outermost first).
 
-    Device order comes from :func:`jax.make_mesh`, which knows the physical topology and keeps the
-    innermost axis (``tp``) on the closest devices, across processes too. Axis types are ``Auto`` so
-    that ``jit`` partitions from sharding annotations (GSPMD).
+    Device order comes from :func:`jax.make_mesh`, which knows the physical topology and keeps inner
+    axes (``tp``, then ``dp``) on the closest devices: with several processes the outer axes are the
+    ones that cross processes. When the devices span several slices (nodes with their own fast
+    interconnect) the mesh is built with :func:`jax.experimental.mesh_utils.create_hybrid_device_mesh`
+    so that only ``replica``, ``pp`` and then ``dp`` cross the slow network (see :func:`dcn_split`).
+    Axis types are ``Auto`` so that ``jit`` partitions from sharding annotations (GSPMD).
 
     Args:
-      dp: data-parallel size; ZeRO stages shard model state over it. ``-1`` infers it.
+      dp: data-parallel size; ZeRO stages shard model state over it. ``-1`` infers it. A pair
+        ``(replica, shard)`` asks for hybrid sharding (HSDP): the batch is split over all
+        ``replica x shard`` devices, model state is sharded over ``shard`` (mesh axis ``dp``) and
+        replicated over ``replica`` (mesh axis ``replica``), so weight gathers stay inside a shard
+        group and only the gradient shards are all-reduced across groups. Either may be ``-1``.
       tp: tensor-parallel size. ``-1`` infers it.
       pp: pipeline-parallel size. ``-1`` infers it.
       devices: the devices to use; all of ``jax.devices()`` by default.
 
     Returns:
-      A :class:`jax.sharding.Mesh` with axis names ``("pp", "dp", "tp")``.
+      A :class:`jax.sharding.Mesh` with axis names ``("pp", "replica", "dp", "tp")``.
 
     Raises:
       ValueError: if the sizes do not multiply to the number of devices, or more than one is -1.
 
     Example:
-      >>> mesh = zjax.make_mesh(dp=-1, tp=2)   # 8 devices -> dp=4, tp=2, pp=1
+      >>> mesh = zjax.make_mesh(dp=-1, tp=2)      # 8 devices -> dp=4, tp=2
+      >>> mesh = zjax.make_mesh(dp=(2, 4))        # HSDP: 2 replicas of a 4-way ZeRO group
     """
     devices = list(jax.devices() if devices is None else devices)
-    sizes = _resolve_sizes({DP: dp, TP: tp, PP: pp}, len(devices))
+    replica, shard = _split_dp(dp)
+    sizes = _resolve_sizes({REPLICA: replica, DP: shard, TP: tp, PP: pp}, len(devices))
     shape = tuple(sizes[name] for name in MESH_AXES)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    slices = _slices(devices)
+    if slices > 1:
+        dcn = dcn_split(sizes, slices)
+        ici = tuple(sizes[n] // dcn[n] for n in MESH_AXES)
+        array = mesh_utils.create_hybrid_device_mesh(ici, tuple(dcn[n] for n in MESH_AXES), devices)
+        return Mesh(array, MESH_AXES, axis_types=axis_types)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
 
 
 def axis_size(mesh: Mesh, name: str) -> int:
     """The size of mesh axis ``name``, or 1 if the mesh has no such axis."""
     return int(mesh.shape.get(name, 1))
+
+
+def data_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes the batch is split over (``replica`` and ``dp`` where larger than 1)."""
+    axes = tuple(a for a in DATA_AXES if axis_size(mesh, a) > 1)
+    return axes or tuple(a for a in (DP,) if a in mesh.shape)
+
+
+def data_size(mesh: Mesh) -> int:
+    """Into how many parts the batch is split: ``replica x dp``."""
+    return math.prod(axis_size(mesh, a) for a in DATA_AXES)
+
+
+def data_target(mesh: Mesh) -> str | tuple[str, ...] | None:
+    """:func:`data_axes` as one ``PartitionSpec`` entry."""
+    axes = data_axes(mesh)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def process_spans(mesh: Mesh) -> dict[str, bool]:
+    """For each mesh axis, whether some group along it spans more than one process."""
+    out = {}
+    for i, name in enumerate(mesh.axis_names):
+        moved = mesh.devices.swapaxes(i, -1).reshape(-1, mesh.devices.shape[i])
+        out[name] = any(len({d.process_index for d in group}) > 1 for group in moved)
+    return out

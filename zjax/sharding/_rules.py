@@ -15,7 +15,8 @@ from typing import Any
 from jax.sharding import Mesh, PartitionSpec
 
 from ._annotations import Leaf
-from ._axes import DP, TP
+from ._axes import DATA_AXES, DP, TP
+from ._mesh import data_target
 
 AxisTarget = str | tuple[str, ...] | None
 
@@ -157,6 +158,12 @@ class Rules:
     def compute_specs(self, leaves: Sequence[Leaf], mesh: Mesh) -> list[PartitionSpec]:
         return [self.compute_spec(leaf, mesh) for leaf in leaves]
 
+    def activations_for(self, mesh: Mesh) -> tuple[tuple[str, AxisTarget], ...]:
+        """``activations`` for ``mesh``: a rule that targets ``dp`` splits over all data axes
+        (``replica`` x ``dp`` under HSDP), the way the batch itself is split."""
+        target = data_target(mesh)
+        return tuple((name, target if _as_axes(t) == (DP,) else t) for name, t in self.activations)
+
 
 def _validated(leaf: Leaf, dims: list[tuple[str, ...]], mesh: Mesh, source: str) -> PartitionSpec:
     used: dict[str, int] = {}
@@ -168,10 +175,10 @@ def _validated(leaf: Leaf, dims: list[tuple[str, ...]], mesh: Mesh, source: str)
                     f"axis {axis!r}, which is not in the mesh {dict(mesh.shape)}. Use one of "
                     f"{list(mesh.axis_names)} or None."
                 )
-            if axis == DP:
+            if axis in DATA_AXES:
                 raise ValueError(
                     f"Parameter {leaf.path!r} (shape {leaf.shape}): {source} puts dimension {dim} on "
-                    f"{DP!r}. Data-parallel sharding of parameters comes from the ZeRO stage (stage=3); "
+                    f"{axis!r}. Data-parallel sharding of parameters comes from the ZeRO stage (stage=3); "
                     "map this logical name to a model-parallel axis or None."
                 )
             if axis in used:
