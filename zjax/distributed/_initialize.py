@@ -108,7 +108,7 @@ def initialize(
         _STATE["cluster"] = cluster
         return cluster
     timeouts = Timeouts.from_env(env) if timeouts is None else timeouts
-    if jax.config.jax_enable_recoverability:
+    if getattr(jax.config, "jax_enable_recoverability", False):
         raise ClusterError(
             "jax_enable_recoverability is on: with gloo (CPU) collectives a dead peer then hangs the "
             "survivors forever instead of ending the job. Turn it off to use zjax.distributed.initialize."

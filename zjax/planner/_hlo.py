@@ -78,9 +78,9 @@ def replica_groups(attrs: str, num_devices: int) -> list[list[int]]:
     m = re.search(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}", attrs)
     if m and m.group(1):
         return [_ints(g) for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
-    pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attrs)
-    if pairs:
-        return [_ints(g) for g in re.findall(r"\{([0-9,]*)\}", pairs.group(1))]
+    permute = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attrs)
+    if permute:
+        return [_ints(g) for g in re.findall(r"\{([0-9,]*)\}", permute.group(1))]
     return [list(range(num_devices))]
 
 

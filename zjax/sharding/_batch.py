@@ -69,10 +69,11 @@ def _local_parts(mesh: Mesh) -> list[int]:
     index = [names.index(a) for a in data_axes(mesh)]
     sizes = [mesh.devices.shape[i] for i in index]
     me = jax.process_index()
+    devices: Any = mesh.devices
     parts = {
         int(np.ravel_multi_index(tuple(pos[i] for i in index), sizes)) if index else 0
-        for pos in np.ndindex(*mesh.devices.shape)
-        if mesh.devices[pos].process_index == me
+        for pos in np.ndindex(*devices.shape)
+        if devices[pos].process_index == me
     }
     return sorted(parts)
 
