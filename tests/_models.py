@@ -12,6 +12,11 @@ from flax import nnx
 import zjax
 from zjax.models import Decoder, DecoderConfig, lm_loss
 
+MP_CONFIGS = {"stage0": (8, 0), "stage1": (8, 1), "stage2": (8, 2), "stage3": (8, 3), "hsdp3": ((2, 4), 3)}
+"""Configurations trained by 2 processes x 4 devices and by 1 x 8 (tests/test_multiprocess.py): name -> (dp, stage)."""
+MP_STEPS, MP_ROWS = 4, 256
+MP_TX = optax.adamw(1e-3)
+
 TINY = DecoderConfig(vocab=64, embed=64, layers=2, heads=4, head_dim=16, mlp=128, max_len=16)
 
 
