@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
         if ckpt is not None:
             ckpt.maybe_save(state, plan, {"data_position": i + 1})
             if ckpt.preempted:
-                log(f"preempted: saved step {i + 1}, exiting", flush=True)
+                print(f"preempted: saved step {i + 1}, exiting", flush=True)  # on every process
                 end = i + 1
                 break
         rate = tokens_per_step * (i + 1 - start) / (time.perf_counter() - t0)

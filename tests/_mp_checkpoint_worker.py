@@ -1,6 +1,7 @@
 """One of two processes (4 CPU devices each, gloo) that save a checkpoint or restore it with new specs.
 
-Run by tests/test_checkpoint.py: ``python -m tests._mp_checkpoint_worker PID PORT DIR save|restore``.
+Run by tests/test_checkpoint.py: ``python -m tests._mp_checkpoint_worker PID PORT DIR save|restore|killsave``.
+``killsave`` saves step 1, then starts saving a large step 2 and prints ``SAVING``; the test kills a process.
 """
 
 import sys
@@ -22,6 +23,29 @@ from tests._models import linen_mlp_task, regression_batch  # noqa: E402
 
 init_fn, loss_fn = linen_mlp_task()
 tx = optax.adamw(1e-2)
+if mode == "killsave":
+    import time
+
+    import jax.numpy as jnp
+
+    plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, precision="bf16")
+
+    def big(r):
+        return {"w": jax.random.normal(r, (4096, 4096)), "b": jnp.zeros((4096,))}
+
+    state = plan.init(big, optax.adamw(1e-3), jax.random.key(0))
+    replicated = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())
+
+    def at(step):  # the step counter as a global array, as the train step leaves it
+        return state.replace(step=jax.device_put(jnp.asarray(step, jnp.int32), replicated))
+
+    ckpt = zjax.Checkpointer(directory)
+    ckpt.save(at(1), plan)
+    ckpt.wait()
+    print("SAVING", pid, flush=True)
+    ckpt.save(at(2), plan)
+    time.sleep(120)
+    sys.exit(0)
 if mode == "save":
     plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, precision="bf16")
     state = plan.init(init_fn, tx, jax.random.key(0))

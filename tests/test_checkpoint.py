@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -29,8 +30,14 @@ def trained_state(stage, mesh_kw=None, tx=None, precision="bf16"):
     return plan, state, tx
 
 
+def _raw(tree):
+    """Leaves as numbers (typed PRNG keys as their key data)."""
+    is_key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # noqa: E731
+    return jax.device_get(jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree))
+
+
 def assert_bitwise(a, b):
-    la, lb = jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b))
+    la, lb = jax.tree.leaves(_raw(a)), jax.tree.leaves(_raw(b))
     assert len(la) == len(lb)
     for x, y in zip(la, lb, strict=True):
         np.testing.assert_array_equal(x, y)
@@ -78,7 +85,7 @@ def test_reshard_matrix(saved, from_stage, to_stage, mesh_name):
 def test_restore_in_a_four_device_process(saved, tmp_path):
     directory, want, _ = saved[3]
     expected = tmp_path / "want.npz"
-    np.savez(expected, *[np.asarray(x, np.float32) for x in jax.tree.leaves(want)])
+    np.savez(expected, *[np.asarray(x, np.float32) for x in jax.tree.leaves(_raw(want))])
     script = f"""
 import jax
 jax.config.update("jax_num_cpu_devices", 4)
@@ -88,6 +95,7 @@ plan = zjax.Plan(zjax.make_mesh(dp=2, tp=2), stage=1, precision="bf16")
 with zjax.Checkpointer({str(directory)!r}) as ckpt:
     state, meta = ckpt.restore(plan, linen_mlp_task()[0], optax.adamw(1e-2, weight_decay=0.1), jax.random.key(0))
 want = np.load({str(expected)!r})
+state = state.replace(rng=jax.random.key_data(state.rng))
 got = [np.asarray(x, np.float32) for x in jax.tree.leaves(jax.device_get(state))]
 assert len(got) == len(want.files)
 assert all(np.array_equal(g, want[f"arr_{{i}}"]) for i, g in enumerate(got))
@@ -404,3 +412,134 @@ def test_resume_across_a_stage_and_mesh_change(tmp_path):
     _, second = run(plan_b, state, data[3:])
     np.testing.assert_array_equal(first, straight[:3])
     np.testing.assert_allclose(second, straight[3:], rtol=1e-5)  # reduction order differs with the mesh
+
+
+def test_rng_is_saved_and_a_resumed_run_draws_the_same_keys(tmp_path):
+    """``state.rng`` (a typed key) feeds a ``loss_fn(params, batch, rng)`` (dropout); it round-trips, so a
+    resumed run draws the same masks. With a zero learning rate only the keys change the loss."""
+    init_fn, loss_fn = linen_mlp_task()
+    tx = optax.sgd(0.0)
+
+    def dropout_loss(params, batch, rng):
+        keep = jax.random.bernoulli(rng, 0.8, batch["x"].shape)
+        return loss_fn(params, {**batch, "x": jnp.where(keep, batch["x"] / 0.8, 0.0)})
+
+    plan = zjax.Plan(zjax.make_mesh(dp=8), stage=2, precision="fp32")
+    step = plan.train_step(dropout_loss, accum_steps=2)
+    batch = plan.shard_batch(regression_batch(32))
+    state = plan.init(init_fn, tx, jax.random.key(0))
+    losses = []
+    with zjax.Checkpointer(tmp_path) as ckpt:
+        for i in range(4):
+            state, m = step(state, batch)
+            losses.append(float(m["loss"]))
+            if i == 1:
+                ckpt.save(state, plan)
+                ckpt.wait()
+    assert len(set(losses)) == 4  # a fresh key every step
+    with zjax.Checkpointer(tmp_path) as ckpt:
+        restored, _ = ckpt.restore(plan, init_fn, tx, jax.random.key(0))
+    assert jax.dtypes.issubdtype(restored.rng.dtype, jax.dtypes.prng_key)
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    again = []
+    for _ in range(2):
+        restored, m = step(restored, batch)
+        again.append(float(m["loss"]))
+    assert again == losses[2:]
+    np.testing.assert_array_equal(jax.random.key_data(restored.rng), jax.random.key_data(state.rng))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.0, 0.3])
+def test_two_processes_one_killed_mid_save_leaves_the_previous_step(tmp_path, delay):
+    """2 processes save step 1, then start a large step 2; process 1 is SIGKILLed during it. Process 0 ends
+    (the runtime aborts it), step 1 stays the latest restorable step, and saving step 2 again works."""
+    import time
+
+    directory = tmp_path / "ckpt"
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests._mp_checkpoint_worker", str(pid), port, str(directory), "killsave"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+        )
+        for pid in (0, 1)
+    ]
+    try:
+        for pid, p in enumerate(procs):
+            for line in p.stdout:
+                if line.startswith(f"SAVING {pid}"):
+                    break
+        time.sleep(delay)
+        procs[1].kill()
+        assert procs[0].wait(timeout=60) != 0  # the survivor is ended by the runtime, not left hanging
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+            p.stdout.close()
+    plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, precision="bf16")
+
+    def init(r):
+        return {"w": jax.random.normal(r, (4096, 4096)), "b": jax.numpy.zeros((4096,))}
+
+    tx = optax.adamw(1e-3)
+    want = jax.device_get(plan.init(init, tx, jax.random.key(0)).params)
+    with zjax.Checkpointer(directory) as ckpt, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        restored, meta = ckpt.restore(plan, init, tx, jax.random.key(0))
+        # killed at once, step 2 cannot be complete; later it may be (then it restores whole)
+        assert meta["step"] == 1 if delay == 0 else meta["step"] in (1, 2)
+        assert meta["processes"] == 2
+        assert_bitwise(restored.params, want)
+        ckpt.save(restored.replace(step=jax.numpy.asarray(2, jax.numpy.int32)), plan)
+    with zjax.Checkpointer(directory) as ckpt:
+        assert ckpt.restore(plan, init, tx, jax.random.key(0))[1]["step"] == 2
+
+
+@pytest.mark.slow
+def test_two_processes_sigterm_save_the_same_step_and_exit_cleanly(tmp_path):
+    """The example on 2 processes (zjax launch): SIGTERM to the launcher reaches both; they agree on a step,
+    save it once and exit 0; a 1-process run resumes from it."""
+    import signal
+
+    ckpt = tmp_path / "ckpt"
+    common = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "16", "--no-progress", "--save-every", "1000"]
+    cmd = [sys.executable, "-u", str(ROOT / "examples" / "train_lm.py"), *common, "--steps", "400"]
+    proc = subprocess.Popen(
+        [*cmd, "--checkpoint-dir", str(ckpt), "--preemptible", "--processes", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "ZJAX_HEARTBEAT_TIMEOUT_S": "10", "ZJAX_SHUTDOWN_TIMEOUT_S": "30"},
+    )
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("[0] step "):  # training is under way
+                proc.send_signal(signal.SIGTERM)
+                break
+        lines += proc.stdout.readlines()
+        assert proc.wait(timeout=120) == 0, "".join(lines)
+    finally:
+        proc.kill()
+        proc.stdout.close()
+    saved = {line[:3]: int(line.split()[4].rstrip(",")) for line in lines if "preempted: saved step" in line}
+    assert set(saved) == {"[0]", "[1]"} and len(set(saved.values())) == 1, "".join(lines)
+    step = saved["[0]"]
+    with zjax.Checkpointer(ckpt) as c:
+        assert c.steps() == [step]
+        assert c.metadata(step)["processes"] == 2
+    resumed = subprocess.run(
+        [*cmd[:-1], str(step + 2), "--checkpoint-dir", str(ckpt), "--resume"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert resumed.returncode == 0 and f"resumed from step {step}" in resumed.stdout, resumed.stdout + resumed.stderr

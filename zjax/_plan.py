@@ -25,6 +25,8 @@ from .sharding._rules import Rules
 from .stages._layout import Layout, Unsharded
 from .stages._stage import Stage
 
+_STATE_RNG = 0x7A6A  # folded into the init key for TrainState.rng
+
 
 def _is_spec(x: Any) -> bool:
     return isinstance(x, PartitionSpec)
@@ -115,6 +117,7 @@ class Plan:
             params=layout.param_specs,
             opt_state=MixedPrecisionState(master, layout.optimizer_specs(state.tx, state.opt_state.inner)),
             loss_scale=LossScaleState(scalar, scalar),
+            rng=scalar,
             tx=state.tx,
         )
 
@@ -142,6 +145,7 @@ class Plan:
                 params=compute,
                 opt_state=MixedPrecisionState(master if precision.master_weights else None, tx.init(master)),
                 loss_scale=self.loss_scale.init(precision.loss_scaling),
+                rng=jax.random.fold_in(rng, _STATE_RNG),  # not the key init_fn used
                 tx=tx,
             )
 
@@ -187,7 +191,8 @@ class Plan:
         """A jitted, state-donating step ``step(state, batch) -> (state, metrics)``.
 
         Args:
-          loss_fn: ``loss_fn(params, batch) -> loss`` or ``(loss, aux)``; ``loss`` is a scalar mean.
+          loss_fn: ``loss_fn(params, batch) -> loss`` or ``(loss, aux)``; ``loss`` is a scalar mean. With
+            an ``rng`` parameter, ``loss_fn(params, batch, rng)`` gets a fresh key each step (from ``state.rng``).
           accum_steps: split each batch into this many microbatches and accumulate their gradients
             (in fp32, laid out like the gradients: dp-sharded at stages 2 and 3).
         """

@@ -26,6 +26,8 @@ class TrainState(struct.PyTreeNode):
       params: the compute parameters (bf16/fp16/fp32), in the layout the plan's stage gives them.
       opt_state: :class:`MixedPrecisionState` with the fp32 master weights and the optax state.
       loss_scale: dynamic loss scale (constant 1 unless the precision scales the loss).
+      rng: a PRNG key (typed, e.g. from ``jax.random.key``) that each step splits: the step passes a fresh
+        key to a ``loss_fn`` that takes ``rng`` (dropout), and a resumed run draws the same keys.
       tx: the inner optax transformation (static).
     """
 
@@ -33,6 +35,7 @@ class TrainState(struct.PyTreeNode):
     params: Any
     opt_state: MixedPrecisionState
     loss_scale: LossScaleState
+    rng: jax.Array
     tx: optax.GradientTransformation = struct.field(pytree_node=False)
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,15 @@ def _split_microbatches(batch: Any, k: int) -> Any:
     return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
+def _takes_rng(fn: Callable) -> bool:
+    """Whether ``fn`` accepts an ``rng`` keyword (then the step passes it a fresh key)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "rng" in params
+
+
 def _tree_where(pred: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.where(pred, n, o), new, old)
 
@@ -42,7 +52,9 @@ def _tree_where(pred: jax.Array, new: Any, old: Any) -> Any:
 class TrainStep:
     """A compiled training step for one plan and loss function; call it as ``step(state, batch)``.
 
-    ``loss_fn(params, batch)`` returns a scalar loss (a mean over the batch) or ``(loss, aux)``.
+    ``loss_fn(params, batch)`` returns a scalar loss (a mean over the batch) or ``(loss, aux)``. A
+    ``loss_fn(params, batch, rng)`` also gets a fresh PRNG key per step and microbatch, split from
+    ``state.rng`` (dropout that resumes reproducibly from a checkpoint).
     Returns the new state and metrics: ``loss``, ``grad_norm`` (unscaled, before clipping),
     ``loss_scale``, ``skipped`` (non-finite gradients under loss scaling) and ``aux`` if given.
     The input state is donated: do not use it after the call.
@@ -55,6 +67,7 @@ class TrainStep:
             raise ValueError(f"train_step: accum_steps={accum_steps!r} must be an int >= 1.")
         self.plan = plan
         self.loss_fn = loss_fn
+        self._takes_rng = _takes_rng(loss_fn)
         self.accum_steps = accum_steps
         self._jitted: dict[Any, Any] = {}
 
@@ -93,12 +106,12 @@ class TrainStep:
 
     # -- the traced step ------------------------------------------------------------------------
 
-    def _grads(self, layout: Layout, params: Any, batch: Any, scale: jax.Array):
+    def _grads(self, layout: Layout, params: Any, batch: Any, scale: jax.Array, rng: jax.Array):
         """Mean loss, aux and gradients of ``loss * scale`` (summed over microbatches, fp32 if k > 1)."""
         mesh = self.plan.mesh
 
-        def scaled(p, b):
-            out = self.loss_fn(p, b)
+        def scaled(p, b, i):
+            out = self.loss_fn(p, b, rng=jax.random.fold_in(rng, i)) if self._takes_rng else self.loss_fn(p, b)
             loss, aux = out if isinstance(out, tuple) else (out, None)
             if jnp.ndim(loss) != 0:
                 raise ValueError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}.")
@@ -109,18 +122,19 @@ class TrainStep:
         if k == 1:
             # Straight to the optimizer's layout: at stage 1 too the reduction is a reduce-scatter
             # (ZeRO's 2 psi per step); an all-reduce to full gradients would cost 3 psi with the gather.
-            grads, (loss, aux) = grad_fn(params, batch)
+            grads, (loss, aux) = grad_fn(params, batch, 0)
             return loss, aux, _constrain(grads, layout.master_specs, mesh)
 
-        def body(acc, microbatch):
-            grads, (loss, aux) = grad_fn(params, microbatch)
+        def body(acc, xs):
+            i, microbatch = xs
+            grads, (loss, aux) = grad_fn(params, microbatch, i)
             grads = _constrain(grads, layout.grad_specs, mesh)
             acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
             return _constrain(acc, layout.grad_specs, mesh), (loss, aux)
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         acc, (losses, auxes) = jax.lax.scan(
-            body, _constrain(zeros, layout.grad_specs, mesh), _split_microbatches(batch, k)
+            body, _constrain(zeros, layout.grad_specs, mesh), (jnp.arange(k), _split_microbatches(batch, k))
         )
         aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
         return jnp.mean(losses), aux, acc
@@ -129,7 +143,8 @@ class TrainStep:
         plan, mesh = self.plan, self.plan.mesh
         precision = plan.precision
         scale = state.loss_scale.scale
-        loss, aux, grads = self._grads(layout, state.params, batch, scale)
+        next_rng, step_rng = jax.random.split(state.rng)
+        loss, aux, grads = self._grads(layout, state.params, batch, scale, step_rng)
 
         grads = _constrain(grads, layout.master_specs, mesh)
         inv = 1.0 / (scale * self.accum_steps)
@@ -176,7 +191,9 @@ class TrainStep:
         else:
             skipped = jnp.zeros((), bool)
 
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, loss_scale=loss_scale)
+        new_state = state.replace(
+            step=state.step + 1, params=params, opt_state=opt_state, loss_scale=loss_scale, rng=next_rng
+        )
         metrics = {"loss": loss, "grad_norm": grad_norm, "loss_scale": scale, "skipped": skipped}
         if aux is not None:
             metrics["aux"] = aux

@@ -47,6 +47,29 @@ class _Mismatch(Exception):
     """The checkpoint holds different arrays than the plan's state: never pad or truncate silently."""
 
 
+def _is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
+def _keys_to_data(tree: Any) -> Any:
+    """Typed PRNG keys (arrays or ``ShapeDtypeStruct``) as their ``uint32`` key data, other leaves as they are."""
+
+    def convert(x: Any) -> Any:
+        if not _is_key(x):
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            data = jax.eval_shape(jax.random.key_data, x)
+            return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=x.sharding)
+        return jax.random.key_data(x)
+
+    return jax.tree.map(convert, tree)
+
+
+def _data_to_keys(restored: Any, typed: Any, impl: Any) -> Any:
+    """Undo :func:`_keys_to_data` where the target had typed keys."""
+    return jax.tree.map(lambda r, t: jax.random.wrap_key_data(r, impl=impl) if _is_key(t) else r, restored, typed)
+
+
 def _check_shapes(step: int, saved: list[tuple[str, tuple[int, ...], str, str]], target: Any) -> None:
     def key(path: str) -> str:  # nnx variables are saved as dicts with a 'value' entry
         return path.removesuffix("/value")
@@ -126,7 +149,9 @@ class Checkpointer:
         return bool(
             self._manager.save(
                 step,
-                args=ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)}),
+                args=ocp.args.Composite(
+                    **{STATE: ocp.args.StandardSave(_keys_to_data(state)), META: ocp.args.JsonSave(meta)}
+                ),
                 force=force,
             )
         )
@@ -184,7 +209,8 @@ class Checkpointer:
           FileNotFoundError: if there is no (restorable) step.
           ValueError: if the checkpoint's precision differs from the plan's (the state trees differ).
         """
-        target = plan.abstract_state(init_fn, tx, rng)
+        typed = plan.abstract_state(init_fn, tx, rng)
+        target = _keys_to_data(typed)  # typed PRNG keys are saved as their raw key data
         candidates = [step] if step is not None else sorted(self._manager.all_steps(), reverse=True)
         if not candidates:
             raise FileNotFoundError(f"No checkpoint steps in {self.directory}.")
@@ -222,7 +248,7 @@ class Checkpointer:
                         candidate,
                         ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()),
                     )
-                return restored[STATE], meta
+                return _data_to_keys(restored[STATE], typed, jax.random.key_impl(rng)), meta
         detail = "; ".join(f"step {s}: {type(e).__name__}: {e}" for s, e in errors)
         raise FileNotFoundError(f"No restorable checkpoint step in {self.directory} ({detail}).")
 
