@@ -118,15 +118,20 @@ def test_stage3_all_gathers_parameters_stage0_does_not():
     assert hlo3.count("all-gather") >= 2  # the two kernels, gathered for use
 
 
-def test_no_recompilation_on_second_step():
+def test_no_recompilation_on_second_step(caplog):
     mesh = zjax.make_mesh(dp=4, tp=2)
     init_fn, loss_fn = linen_mlp_task()
     plan = zjax.Plan(mesh, stage=3, precision="bf16")
     state = plan.init(init_fn, optax.adamw(1e-3), jax.random.key(0))
     step = plan.train_step(loss_fn)
     batch = plan.shard_batch(regression_batch())
-    for _ in range(3):
-        state, metrics = step(state, batch)
+    with jax.log_compiles(True), caplog.at_level("WARNING"):
+        for _ in range(3):
+            state, metrics = step(state, batch)
+    # one executable for the run (the dispatch cache may hold a second entry for the typed key in
+    # state.rng, pointing at the same executable)
+    compiles = [r for r in caplog.records if r.getMessage().startswith("Compiling jit(<lambda>)")]
+    assert len(compiles) == 1
     (jitted,) = step._jitted.values()
-    assert jitted._cache_size() == 1
+    assert jitted._cache_size() <= 2
     assert np.isfinite(float(metrics["loss"]))

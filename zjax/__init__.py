@@ -3,6 +3,7 @@
 from . import checkpoint as checkpoint
 from . import distributed as distributed
 from . import pallas as pallas
+from . import pipeline as pipeline
 from . import planner as planner
 from . import remat as remat
 from . import sharding as sharding
@@ -18,6 +19,7 @@ from ._state import MixedPrecisionState as MixedPrecisionState
 from ._state import TrainState as TrainState
 from ._step import TrainStep as TrainStep
 from .checkpoint import Checkpointer as Checkpointer
+from .pipeline import Pipeline as Pipeline
 from .sharding import Rules as Rules
 from .sharding import make_mesh as make_mesh
 from .sharding import shard_batch as shard_batch

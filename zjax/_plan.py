@@ -17,6 +17,7 @@ from ._memory import MemoryReport, memory_report
 from ._precision import Precision
 from ._state import MixedPrecisionState, TrainState
 from ._step import LossFn, TrainStep
+from .pipeline import Pipeline
 from .sharding._annotations import read_leaves, unbox
 from .sharding._axes import DP, MESH_AXES, PP
 from .sharding._batch import shard_batch
@@ -56,6 +57,8 @@ class Plan:
       rules: :class:`zjax.Rules` for tensor parallelism; the defaults map common logical names.
       clip_norm: clip gradients to this global norm (computed correctly over sharded gradients).
       loss_scale: dynamic loss-scaling configuration, used when the precision scales the loss.
+      pipeline: the schedule (:class:`zjax.Pipeline`) for a mesh with ``pp`` > 1; the model calls
+        :func:`zjax.pipeline.apply` on its stacked layers (``zjax.models.Decoder`` does).
 
     Example:
       >>> plan = zjax.Plan(zjax.make_mesh(dp=-1, tp=2), stage=3, precision="bf16")
@@ -70,6 +73,7 @@ class Plan:
     rules: Rules | None = None
     clip_norm: float | None = None
     loss_scale: DynamicLossScale = DynamicLossScale()
+    pipeline: Pipeline | None = None
     _steps: list = dataclasses.field(default_factory=list, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -81,11 +85,19 @@ class Plan:
                 f"Plan: the mesh {dict(self.mesh.shape)} has no {missing[0]!r} axis; build it with "
                 f"zjax.make_mesh (axes {MESH_AXES})."
             )
-        if axis_size(self.mesh, PP) > 1:
-            raise NotImplementedError(
-                f"Plan: pipeline parallelism ({PP}={axis_size(self.mesh, PP)}) is not yet supported; "
-                f"use a mesh with {PP}=1 (fold those devices into dp or tp)."
+        if self.pipeline is not None and not isinstance(self.pipeline, Pipeline):
+            raise TypeError(
+                f"Plan: pipeline must be a zjax.Pipeline(microbatches=...), got {type(self.pipeline).__name__}."
             )
+        stages = axis_size(self.mesh, PP)
+        if stages > 1 and self.pipeline is None:
+            raise ValueError(
+                f"Plan: the mesh has {PP}={stages} but no pipeline schedule; pass "
+                f"pipeline=zjax.Pipeline(microbatches=M) with M a multiple of {stages} (e.g. {2 * stages}), "
+                f"or fold those devices into dp or tp."
+            )
+        if self.pipeline is not None:
+            self.pipeline.check(stages)
         object.__setattr__(self, "stage", Stage.from_value(self.stage))
         object.__setattr__(self, "precision", Precision.from_value(self.precision))
         object.__setattr__(self, "rules", Rules() if self.rules is None else self.rules)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
+from . import pipeline
 from ._state import MixedPrecisionState, TrainState
 from .sharding._batch import batch_shardings, check_batch
 from .stages._layout import Layout
@@ -91,6 +92,7 @@ class TrainStep:
         stack = contextlib.ExitStack()
         stack.enter_context(jax.set_mesh(self.plan.mesh))
         stack.enter_context(nn.logical_axis_rules(self.plan.rules.activations_for(self.plan.mesh)))
+        stack.enter_context(pipeline.use(self.plan.pipeline))
         return stack
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
+from .. import pipeline
 from ..remat import RematPolicy, gather_checkpoint, linen_scan, partition_checkpoint
 
 
@@ -127,7 +128,20 @@ class Decoder(nn.Module):
         embedding = _param(self, "embedding", (c.vocab, c.embed), ("vocab", "embed"), nn.initializers.normal(1.0))
         x = _constrain(jnp.take(embedding, tokens, axis=0))
         policy = RematPolicy.from_str(c.remat)
-        if c.scan:
+        schedule = pipeline.current()
+        if schedule is not None and not self.is_initializing():
+            if not c.scan:
+                raise ValueError("Decoder: pipeline parallelism needs scan=True (layers stacked on one axis).")
+            # the pipeline rematerializes whole iterations: the layers inside run without their own remat
+            one = Block(dataclasses.replace(c, remat="none"))
+
+            def stage_fn(stage_layers, h):
+                for j in range(jax.tree.leaves(stage_layers)[0].shape[0]):
+                    h, _ = one.apply({"params": jax.tree.map(lambda w: w[j], stage_layers)}, h)  # noqa: B023
+                return h
+
+            x = pipeline.apply(stage_fn, self.variables["params"]["layers"], x, schedule)
+        elif c.scan:
             x, _ = linen_scan(Block, c.layers, policy)(c, name="layers")(x, None)
         else:
             block = nn.remat(Block, policy=policy.jax_policy()) if policy.remat else Block

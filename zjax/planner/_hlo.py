@@ -181,6 +181,7 @@ class Collective:
     trips: int  # executions per step (while-loop trips multiplied out)
     in_loop: bool
     groups: list[list[int]]
+    computation: str = ""  # the HLO computation it sits in (a while body, for loop collectives)
 
 
 def _num_devices(text: str) -> int:
@@ -222,7 +223,8 @@ def collectives(hlo_text: str) -> list[Collective]:
             else:
                 vol = size
             ring = 1.0 if kind == "collective-permute" else (n - 1) / n if n > 1 else 0.0
-            out.append(Collective(instr.name, kind, size, vol, round(vol * ring), factor, comp in looped, groups))
+            wire = round(vol * ring)
+            out.append(Collective(instr.name, kind, size, vol, wire, factor, comp in looped, groups, comp))
     return out
 
 

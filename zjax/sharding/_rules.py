@@ -15,8 +15,8 @@ from typing import Any
 from jax.sharding import Mesh, PartitionSpec
 
 from ._annotations import Leaf
-from ._axes import DATA_AXES, DP, TP
-from ._mesh import data_target
+from ._axes import DATA_AXES, DP, PP, TP
+from ._mesh import axis_size, data_axes
 
 AxisTarget = str | tuple[str, ...] | None
 
@@ -29,7 +29,7 @@ DEFAULT_LOGICAL_RULES: tuple[tuple[str, AxisTarget], ...] = (
     ("embed", None),
     ("head_dim", None),
     ("norm", None),
-    ("layers", None),
+    ("layers", PP),  # stacked layers: split into pipeline stages (nothing when pp=1)
 )
 
 DEFAULT_ACTIVATION_RULES: tuple[tuple[str, AxisTarget], ...] = (
@@ -160,8 +160,10 @@ class Rules:
 
     def activations_for(self, mesh: Mesh) -> tuple[tuple[str, AxisTarget], ...]:
         """``activations`` for ``mesh``: a rule that targets ``dp`` splits over all data axes
-        (``replica`` x ``dp`` under HSDP), the way the batch itself is split."""
-        target = data_target(mesh)
+        (``replica`` x ``dp`` under HSDP), the way the batch itself is split, and over ``pp`` too
+        when there is a pipeline (outside it, embeddings, head and loss are data parallel over pp)."""
+        axes = data_axes(mesh) + ((PP,) if axis_size(mesh, PP) > 1 else ())
+        target: AxisTarget = None if not axes else axes[0] if len(axes) == 1 else axes
         return tuple((name, target if _as_axes(t) == (DP,) else t) for name, t in self.activations)
 
 
