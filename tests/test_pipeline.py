@@ -1,0 +1,294 @@
+"""Pipeline parallelism over pp: numerics against the sequential model, HLO structure, memory, bubble, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zjax
+from zjax.models import Decoder, DecoderConfig, lm_loss
+from zjax.pipeline import Pipeline, apply, layer_order
+from zjax.planner._hlo import collectives, partitioned_hlo, spanned_axes
+
+D, L, B = 32, 8, 32
+MESHES = {"dp2_pp4": {"dp": 2, "pp": 4}, "dp2_tp2_pp2": {"dp": 2, "tp": 2, "pp": 2}}
+
+
+def schedules(stages: int) -> dict[str, Pipeline]:
+    return {
+        "gpipe": Pipeline(stages),
+        "circular_m_eq_s": Pipeline(stages, repeats=2),
+        "circular_m_2s": Pipeline(2 * stages, repeats=2),
+    }
+
+
+def layer(w, h):
+    return h + jnp.tanh(h @ w["a"]) @ w["b"]
+
+
+def stage_fn(ws, h):
+    for j in range(ws["a"].shape[0]):
+        h = layer(jax.tree.map(lambda x: x[j], ws), h)  # noqa: B023
+    return h
+
+
+def weights_and_input(dim: int = D, layers: int = L, rows: int = B):
+    rs = np.random.RandomState(0)
+    w = {
+        "a": jnp.asarray(rs.randn(layers, dim, dim) / np.sqrt(dim), jnp.float32),
+        "b": jnp.asarray(rs.randn(layers, dim, dim) / np.sqrt(dim), jnp.float32),
+    }
+    return w, jnp.asarray(rs.randn(rows, dim), jnp.float32)
+
+
+def sequential(w, x, order):
+    h = x
+    for i in order:
+        h = layer(jax.tree.map(lambda a: a[i], w), h)  # noqa: B023
+    return jnp.mean(h**2), h
+
+
+def pipelined(cfg: Pipeline, fill: float = 0.0):
+    def f(w, x):
+        h = apply(stage_fn, w, x, cfg, _bubble_fill=fill)
+        return jnp.mean(h**2), h
+
+    return f
+
+
+def run_pipelined(mesh, cfg, w, x, fill=0.0):
+    with jax.set_mesh(mesh):
+        w = jax.device_put(w, NamedSharding(mesh, P("pp")))
+        x = jax.device_put(x, NamedSharding(mesh, P("dp")))
+        return jax.jit(jax.value_and_grad(pipelined(cfg, fill), has_aux=True))(w, x)
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("schedule", ["gpipe", "circular_m_eq_s", "circular_m_2s"])
+def test_loss_output_and_gradients_match_the_sequential_model(mesh_name, schedule):
+    mesh = zjax.make_mesh(**MESHES[mesh_name])
+    stages = MESHES[mesh_name]["pp"]
+    cfg = schedules(stages)[schedule]
+    w, x = weights_and_input()
+    (want, want_h), want_g = jax.value_and_grad(sequential, has_aux=True)(w, x, layer_order(L, stages, cfg.repeats))
+    (got, got_h), got_g = run_pipelined(mesh, cfg, w, x)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_allclose(got_h, want_h, atol=1e-5)
+    for g, r in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
+        np.testing.assert_allclose(g, r, atol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "circular_m_2s"])
+def test_nan_in_bubble_slots_changes_nothing(schedule):
+    """Every carry slot that is not real work starts as NaN: loss, output and gradients are unchanged."""
+    mesh = zjax.make_mesh(dp=2, pp=4)
+    cfg = schedules(4)[schedule]
+    w, x = weights_and_input()
+    (clean, h), g = run_pipelined(mesh, cfg, w, x)
+    (dirty, h2), g2 = run_pipelined(mesh, cfg, w, x, fill=float("nan"))
+    assert np.isfinite(float(dirty))
+    np.testing.assert_array_equal(dirty, clean)
+    np.testing.assert_array_equal(h2, h)
+    for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_bubble_flops_match_the_schedule():
+    """Per-device FLOPs of the (unrolled) forward over the ideal share of the sequential FLOPs equal
+    (M*R + S - 1) / (M*R): every device computes one stage on one microbatch per iteration."""
+    mesh = zjax.make_mesh(dp=2, pp=4)
+    w, x = weights_and_input(dim=256, rows=64)  # matmuls dominate: the selects of the schedule stay < 1%
+    seq = jax.jit(lambda w, x: sequential(w, x, range(L))[1]).lower(w, x).compile()
+    ideal = seq.cost_analysis()["flops"] / 8
+    for cfg in (Pipeline(4), Pipeline(8), Pipeline(4, repeats=2), Pipeline(8, repeats=2)):
+        unrolled = Pipeline(cfg.microbatches, cfg.repeats, unroll=True)
+        with jax.set_mesh(mesh):
+            wd = jax.device_put(w, NamedSharding(mesh, P("pp")))
+            xd = jax.device_put(x, NamedSharding(mesh, P("dp")))
+            compiled = jax.jit(lambda w, x: apply(stage_fn, w, x, unrolled)).lower(wd, xd).compile()  # noqa: B023
+        ratio = compiled.cost_analysis()["flops"] / ideal
+        m_r = cfg.microbatches * cfg.repeats
+        assert ratio == pytest.approx((m_r + 3) / m_r, rel=0.01), (cfg, ratio)
+        assert cfg.bubble(4) == pytest.approx(3 / (m_r + 3))
+
+
+# -- the plan: a decoder trained through the pipeline --------------------------------------------------
+
+CFG = DecoderConfig(vocab=64, embed=32, layers=8, heads=2, head_dim=16, mlp=64, max_len=16)
+
+
+def decoder_task():
+    model = Decoder(CFG)
+    return (lambda r: model.init(r, jnp.zeros((1, 16), jnp.int32))["params"]), (lambda p, b: lm_loss(model, p, b))
+
+
+def tokens(seed: int, rows: int = 32) -> np.ndarray:
+    return np.random.RandomState(seed).randint(0, CFG.vocab, (rows, 17)).astype(np.int32)
+
+
+def train(plan: zjax.Plan, order=None, steps: int = 3):
+    init_fn, loss_fn = decoder_task()
+    state = plan.init(init_fn, optax.sgd(0.1, momentum=0.9), jax.random.key(0))
+    if order is not None:  # store the reference's layer i where the pipeline applies it i-th
+        where = np.argsort(order)
+        layers = jax.tree.map(lambda a: jax.device_put(np.asarray(a)[where], a.sharding), state.params["layers"])
+        state = state.replace(params={**state.params, "layers": layers})
+    step = plan.train_step(loss_fn)
+    losses = []
+    for i in range(steps):
+        state, metrics = step(state, plan.shard_batch(tokens(i)))
+        losses.append(float(metrics["loss"]))
+    params = jax.device_get(state.params)
+    if order is not None:
+        params = {**params, "layers": jax.tree.map(lambda a: np.asarray(a)[np.array(order)], params["layers"])}
+    return losses, params
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train(zjax.Plan(zjax.make_mesh(dp=8), stage=0, precision="fp32"))
+
+
+def check_against_reference(reference, mesh_kw, stage, schedule):
+    stages = mesh_kw["pp"]
+    cfg = schedules(stages)[schedule]
+    plan = zjax.Plan(zjax.make_mesh(**mesh_kw), stage=stage, precision="fp32", pipeline=cfg)
+    losses, params = train(plan, order=layer_order(CFG.layers, stages, cfg.repeats))
+    np.testing.assert_allclose(losses, reference[0], atol=1e-5)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(reference[1]), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_decoder_trains_through_the_pipeline(reference):
+    """ZeRO-3 + circular schedule on dp=2 x pp=4: losses and parameters after 3 SGD+momentum steps equal
+    the non-pipelined model's on dp=8."""
+    check_against_reference(reference, MESHES["dp2_pp4"], 3, "circular_m_2s")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("schedule", ["gpipe", "circular_m_eq_s", "circular_m_2s"])
+def test_decoder_grid(reference, mesh_name, stage, schedule):
+    check_against_reference(reference, MESHES[mesh_name], stage, schedule)
+
+
+def compiled_step(mesh_kw, stage, cfg, rows=32, precision="bf16"):
+    init_fn, loss_fn = decoder_task()
+    plan = zjax.Plan(zjax.make_mesh(**mesh_kw), stage=stage, precision=precision, pipeline=cfg)
+    state = plan.abstract_state(init_fn, optax.adamw(1e-3), jax.random.key(0))
+    batch = jax.ShapeDtypeStruct((rows, 17), jnp.int32)
+    step = plan.train_step(loss_fn)
+    compiled, hlo = partitioned_hlo(step.lower(state, batch))
+    return plan, state, batch, step, compiled, hlo
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("schedule", ["gpipe", "circular_m_2s"])
+def test_hlo_structure(stage, schedule):
+    plan, state, _, _, _, hlo = compiled_step(MESHES["dp2_pp4"], stage, schedules(4)[schedule])
+    shape = dict(plan.mesh.shape)
+    ops = [(c, spanned_axes(c.groups, shape)) for c in collectives(hlo)]
+    permutes = [(c, axes) for c, axes in ops if c.kind == "collective-permute"]
+    in_loop = [c for c, axes in permutes if c.in_loop]
+    # the stage shift and the stream-io shift, forward and backward: 2 per iteration per direction
+    assert 0 < len(in_loop) <= 4
+    assert all(axes == ("pp",) for _, axes in permutes)
+    sizes = list(shape.values())
+    for c in in_loop:  # every pair moves one stage along pp (the ring's wrap-around included)
+        stage_of = [int(np.unravel_index(p, sizes)[0]) for pair in c.groups for p in pair]
+        assert all((b - a) % 4 in (1, 3) for a, b in zip(stage_of[::2], stage_of[1::2], strict=True))
+        assert len(c.groups) <= 8  # at most S pairs per pipeline (one per dp rank here)
+    # data-parallel gradient reductions once per step, outside every loop
+    reductions = [(c, axes) for c, axes in ops if c.kind in ("all-reduce", "reduce-scatter") and "dp" in axes]
+    assert reductions and not [c for c, _ in reductions if c.in_loop]
+    # stage weights are never gathered over pp (stream io: no collective at the pipeline's boundary)
+    assert not [c for c, axes in ops if c.kind == "all-gather" and "pp" in axes]
+    # weights are gathered over dp outside the loop: ZeRO-3 once per step before it, ZeRO-1 after the update
+    gathers = [c for c, axes in ops if c.kind == "all-gather"]
+    assert gathers and not [c for c in gathers if c.in_loop]
+
+
+@pytest.mark.parametrize(("stage", "mesh_name"), [(1, "dp2_pp4"), (3, "dp2_pp4"), (3, "dp2_tp2_pp2")])
+def test_state_bytes_follow_pp_tp_and_dp(stage, mesh_name):
+    """Per device: parameters / (pp x tp) (x 1/dp at stage 3) plus optimizer state / dp, within 5%."""
+    mesh_kw = MESHES[mesh_name]
+    plan, state, batch, step, compiled, _ = compiled_step(mesh_kw, stage, Pipeline(mesh_kw["pp"]))
+    report = plan.memory_report(state, batch, step, compiled=compiled)
+    assert report.state_compiled == pytest.approx(report.state_theory, rel=0.05)
+    layer_params = sum(x.size for x in jax.tree.leaves(state.params["layers"]))
+    model_parallel = mesh_kw["pp"] * mesh_kw.get("tp", 1)
+    on_device = sum(
+        x.sharding.shard_shape(x.shape)[0] * np.prod(x.sharding.shard_shape(x.shape)[1:])
+        for x in jax.tree.leaves(state.params["layers"])
+    )
+    expected = layer_params / model_parallel / (2 if stage == 3 else 1)
+    assert on_device == pytest.approx(expected, rel=0.05)
+
+
+def test_temp_memory_and_program_size_flat_in_microbatches():
+    """At a fixed batch, M=32 microbatches cost at most 1.1x the temp memory of M=8 and the same HLO size."""
+    small = compiled_step(MESHES["dp2_pp4"], 1, Pipeline(8), rows=64)
+    large = compiled_step(MESHES["dp2_pp4"], 1, Pipeline(32), rows=64)
+    temp = [c.memory_analysis().temp_size_in_bytes for c in (small[4], large[4])]
+    assert temp[1] <= 1.1 * temp[0], temp
+    lines = [len(h.splitlines()) for h in (small[5], large[5])]
+    assert lines[1] <= 1.02 * lines[0], lines
+
+
+def test_one_compiled_step_for_the_run(caplog):
+    init_fn, loss_fn = decoder_task()
+    plan = zjax.Plan(zjax.make_mesh(dp=2, pp=4), stage=3, precision="bf16", pipeline=Pipeline(4, repeats=2))
+    state = plan.init(init_fn, optax.adamw(1e-3), jax.random.key(0))
+    step = plan.train_step(loss_fn)
+    with jax.log_compiles(True), caplog.at_level("WARNING"):
+        for i in range(3):
+            state, metrics = step(state, plan.shard_batch(tokens(i)))
+    assert np.isfinite(float(metrics["loss"]))
+    assert len([r for r in caplog.records if r.getMessage().startswith("Compiling jit(<lambda>)")]) == 1
+
+
+# -- errors ------------------------------------------------------------------------------------------
+
+
+def test_config_errors():
+    mesh = zjax.make_mesh(dp=2, pp=4)
+    with pytest.raises(ValueError, match=r"the mesh has pp=4 but no pipeline schedule.*Pipeline\(microbatches=M\)"):
+        zjax.Plan(mesh, stage=1)
+    with pytest.raises(ValueError, match=r"microbatches=2 < pp=4 stages: the pipeline never fills"):
+        zjax.Plan(mesh, stage=1, pipeline=Pipeline(2))
+    with pytest.raises(ValueError, match=r"microbatches=6 is not a multiple of pp=4.*Use 8 or 4"):
+        zjax.Plan(mesh, stage=1, pipeline=Pipeline(6))
+    with pytest.raises(ValueError, match="repeats=0 must be a positive int"):
+        Pipeline(4, repeats=0)
+    with pytest.raises(NotImplementedError, match="zero3_gather='layer' is not supported"):
+        Pipeline(4, zero3_gather="layer")
+    with pytest.raises(TypeError, match="pipeline must be a zjax.Pipeline"):
+        zjax.Plan(mesh, stage=1, pipeline=4)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "layers", "rows", "match"),
+    [
+        (Pipeline(4, repeats=3), 8, 32, r"8 layers do not split into pp=4 stages x repeats=3 equal chunks"),
+        (Pipeline(8), 8, 24, r"12 batch rows per data-parallel rank do not split into microbatches=8"),
+    ],
+)
+def test_apply_errors(cfg, layers, rows, match):
+    mesh = zjax.make_mesh(dp=2, pp=4)
+    w, x = weights_and_input(layers=layers, rows=rows)
+    with pytest.raises(ValueError, match=match):
+        run_pipelined(mesh, cfg, w, x)
+
+
+def test_apply_needs_a_schedule_and_a_mesh():
+    w, x = weights_and_input()
+    with pytest.raises(ValueError, match="needs a mesh in context"):
+        apply(stage_fn, w, x, Pipeline(4))
+    with jax.set_mesh(zjax.make_mesh(dp=2, pp=4)), pytest.raises(ValueError, match="no pipeline schedule"):
+        apply(stage_fn, w, x)
