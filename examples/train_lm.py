@@ -3,6 +3,7 @@
     python examples/train_lm.py --stage 3 --mesh dp=8 --steps 50
     python examples/train_lm.py --stage 2 --mesh dp=4,tp=2 --precision fp16 --accum 4
     python examples/train_lm.py --stage 3 --mesh replica=2,dp=4 --processes 2   # HSDP, 2 processes x 4 devices
+    python examples/train_lm.py --stage 1 --mesh dp=2,pp=4 --microbatches 8 --repeats 2   # circular pipeline
 
 With no accelerator the example runs on 8 simulated CPU devices. The text is the source of a few
 modules of Python's own standard library, read from this interpreter's installation (no downloads).
@@ -63,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
     p.add_argument("--remat", default="full", help="activation checkpointing policy (zjax.remat.POLICIES)")
     p.add_argument("--accum", type=int, default=1, help="gradient-accumulation microbatches per step")
+    p.add_argument(
+        "--microbatches", type=int, default=None, help="pipeline microbatches per step (pp > 1; default 2 x pp)"
+    )
+    p.add_argument("--repeats", type=int, default=1, help="pipeline repeats: 1 = GPipe, > 1 = circular schedule")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument(
         "--optimizer",
@@ -155,7 +160,16 @@ def main(argv: list[str] | None = None) -> dict:
     main_process = jax.process_index() == 0
     if args.preemptible and jax.process_count() > 1 and args.checkpoint_dir is None:
         raise SystemExit("--preemptible needs --checkpoint-dir")
-    plan = zjax.Plan(mesh, stage=args.stage, precision=args.precision, clip_norm=args.clip_norm)
+    stages = int(mesh.shape["pp"])
+    pipeline = None
+    if stages > 1 or args.microbatches is not None:
+        pipeline = zjax.Pipeline(args.microbatches or 2 * stages, repeats=args.repeats)
+        if cfg.layers % (stages * args.repeats):  # deepen the preset so that every stage gets whole layers
+            cfg = type(cfg)(
+                **{**cfg.__dict__, "layers": stages * args.repeats * -(-cfg.layers // (stages * args.repeats))}
+            )
+            model = Decoder(cfg)
+    plan = zjax.Plan(mesh, stage=args.stage, precision=args.precision, clip_norm=args.clip_norm, pipeline=pipeline)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), max(2, args.steps))
     if args.optimizer == "fused_adamw":
         tx = zjax.pallas.fused_adamw(schedule, b2=0.95, weight_decay=0.1)
@@ -196,6 +210,12 @@ def main(argv: list[str] | None = None) -> dict:
         f"mesh {sizes}"
     )
     log(report)
+    if pipeline is not None:
+        log(
+            f"pipeline: {stages} stages x {cfg.layers // stages} layers, {pipeline.microbatches} microbatches, "
+            f"{pipeline.repeats} repeat(s): {pipeline.iterations(stages)} iterations, bubble "
+            f"{pipeline.bubble(stages):.1%}"
+        )
 
     losses: list[float] = []
     skipped = 0
@@ -230,6 +250,14 @@ def main(argv: list[str] | None = None) -> dict:
         "stage": args.stage,
         "mesh": {"replica": sizes["replica"], "dp": sizes["dp"], "tp": sizes["tp"], "pp": sizes["pp"]},
         "processes": jax.process_count(),
+        "pipeline": None
+        if pipeline is None
+        else {
+            "microbatches": pipeline.microbatches,
+            "repeats": pipeline.repeats,
+            "iterations": pipeline.iterations(stages),
+            "bubble": pipeline.bubble(stages),
+        },
         "precision": args.precision,
         "accum": args.accum,
         "remat": args.remat,

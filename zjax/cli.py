@@ -85,6 +85,8 @@ def _plan_parser(sub) -> None:
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--accum", type=parse_ints, default=[1], help="microbatches; comma list with --budget")
     p.add_argument("--budget", type=parse_bytes, default=None, help="per-device bytes: pick the cheapest fit")
+    p.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches when pp > 1 (default 2 x pp)")
+    p.add_argument("--repeats", type=int, default=1, help="pipeline repeats (1 = GPipe, > 1 = circular)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None, help="PNG bar chart of memory by category")
 
@@ -107,12 +109,19 @@ def _run_plan(args: argparse.Namespace) -> int:
     if bad:
         print(f"zjax plan: unknown --remat {bad}; valid: {sorted(POLICIES)}", file=sys.stderr)
         return 2
-    batch = args.batch_size or args.mesh.get("dp", 1) * args.mesh.get("replica", 1)
+    pp = args.mesh.get("pp", 1)
+    pipeline = None
+    if pp > 1 or args.microbatches is not None:
+        from .pipeline import Pipeline
+
+        pipeline = Pipeline(args.microbatches or 2 * pp, repeats=args.repeats)
+    rows = args.mesh.get("dp", 1) * args.mesh.get("replica", 1) * (pipeline.microbatches if pipeline else 1)
+    batch = args.batch_size or rows
     try:
         if args.budget is None:
             est = planner.estimate(
                 args.model, mesh=args.mesh, stages=args.stages, remat=remats[0], precision=args.precision,
-                batch_size=batch, seq_len=args.seq_len, accum=args.accum[0],
+                batch_size=batch, seq_len=args.seq_len, accum=args.accum[0], pipeline=pipeline,
             )  # fmt: skip
             print(est)
             result = est.to_dict()

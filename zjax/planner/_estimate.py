@@ -14,6 +14,7 @@ import optax
 
 from .._plan import Plan
 from ..models import PRESETS, Decoder, DecoderConfig, lm_loss
+from ..pipeline import Pipeline
 from ..sharding._mesh import make_mesh
 from ._hlo import Communication, count_collectives, partitioned_hlo
 
@@ -129,9 +130,11 @@ def estimate_fn(
     accum: int = 1,
     name: str = "custom",
     remat: str = "-",
+    pipeline: Pipeline | None = None,
 ) -> Estimate:
     """Estimate a user's model: ``init_fn``/``loss_fn`` as for :meth:`zjax.Plan.init`, ``batch`` a tree of
-    ``ShapeDtypeStruct`` (global shapes). Nothing is allocated; every stage is compiled ahead of time."""
+    ``ShapeDtypeStruct`` (global shapes). Nothing is allocated; every stage is compiled ahead of time.
+    With ``pp`` > 1 in ``mesh`` the model runs through ``pipeline`` (default: 2 x pp microbatches, GPipe)."""
     _check_devices(mesh)
     device_mesh = make_mesh(
         dp=(mesh.get("replica", 1), mesh.get("dp", 1)),
@@ -143,7 +146,9 @@ def estimate_fn(
     rows, psi = [], 0
     for stage in stages:
         start = time.perf_counter()
-        plan = Plan(device_mesh, stage=stage, precision=precision)
+        stages_pp = mesh.get("pp", 1)
+        schedule = pipeline if pipeline is not None or stages_pp == 1 else Pipeline(2 * stages_pp)
+        plan = Plan(device_mesh, stage=stage, precision=precision, pipeline=schedule)
         state = plan.abstract_state(init_fn, tx, jax.random.key(0))
         step = plan.train_step(loss_fn, accum_steps=accum)
         compiled, hlo = partitioned_hlo(step.lower(state, batch))
@@ -192,6 +197,7 @@ def estimate(
     batch_size: int = 8,
     seq_len: int | None = None,
     accum: int = 1,
+    pipeline: Pipeline | None = None,
 ) -> Estimate:
     """Estimate a decoder preset (``zjax.models.PRESETS``, e.g. ``"llama2-7b"``) or a ``DecoderConfig``.
 
@@ -214,6 +220,7 @@ def estimate(
         accum=accum,
         name=name,
         remat=remat,
+        pipeline=pipeline,
     )
 
 
