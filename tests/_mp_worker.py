@@ -37,6 +37,10 @@ def train(out: str) -> None:
     rank = jax.process_index()
     init_fn, loss_fn = linen_mlp_task()
     results: dict[str, np.ndarray] = {}
+    # inner axes stay inside a process: the HSDP shard group and tp; replica crosses processes
+    for dp, tp in (((2, 4), 1), (4, 2)):
+        spans = zjax.sharding.process_spans(zjax.make_mesh(dp=dp, tp=tp))
+        print("SPANS", dp, tp, sorted(a for a, crosses in spans.items() if crosses), flush=True)
     # a wrong local batch is an error on this rank, before any communication
     try:
         zjax.shard_batch({"x": np.zeros((5, 32), np.float32)}, zjax.make_mesh(dp=8))

@@ -176,6 +176,7 @@ def run_example(tmp_path, name, *flags):
     return json.loads(out.read_text()), proc.stdout
 
 
+@pytest.mark.slow
 def test_resume_in_a_new_process_is_bitwise(tmp_path):
     straight, _ = run_example(tmp_path, "straight")
     ckpt = str(tmp_path / "ckpt")

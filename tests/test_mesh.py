@@ -50,9 +50,3 @@ def test_bad_size_type():
         zjax.make_mesh(dp=-1, tp=2.0)
     with pytest.raises(ValueError, match="dp=0 must be a positive int or -1"):
         zjax.make_mesh(dp=0)
-
-
-def test_pipeline_not_yet_supported():
-    mesh = zjax.make_mesh(dp=4, pp=2)
-    with pytest.raises(NotImplementedError, match="pipeline parallelism \\(pp=2\\) is not yet supported"):
-        zjax.Plan(mesh, stage=1)

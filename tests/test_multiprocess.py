@@ -62,6 +62,7 @@ def _train_job(out: Path) -> list[dict[str, np.ndarray]]:
     for rank, (p, text) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0 and f"OK {rank} 2 8" in text, text[-3000:]
         assert "BAD ROWS: shard_batch on process" in text and "holds 4 of the 8 data-parallel parts" in text
+        assert "SPANS (2, 4) 1 ['replica']" in text and "SPANS 4 2 ['dp']" in text
     return [dict(np.load(f"{out}.{rank}.npz")) for rank in (0, 1)]
 
 

@@ -168,6 +168,7 @@ def test_fused_fp16_skips_non_finite_steps():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_example_lm_20_steps_fused_vs_optax():
     """The example's decoder for 20 steps: the fused update follows optax.adamw within bf16 tolerance."""
     import optax as ox

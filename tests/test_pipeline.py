@@ -188,8 +188,11 @@ def compiled_step(mesh_kw, stage, cfg, rows=32, precision="bf16"):
     return plan, state, batch, step, compiled, hlo
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-@pytest.mark.parametrize("schedule", ["gpipe", "circular_m_2s"])
+@pytest.mark.parametrize(
+    ("stage", "schedule"),
+    [(1, "gpipe"), (3, "circular_m_2s"), pytest.param(3, "gpipe", marks=pytest.mark.slow),
+     pytest.param(1, "circular_m_2s", marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_hlo_structure(stage, schedule):
     plan, state, _, _, _, hlo = compiled_step(MESHES["dp2_pp4"], stage, schedules(4)[schedule])
     shape = dict(plan.mesh.shape)
@@ -214,7 +217,10 @@ def test_hlo_structure(stage, schedule):
     assert gathers and not [c for c in gathers if c.in_loop]
 
 
-@pytest.mark.parametrize(("stage", "mesh_name"), [(1, "dp2_pp4"), (3, "dp2_pp4"), (3, "dp2_tp2_pp2")])
+@pytest.mark.parametrize(
+    ("stage", "mesh_name"),
+    [(1, "dp2_pp4"), (3, "dp2_pp4"), pytest.param(3, "dp2_tp2_pp2", marks=pytest.mark.slow)],
+)
 def test_state_bytes_follow_pp_tp_and_dp(stage, mesh_name):
     """Per device: parameters / (pp x tp) (x 1/dp at stage 3) plus optimizer state / dp, within 5%."""
     mesh_kw = MESHES[mesh_name]
@@ -231,6 +237,7 @@ def test_state_bytes_follow_pp_tp_and_dp(stage, mesh_name):
     assert on_device == pytest.approx(expected, rel=0.05)
 
 
+@pytest.mark.slow
 def test_temp_memory_and_program_size_flat_in_microbatches():
     """At a fixed batch, M=32 microbatches cost at most 1.1x the temp memory of M=8 and the same HLO size."""
     small = compiled_step(MESHES["dp2_pp4"], 1, Pipeline(8), rows=64)
@@ -241,6 +248,7 @@ def test_temp_memory_and_program_size_flat_in_microbatches():
     assert lines[1] <= 1.02 * lines[0], lines
 
 
+@pytest.mark.slow
 def test_one_compiled_step_for_the_run(caplog):
     init_fn, loss_fn = decoder_task()
     plan = zjax.Plan(zjax.make_mesh(dp=2, pp=4), stage=3, precision="bf16", pipeline=Pipeline(4, repeats=2))

@@ -66,6 +66,7 @@ def test_every_policy_trains_the_example(name):
     assert int(state.step) == 2 and all(np.isfinite(losses))
 
 
+@pytest.mark.slow
 def test_temp_and_flops_trade_off():
     stats = {}
     for name in ("none", "dots", "full"):

@@ -1,0 +1,86 @@
+"""Pipeline schedules on 8 simulated CPU devices: bubble, permutes per iteration, bytes per device, compile time.
+
+    python benchmarks/pipeline.py [--json runs/pipeline.json]
+
+Compiles the train step of a small decoder (8 layers) for GPipe and the circular schedule on
+dp=2 x pp=4 (ZeRO-1 and ZeRO-3) and on dp=8 without a pipeline, and reads the compiled program:
+``memory_analysis()`` for argument and temp bytes, the partitioned HLO for the collective-permutes
+inside the loop. CPU numbers: they show structure and memory, not speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import zjax  # noqa: E402
+from zjax.models import Decoder, DecoderConfig, lm_loss  # noqa: E402
+from zjax.planner._hlo import collectives, partitioned_hlo  # noqa: E402
+
+CFG = DecoderConfig(vocab=256, embed=128, layers=8, heads=4, head_dim=32, mlp=512, max_len=64)
+ROWS = 64
+
+
+def measure(mesh_kw: dict[str, int], stage: int, pipeline: zjax.Pipeline | None) -> dict:
+    model = Decoder(CFG)
+    plan = zjax.Plan(zjax.make_mesh(**mesh_kw), stage=stage, precision="bf16", pipeline=pipeline)
+    state = plan.abstract_state(
+        lambda r: model.init(r, jnp.zeros((1, CFG.max_len), jnp.int32))["params"], optax.adamw(1e-3), jax.random.key(0)
+    )
+    lowered = plan.train_step(lambda p, b: lm_loss(model, p, b)).lower(
+        state, jax.ShapeDtypeStruct((ROWS, CFG.max_len + 1), jnp.int32)
+    )
+    start = time.perf_counter()
+    compiled, hlo = partitioned_hlo(lowered)
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    permutes = [c for c in collectives(hlo) if c.kind == "collective-permute" and c.in_loop]
+    stages = mesh_kw.get("pp", 1)
+    return {
+        "mesh": mesh_kw,
+        "zero_stage": stage,
+        "schedule": "none"
+        if pipeline is None
+        else ("gpipe" if pipeline.repeats == 1 else f"circular R={pipeline.repeats}") + f" M={pipeline.microbatches}",
+        "bubble": 0.0 if pipeline is None else round(pipeline.bubble(stages), 4),
+        "iterations": None if pipeline is None else pipeline.iterations(stages),
+        "loop_permutes_fwd_plus_bwd": len(permutes),
+        "argument_bytes": memory.argument_size_in_bytes,
+        "temp_bytes": memory.temp_size_in_bytes,
+        "compile_seconds": round(seconds, 2),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    rows = [measure({"dp": 8}, 1, None), measure({"dp": 8}, 3, None)]
+    for stage in (1, 3):
+        for m, r in ((4, 1), (8, 1), (32, 1), (4, 2), (8, 2)):
+            rows.append(measure({"dp": 2, "pp": 4}, stage, zjax.Pipeline(m, repeats=r)))
+    print(f"decoder {CFG.layers} layers, {CFG.num_params:,} params, bf16 + AdamW, global batch {ROWS} x {CFG.max_len}")
+    head = f"{'mesh':<12}{'zero':>5}  {'schedule':<18}{'bubble':>7}{'permutes':>9}"
+    print(head + f"{'args KiB':>10}{'temp KiB':>10}{'compile':>9}")
+    for r in rows:
+        mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items())
+        print(
+            f"{mesh:<12}{r['zero_stage']:>5}  {r['schedule']:<18}{r['bubble']:>7.3f}"
+            f"{r['loop_permutes_fwd_plus_bwd']:>9}"
+            f"{r['argument_bytes'] / 1024:>10.1f}{r['temp_bytes'] / 1024:>10.1f}{r['compile_seconds']:>8.1f}s"
+        )
+    if args.json is not None:
+        zjax.write_json_atomic(args.json, {"model": CFG.__dict__, "rows": rows})
+        print(f"written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()
