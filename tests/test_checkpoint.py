@@ -544,3 +544,19 @@ def test_two_processes_sigterm_save_the_same_step_and_exit_cleanly(tmp_path):
         cwd=ROOT,
     )
     assert resumed.returncode == 0 and f"resumed from step {step}" in resumed.stdout, resumed.stdout + resumed.stderr
+
+
+@pytest.mark.slow
+def test_save_returns_before_the_write_ends(tmp_path):
+    """A 256 MB state: ``save`` hands the write to a background thread and returns while it runs."""
+    plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, precision="bf16")
+
+    def init(r):
+        return {"w": jax.random.normal(r, (4096, 4096)), "b": jnp.zeros((4096,))}
+
+    state = plan.init(init, optax.adamw(1e-3), jax.random.key(0))
+    with zjax.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(state, plan)
+        assert ckpt.saving()
+        ckpt.wait()
+        assert not ckpt.saving() and ckpt.steps() == [0]

@@ -131,6 +131,10 @@ class Checkpointer:
         self._manager.wait_until_finished()
         self._manager.close()
 
+    def saving(self) -> bool:
+        """Whether an asynchronous save is still being written."""
+        return bool(self._manager.is_saving_in_progress())
+
     def wait(self) -> None:
         """Block until the pending asynchronous save is on disk (and raise if it failed)."""
         self._manager.wait_until_finished()
