@@ -26,4 +26,4 @@ from .sharding import shard_batch as shard_batch
 from .stages import STAGES as STAGES
 from .stages import Stage as Stage
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
