@@ -280,8 +280,8 @@ def test_sigkill_during_save_leaves_a_restorable_checkpoint(tmp_path, delay):
         restored, meta = ckpt.restore(plan, init, tx, jax.random.key(0))
         assert meta["step"] in (1, 2)  # step 2 only if its write completed before the kill
         assert_bitwise(restored.params, want)
-        # saving the interrupted step again works
-        ckpt.save(restored.replace(step=jax.numpy.asarray(2, jax.numpy.int32)), plan)
+        if meta["step"] == 1:  # saving the interrupted step again works
+            ckpt.save(restored.replace(step=jax.numpy.asarray(2, jax.numpy.int32)), plan)
     with zjax.Checkpointer(directory) as ckpt:
         _, meta = ckpt.restore(plan, init, tx, jax.random.key(0))
         assert meta["step"] == 2
@@ -496,7 +496,8 @@ def test_two_processes_one_killed_mid_save_leaves_the_previous_step(tmp_path, de
         assert meta["step"] == 1 if delay == 0 else meta["step"] in (1, 2)
         assert meta["processes"] == 2
         assert_bitwise(restored.params, want)
-        ckpt.save(restored.replace(step=jax.numpy.asarray(2, jax.numpy.int32)), plan)
+        if meta["step"] == 1:  # saving the interrupted step again works
+            ckpt.save(restored.replace(step=jax.numpy.asarray(2, jax.numpy.int32)), plan)
     with zjax.Checkpointer(directory) as ckpt:
         assert ckpt.restore(plan, init, tx, jax.random.key(0))[1]["step"] == 2
 

@@ -38,7 +38,7 @@ def test_tp_fp16_accumulation(tmp_path):
         tmp_path, "c", "--stage", "2", "--mesh", "dp=4,tp=2", "--precision", "fp16", "--accum", "2", "--remat", "dots"
     )
     assert m["remat"] == "dots"
-    assert m["mesh"] == {"dp": 4, "tp": 2, "pp": 1}
+    assert m["mesh"] == {"replica": 1, "dp": 4, "tp": 2, "pp": 1}
     assert m["accum"] == 2 and m["final_step"] == 4
     assert all(math.isfinite(x) for x in m["losses"])
     assert m["skipped_steps"] < 4 and m["final_loss_scale"] >= 1.0
