@@ -129,11 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.preemptible and args.processes == 1:
         if args.checkpoint_dir is None:
             raise SystemExit("--preemptible needs --checkpoint-dir")
-        import socket
-
-        with socket.socket() as s:  # a free local port for the coordinator
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = zjax.distributed.free_port()  # the coordinator of a one-process job
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0)
 

@@ -14,6 +14,7 @@ import optax
 import pytest
 
 import zjax
+from zjax.distributed import free_port
 
 from ._models import linen_mlp_task, regression_batch
 
@@ -287,26 +288,32 @@ def test_sigkill_during_save_leaves_a_restorable_checkpoint(tmp_path, delay):
         assert meta["step"] == 2
 
 
-@pytest.mark.slow
-def test_sigterm_saves_the_agreed_step_and_exits_cleanly(tmp_path):
-    """With jax.distributed up (--preemptible), SIGTERM saves at the processes' agreed step and exits 0."""
+PREEMPT_CMD = [
+    sys.executable, "-u", str(ROOT / "examples" / "train_lm.py"), "--preset", "tiny", "--seq-len", "32",
+    "--batch-size", "16", "--no-progress", "--save-every", "1000", "--steps", "400",
+]  # fmt: skip
+
+
+def _preempt(ckpt: Path, marker: str, *flags: str, env: dict[str, str] | None = None) -> list[str]:
+    """Run the example with ``flags``, send SIGTERM once a line starts with ``marker``; its output lines.
+
+    Asserts that it exits 0.
+    """
     import signal
 
-    ckpt = tmp_path / "ckpt"
-    common = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "16", "--no-progress", "--save-every", "1000"]
-    cmd = [sys.executable, "-u", str(ROOT / "examples" / "train_lm.py"), *common, "--steps", "400"]
     proc = subprocess.Popen(
-        [*cmd, "--checkpoint-dir", str(ckpt), "--preemptible"],
+        [*PREEMPT_CMD, "--checkpoint-dir", str(ckpt), "--preemptible", *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         cwd=ROOT,
+        env=None if env is None else {**os.environ, **env},
     )
     lines = []
     try:
         for line in proc.stdout:
             lines.append(line)
-            if line.startswith("step "):  # training is under way
+            if line.startswith(marker):  # training is under way
                 proc.send_signal(signal.SIGTERM)
                 break
         lines += proc.stdout.readlines()
@@ -314,13 +321,13 @@ def test_sigterm_saves_the_agreed_step_and_exits_cleanly(tmp_path):
     finally:
         proc.kill()
         proc.stdout.close()
-    saved = [line for line in lines if line.startswith("preempted: saved step")]
-    assert saved, "".join(lines)
-    step = int(saved[0].split()[3].rstrip(","))
-    with zjax.Checkpointer(ckpt) as c:
-        assert c.steps() == [step]
+    return lines
+
+
+def _assert_resumes(ckpt: Path, step: int) -> None:
+    """A one-process run of the example continues from ``step``."""
     resumed = subprocess.run(
-        [*cmd[:-1], str(step + 2), "--checkpoint-dir", str(ckpt), "--resume"],
+        [*PREEMPT_CMD[:-1], str(step + 2), "--checkpoint-dir", str(ckpt), "--resume"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -329,16 +336,21 @@ def test_sigterm_saves_the_agreed_step_and_exits_cleanly(tmp_path):
     assert resumed.returncode == 0 and f"resumed from step {step}" in resumed.stdout, resumed.stdout + resumed.stderr
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.mark.slow
+def test_sigterm_saves_the_agreed_step_and_exits_cleanly(tmp_path):
+    """With jax.distributed up (--preemptible), SIGTERM saves at the processes' agreed step and exits 0."""
+    ckpt = tmp_path / "ckpt"
+    lines = _preempt(ckpt, "step ")
+    saved = [line for line in lines if line.startswith("preempted: saved step")]
+    assert saved, "".join(lines)
+    step = int(saved[0].split()[3].rstrip(","))
+    with zjax.Checkpointer(ckpt) as c:
+        assert c.steps() == [step]
+    _assert_resumes(ckpt, step)
 
 
 def _two_processes(directory: Path, mode: str) -> None:
-    port = str(_free_port())
+    port = str(free_port())
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "tests._mp_checkpoint_worker", str(pid), port, str(directory), mode],
@@ -458,7 +470,7 @@ def test_two_processes_one_killed_mid_save_leaves_the_previous_step(tmp_path, de
     import time
 
     directory = tmp_path / "ckpt"
-    port = str(_free_port())
+    port = str(free_port())
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "tests._mp_checkpoint_worker", str(pid), port, str(directory), "killsave"],
@@ -506,45 +518,16 @@ def test_two_processes_one_killed_mid_save_leaves_the_previous_step(tmp_path, de
 def test_two_processes_sigterm_save_the_same_step_and_exit_cleanly(tmp_path):
     """The example on 2 processes (zjax launch): SIGTERM to the launcher reaches both; they agree on a step,
     save it once and exit 0; a 1-process run resumes from it."""
-    import signal
-
     ckpt = tmp_path / "ckpt"
-    common = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "16", "--no-progress", "--save-every", "1000"]
-    cmd = [sys.executable, "-u", str(ROOT / "examples" / "train_lm.py"), *common, "--steps", "400"]
-    proc = subprocess.Popen(
-        [*cmd, "--checkpoint-dir", str(ckpt), "--preemptible", "--processes", "2"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "ZJAX_HEARTBEAT_TIMEOUT_S": "10", "ZJAX_SHUTDOWN_TIMEOUT_S": "30"},
-    )
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("[0] step "):  # training is under way
-                proc.send_signal(signal.SIGTERM)
-                break
-        lines += proc.stdout.readlines()
-        assert proc.wait(timeout=120) == 0, "".join(lines)
-    finally:
-        proc.kill()
-        proc.stdout.close()
+    timeouts = {"ZJAX_HEARTBEAT_TIMEOUT_S": "10", "ZJAX_SHUTDOWN_TIMEOUT_S": "30"}
+    lines = _preempt(ckpt, "[0] step ", "--processes", "2", env=timeouts)
     saved = {line[:3]: int(line.split()[4].rstrip(",")) for line in lines if "preempted: saved step" in line}
     assert set(saved) == {"[0]", "[1]"} and len(set(saved.values())) == 1, "".join(lines)
     step = saved["[0]"]
     with zjax.Checkpointer(ckpt) as c:
         assert c.steps() == [step]
         assert c.metadata(step)["processes"] == 2
-    resumed = subprocess.run(
-        [*cmd[:-1], str(step + 2), "--checkpoint-dir", str(ckpt), "--resume"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert resumed.returncode == 0 and f"resumed from step {step}" in resumed.stdout, resumed.stdout + resumed.stderr
+    _assert_resumes(ckpt, step)
 
 
 @pytest.mark.slow

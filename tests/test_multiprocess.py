@@ -142,26 +142,20 @@ def _exit_within(p: subprocess.Popen, seconds: float) -> tuple[int, float]:
     return rc, time.monotonic() - start
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
-def test_survivor_ends_when_process_one_dies_or_freezes(how):
+@pytest.mark.parametrize(
+    ("victim", "how", "within"),
+    [(1, "SIGKILL", HEARTBEAT + 3), (1, "SIGSTOP", HEARTBEAT + 3), (0, "SIGKILL", 3)],
+    ids=["process-1-killed", "process-1-frozen", "coordinator-killed"],
+)
+def test_survivor_ends_when_a_peer_dies_or_freezes(victim, how, within):
+    """A dead or frozen process 1 ends process 0 after the heartbeat timeout; a dead process 0 ends 1 at once."""
     procs = _start("loop")
+    survivor = 1 - victim
     try:
         _wait_for(procs, "STEP 2")
-        os.kill(procs[1].pid, getattr(signal, how))
-        rc, took = _exit_within(procs[0], HEARTBEAT + 3)
-        print(f"process 0 ended {took:.1f} s after process 1 got {how} (rc {rc})")
-        assert rc != 0, took
-    finally:
-        _stop(procs)
-
-
-def test_survivor_ends_when_the_coordinator_dies():
-    procs = _start("loop")
-    try:
-        _wait_for(procs, "STEP 2")
-        procs[0].kill()
-        rc, took = _exit_within(procs[1], 3)
-        print(f"process 1 ended {took:.1f} s after process 0 was killed (rc {rc})")
+        os.kill(procs[victim].pid, getattr(signal, how))
+        rc, took = _exit_within(procs[survivor], within)
+        print(f"process {survivor} ended {took:.1f} s after process {victim} got {how} (rc {rc})")
         assert rc != 0, took
     finally:
         _stop(procs)
