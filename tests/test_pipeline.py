@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,26 +63,42 @@ def pipelined(cfg: Pipeline, fill: float = 0.0):
     return f
 
 
-def run_pipelined(mesh, cfg, w, x, fill=0.0):
+def run_pipelined(mesh, cfg, w, x, fill=0.0, spec=P("pp")):
     with jax.set_mesh(mesh):
-        w = jax.device_put(w, NamedSharding(mesh, P("pp")))
+        w = jax.device_put(w, NamedSharding(mesh, spec))
         x = jax.device_put(x, NamedSharding(mesh, P("dp")))
         return jax.jit(jax.value_and_grad(pipelined(cfg, fill), has_aux=True))(w, x)
+
+
+def check_engine(mesh_name, cfg, spec=P("pp")):
+    mesh = zjax.make_mesh(**MESHES[mesh_name])
+    stages = MESHES[mesh_name]["pp"]
+    w, x = weights_and_input()
+    (want, want_h), want_g = jax.value_and_grad(sequential, has_aux=True)(w, x, layer_order(L, stages, cfg.repeats))
+    (got, got_h), got_g = run_pipelined(mesh, cfg, w, x, spec=spec)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_allclose(got_h, want_h, atol=1e-5)
+    for g, r in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
+        np.testing.assert_allclose(g, r, atol=1e-5)
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 @pytest.mark.parametrize("schedule", ["gpipe", "circular_m_eq_s", "circular_m_2s"])
 def test_loss_output_and_gradients_match_the_sequential_model(mesh_name, schedule):
-    mesh = zjax.make_mesh(**MESHES[mesh_name])
-    stages = MESHES[mesh_name]["pp"]
-    cfg = schedules(stages)[schedule]
-    w, x = weights_and_input()
-    (want, want_h), want_g = jax.value_and_grad(sequential, has_aux=True)(w, x, layer_order(L, stages, cfg.repeats))
-    (got, got_h), got_g = run_pipelined(mesh, cfg, w, x)
-    np.testing.assert_allclose(got, want, atol=1e-5)
-    np.testing.assert_allclose(got_h, want_h, atol=1e-5)
-    for g, r in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
-        np.testing.assert_allclose(g, r, atol=1e-5)
+    check_engine(mesh_name, schedules(MESHES[mesh_name]["pp"])[schedule])
+
+
+@pytest.mark.parametrize(
+    ("mesh_name", "schedule"),
+    [("dp2_pp4", "circular_m_2s"), ("dp2_tp2_pp2", "gpipe"),
+     *[pytest.param(m, s, marks=pytest.mark.slow)
+       for m, s in [("dp2_pp4", "gpipe"), ("dp2_pp4", "circular_m_eq_s"), ("dp2_tp2_pp2", "circular_m_eq_s"),
+                    ("dp2_tp2_pp2", "circular_m_2s")]]],
+)  # fmt: skip
+def test_per_use_gathering_matches_the_sequential_model(mesh_name, schedule):
+    """zero3_gather="layer" with the weights split over dp (ZeRO-3): the same loss, output and gradients."""
+    cfg = dataclasses.replace(schedules(MESHES[mesh_name]["pp"])[schedule], zero3_gather="layer")
+    check_engine(mesh_name, cfg, spec=P("pp", "dp"))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "circular_m_2s"])
@@ -122,8 +140,8 @@ def test_bubble_flops_match_the_schedule():
 CFG = DecoderConfig(vocab=64, embed=32, layers=8, heads=2, head_dim=16, mlp=64, max_len=16)
 
 
-def decoder_task():
-    model = Decoder(CFG)
+def decoder_task(cfg: DecoderConfig = CFG):
+    model = Decoder(cfg)
     return (lambda r: model.init(r, jnp.zeros((1, 16), jnp.int32))["params"]), (lambda p, b: lm_loss(model, p, b))
 
 
@@ -154,9 +172,9 @@ def reference():
     return train(zjax.Plan(zjax.make_mesh(dp=8), stage=0, precision="fp32"))
 
 
-def check_against_reference(reference, mesh_kw, stage, schedule):
+def check_against_reference(reference, mesh_kw, stage, schedule, gather="step"):
     stages = mesh_kw["pp"]
-    cfg = schedules(stages)[schedule]
+    cfg = dataclasses.replace(schedules(stages)[schedule], zero3_gather=gather)
     plan = zjax.Plan(zjax.make_mesh(**mesh_kw), stage=stage, precision="fp32", pipeline=cfg)
     losses, params = train(plan, order=layer_order(CFG.layers, stages, cfg.repeats))
     np.testing.assert_allclose(losses, reference[0], atol=1e-5)
@@ -170,16 +188,28 @@ def test_decoder_trains_through_the_pipeline(reference):
     check_against_reference(reference, MESHES["dp2_pp4"], 3, "circular_m_2s")
 
 
+def test_decoder_trains_with_per_use_gathering(reference):
+    """ZeRO-3 gathering per use inside the loop, on dp=2 x tp=2 x pp=2: the same losses and parameters."""
+    check_against_reference(reference, MESHES["dp2_tp2_pp2"], 3, "circular_m_eq_s", gather="layer")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", list(MESHES))
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize(("stage", "gather"), [(1, "step"), (2, "step"), (3, "step"), (3, "layer")])
 @pytest.mark.parametrize("schedule", ["gpipe", "circular_m_eq_s", "circular_m_2s"])
-def test_decoder_grid(reference, mesh_name, stage, schedule):
-    check_against_reference(reference, MESHES[mesh_name], stage, schedule)
+def test_decoder_grid(reference, mesh_name, stage, gather, schedule):
+    check_against_reference(reference, MESHES[mesh_name], stage, schedule, gather)
 
 
-def compiled_step(mesh_kw, stage, cfg, rows=32, precision="bf16"):
-    init_fn, loss_fn = decoder_task()
+@pytest.mark.slow
+@pytest.mark.parametrize("gather", ["step", "layer"])
+def test_decoder_hsdp_pipeline(reference, gather):
+    """HSDP (replica=2 x dp=2) x pp=2, ZeRO-3, both gathering modes: the same losses and parameters."""
+    check_against_reference(reference, {"dp": (2, 2), "pp": 2}, 3, "circular_m_2s", gather)
+
+
+def compiled_step(mesh_kw, stage, cfg, rows=32, precision="bf16", model=CFG):
+    init_fn, loss_fn = decoder_task(model)
     plan = zjax.Plan(zjax.make_mesh(**mesh_kw), stage=stage, precision=precision, pipeline=cfg)
     state = plan.abstract_state(init_fn, optax.adamw(1e-3), jax.random.key(0))
     batch = jax.ShapeDtypeStruct((rows, 17), jnp.int32)
@@ -215,6 +245,62 @@ def test_hlo_structure(stage, schedule):
     # weights are gathered over dp outside the loop: ZeRO-3 once per step before it, ZeRO-1 after the update
     gathers = [c for c, axes in ops if c.kind == "all-gather"]
     assert gathers and not [c for c in gathers if c.in_loop]
+
+
+# a decoder whose layer weights outweigh its activations (what per-use gathering is for)
+WIDE = DecoderConfig(vocab=64, embed=128, layers=8, heads=4, head_dim=32, mlp=512, max_len=16)
+
+
+@pytest.fixture(scope="module")
+def gather_modes():
+    """ZeRO-3, circular R=2 with M=8 on dp=2 x pp=4, compiled in both gathering modes."""
+    return {
+        g: compiled_step(MESHES["dp2_pp4"], 3, Pipeline(8, repeats=2, zero3_gather=g), model=WIDE)
+        for g in ("step", "layer")
+    }
+
+
+def test_per_use_gathering_cuts_temp_memory(gather_modes):
+    """Gathering per use inside the loop: temp < 0.6 x gathering once per step, the same state."""
+    step, layer = (gather_modes[g][4].memory_analysis() for g in ("step", "layer"))
+    print(f"temp: step {step.temp_size_in_bytes / 2**20:.2f} MiB, layer {layer.temp_size_in_bytes / 2**20:.2f} MiB")
+    assert layer.temp_size_in_bytes < 0.6 * step.temp_size_in_bytes
+    assert layer.argument_size_in_bytes == step.argument_size_in_bytes
+
+
+def loop_collectives(plan, hlo):
+    shape = dict(plan.mesh.shape)
+    return [(c, spanned_axes(c.groups, shape)) for c in collectives(hlo) if c.in_loop]
+
+
+def test_per_use_gathering_hlo(gather_modes):
+    """"step": no gathers or dp reductions in the loop. "layer": dp gathers and dp reductions in the loop,
+    over dp only; in both, the loop's other collectives are the pp permutes and tp-free pp reductions."""
+    for gather, (plan, *_, hlo) in gather_modes.items():
+        ops = loop_collectives(plan, hlo)
+        gathers = [axes for c, axes in ops if c.kind == "all-gather"]
+        dp_reductions = [axes for c, axes in ops if c.kind in ("all-reduce", "reduce-scatter") and "dp" in axes]
+        permutes = [axes for c, axes in ops if c.kind == "collective-permute"]
+        assert 0 < len(permutes) <= 4 and set(permutes) == {("pp",)}
+        if gather == "step":
+            assert not gathers and not dp_reductions
+        else:
+            assert gathers and set(gathers) == {("dp",)}
+            assert dp_reductions and set(dp_reductions) == {("dp",)}
+        assert not [c for c in collectives(hlo) if c.kind == "all-gather" and "pp" in spanned_axes(
+            c.groups, dict(plan.mesh.shape))]
+
+
+@pytest.mark.slow
+def test_hsdp_per_use_gathering_reduces_over_replica_outside_the_loop():
+    """With replica x dp, per-use gathering keeps the weights whole over replica: the loop gathers and
+    reduces over dp only, and the reduction over replica happens once, outside it."""
+    plan, *_, hlo = compiled_step({"dp": (2, 2), "pp": 2}, 3, Pipeline(4, repeats=2, zero3_gather="layer"))
+    ops = loop_collectives(plan, hlo)
+    assert [c for c, axes in ops if c.kind == "all-gather"]
+    assert not [c for c, axes in ops if "replica" in axes]
+    shape = dict(plan.mesh.shape)
+    assert [c for c in collectives(hlo) if not c.in_loop and spanned_axes(c.groups, shape) == ("replica",)]
 
 
 @pytest.mark.parametrize(
@@ -274,8 +360,11 @@ def test_config_errors():
         zjax.Plan(mesh, stage=1, pipeline=Pipeline(6))
     with pytest.raises(ValueError, match="repeats=0 must be a positive int"):
         Pipeline(4, repeats=0)
-    with pytest.raises(NotImplementedError, match="zero3_gather='layer' is not supported"):
-        Pipeline(4, zero3_gather="layer")
+    with pytest.raises(ValueError, match=r"zero3_gather='all' is not a gathering mode; use one of \('step', 'layer'\)"):
+        Pipeline(4, zero3_gather="all")
+    for stage in (0, 1, 2):
+        with pytest.raises(ValueError, match=rf"zero3_gather='layer' .* stage={stage} keeps the compute weights whole"):
+            zjax.Plan(mesh, stage=stage, pipeline=Pipeline(4, zero3_gather="layer"))
     with pytest.raises(TypeError, match="pipeline must be a zjax.Pipeline"):
         zjax.Plan(mesh, stage=1, pipeline=4)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-GATHER_MODES = ("step",)
-"""ZeRO-3 weight gathering inside the pipeline: ``"step"`` gathers every stage's weights once per step."""
+GATHER_MODES = ("step", "layer")
+"""ZeRO-3 weight gathering inside the pipeline: once per step, or per use inside the loop (see ``Pipeline``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +22,14 @@ class Pipeline:
       repeats: R. 1 is GPipe; R > 1 is the circular (interleaved) schedule: each stage holds R
         chunks of layers and every microbatch loops R times around the stages, which divides the
         bubble by R.
-      zero3_gather: how ZeRO-3 gathers stage weights: ``"step"``, once per step before the loop.
+      zero3_gather: how ZeRO-3 weights (split over ``dp``) reach the stages. ``"step"``: every
+        stage's weights are gathered once per step, before the loop, and stay whole until the
+        backward pass is done (least communication). ``"layer"``: each iteration gathers only the
+        layers it applies (the current repeat's chunk), the backward pass gathers them again, and
+        their gradients are reduce-scattered per iteration; whole weights then live for one
+        iteration only (least memory: about half the temp memory when weights dominate, at
+        roughly ``2 x (M x R + S - 1) / R`` times the weight gathers of ``"step"``). Only for ZeRO
+        stage 3 (the plan refuses it otherwise).
       remat: rematerialize each iteration in the backward pass, saving only its input.
       unroll: unroll the loop (for FLOP accounting: compiled cost analysis counts a loop body once;
         unrolled programs grow with M, so never for training).
@@ -40,9 +47,8 @@ class Pipeline:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Pipeline: {name}={value!r} must be a positive int.")
         if self.zero3_gather not in GATHER_MODES:
-            raise NotImplementedError(
-                f"Pipeline: zero3_gather={self.zero3_gather!r} is not supported; use one of {GATHER_MODES} "
-                "(per-use gathering inside the loop is not implemented yet)."
+            raise ValueError(
+                f"Pipeline: zero3_gather={self.zero3_gather!r} is not a gathering mode; use one of {GATHER_MODES}."
             )
 
     def iterations(self, stages: int) -> int:

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from ..sharding._axes import DATA_AXES, PP
+from ..sharding._axes import DATA_AXES, DP, PP
 from ._config import Pipeline
 
 ITERATION_INPUT = "iteration_input"
@@ -90,16 +90,17 @@ def _where_stage(mask: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), a, b)
 
 
-def _pipeline(stage_fn: Callable, stacked: Any, x: jax.Array, cfg: Pipeline, stages: int, fill: float) -> jax.Array:
-    """The pipeline on one data-parallel rank's rows ``x[B_local, ...]`` (split over ``pp``)."""
+def _pipeline(
+    stage_fn: Callable, stacked: Any, state_io: jax.Array, cfg: Pipeline, stages: int, fill: float, rows: Any
+) -> jax.Array:
+    """The pipeline on microbatches ``state_io[S, K, mb, ...]`` (S over ``pp``, mb over ``rows``)."""
     s_, m_, r_ = stages, cfg.microbatches, cfg.repeats
     k_ = m_ // s_
-    rows, rest = x.shape[0], x.shape[1:]
-    mb = rows // m_
+    mb, rest = state_io.shape[2], state_io.shape[3:]
     wsc = jax.lax.with_sharding_constraint
-    state_io = wsc(x.reshape(s_, k_, mb, *rest), P(PP))
-    shift = wsc(jnp.full((s_, mb, *rest), fill, x.dtype), P(PP))
-    circ = wsc(jnp.full((s_, m_, mb, *rest), fill, x.dtype), P(PP)) if r_ > 1 else None
+    state_io = wsc(state_io, P(PP, None, rows))
+    shift = wsc(jnp.full((s_, mb, *rest), fill, state_io.dtype), P(PP, rows))
+    circ = wsc(jnp.full((s_, m_, mb, *rest), fill, state_io.dtype), P(PP, None, rows)) if r_ > 1 else None
     stage = jnp.arange(s_)
     ring = [(i, (i + 1) % s_) for i in range(s_)] if r_ > 1 else [(i, i + 1) for i in range(s_ - 1)]
     left = [(i, i - 1) for i in range(1, s_)]
@@ -139,8 +140,7 @@ def _pipeline(stage_fn: Callable, stacked: Any, x: jax.Array, cfg: Pipeline, sta
         iteration = jax.checkpoint(iteration, policy=policy, prevent_cse=False)
     steps = jnp.arange(cfg.iterations(s_))
     (_, state_io, _), _ = jax.lax.scan(iteration, (shift, state_io, circ), steps, unroll=cfg.unroll)
-    state_io = jnp.roll(state_io, -(((r_ - 1) * m_ + s_ - 1) % k_), axis=1)
-    return state_io.reshape(rows, *rest)
+    return jnp.roll(state_io, -(((r_ - 1) * m_ + s_ - 1) % k_), axis=1)
 
 
 def apply(
@@ -198,27 +198,42 @@ def apply(
         lambda w: w.reshape(stages, cfg.repeats, lps, *w.shape[1:]).swapaxes(0, 1), layers
     )  # [R, S, Lps, ...], S still over pp
     x = jax.lax.with_sharding_constraint(x, P((*data, PP)))
+    s_, k_, rest = stages, cfg.microbatches // stages, x.shape[1:]
+    # The data axes over which the weights are whole on every rank get the manual region below; with
+    # zero3_gather="layer" the ZeRO-3 weights stay split over dp, which GSPMD then runs inside the loop.
+    region = tuple(a for a in data if cfg.zero3_gather == "step" or a != DP)
+    inner = tuple(a for a in data if a not in region)
+    n = 1
+    for a in inner:
+        n *= sizes[a]
 
     def run(w: Any, h: jax.Array) -> jax.Array:
-        return _pipeline(stage_fn, w, h, cfg, stages, _bubble_fill)
+        # microbatches ``[S, K, n x mb, ...]``: the rows of the ``inner`` ranks side by side, split
+        # over them (h is already split over (inner, pp), so no data moves)
+        io = h.reshape(n, s_, k_, -1, *rest).swapaxes(0, 1).swapaxes(1, 2).reshape(s_, k_, -1, *rest)
+        io = _pipeline(stage_fn, w, io, cfg, stages, _bubble_fill, inner or None)
+        return io.reshape(s_, k_, n, -1, *rest).swapaxes(1, 2).swapaxes(0, 1).reshape(h.shape)
 
-    if not data:
+    if not region:
         return run(stacked, x)
-    # Every data-parallel rank gets its own copy of the weights on a leading dim (a broadcast: no data
-    # moves, except ZeRO-3's all-gather); their gradient is summed over that dim outside the region,
-    # so it is reduced over data parallelism once per step, not per layer per iteration inside the
-    # loop. (Entering as P() and letting shard_map psum the cotangent does the same, but that psum's
-    # reducer carries a sharding constraint on which XLA:CPU's bf16 all-reduce promotion aborts.)
+    # Every rank of the region gets its own copy of the weights on a leading dim (a broadcast: no data
+    # moves, except ZeRO-3's all-gather in "step" mode); their gradient is summed over that dim outside
+    # the region, so it is reduced over those axes once per step, not per layer per iteration inside
+    # the loop. (Entering as P() and letting shard_map psum the cotangent does the same, but that
+    # psum's reducer carries a sharding constraint on which XLA:CPU's bf16 all-reduce promotion aborts.)
     free = P.UNCONSTRAINED
+    copies = 1
+    for a in region:
+        copies *= sizes[a]
 
     def per_rank(w: jax.Array) -> jax.Array:
-        w = jnp.broadcast_to(w[None], (ranks, *w.shape))
-        return jax.lax.with_sharding_constraint(w, P(data, *([free] * (w.ndim - 1))))
+        w = jnp.broadcast_to(w[None], (copies, *w.shape))
+        return jax.lax.with_sharding_constraint(w, P(region, *([free] * (w.ndim - 1))))
 
     return jax.shard_map(
         lambda w, h: run(jax.tree.map(lambda a: a[0], w), h),
-        in_specs=(P(data), P(data)),
-        out_specs=P(data),
-        axis_names=set(data),
+        in_specs=(P(region), P(region)),
+        out_specs=P(region),
+        axis_names=set(region),
         check_vma=False,
     )(jax.tree.map(per_rank, stacked), x)
