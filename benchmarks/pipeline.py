@@ -3,9 +3,10 @@
     python benchmarks/pipeline.py [--json runs/pipeline.json]
 
 Compiles the train step of a small decoder (8 layers) for GPipe and the circular schedule on
-dp=2 x pp=4 (ZeRO-1 and ZeRO-3) and on dp=8 without a pipeline, and reads the compiled program:
-``memory_analysis()`` for argument and temp bytes, the partitioned HLO for the collective-permutes
-inside the loop. CPU numbers: they show structure and memory, not speed.
+dp=2 x pp=4 (ZeRO-1, and ZeRO-3 gathering once per step or per use) and on dp=8 without a pipeline,
+and reads the compiled program: ``memory_analysis()`` for argument and temp bytes, the partitioned HLO
+for the collective-permutes inside the loop and the bytes all-gathered and reduced over dp per step.
+CPU numbers: they show structure and memory, not speed.
 """
 
 from __future__ import annotations
@@ -23,38 +24,50 @@ import optax  # noqa: E402
 
 import zjax  # noqa: E402
 from zjax.models import Decoder, DecoderConfig, lm_loss  # noqa: E402
-from zjax.planner._hlo import collectives, partitioned_hlo  # noqa: E402
+from zjax.planner._hlo import collectives, partitioned_hlo, spanned_axes  # noqa: E402
 
 CFG = DecoderConfig(vocab=256, embed=128, layers=8, heads=4, head_dim=32, mlp=512, max_len=64)
 ROWS = 64
 
 
-def measure(mesh_kw: dict[str, int], stage: int, pipeline: zjax.Pipeline | None) -> dict:
+def measure(
+    mesh_kw: dict[str, int], stage: int, pipeline: zjax.Pipeline | None, rows: int = ROWS, seq: int = CFG.max_len
+) -> dict:
     model = Decoder(CFG)
     plan = zjax.Plan(zjax.make_mesh(**mesh_kw), stage=stage, precision="bf16", pipeline=pipeline)
     state = plan.abstract_state(
         lambda r: model.init(r, jnp.zeros((1, CFG.max_len), jnp.int32))["params"], optax.adamw(1e-3), jax.random.key(0)
     )
     lowered = plan.train_step(lambda p, b: lm_loss(model, p, b)).lower(
-        state, jax.ShapeDtypeStruct((ROWS, CFG.max_len + 1), jnp.int32)
+        state, jax.ShapeDtypeStruct((rows, seq + 1), jnp.int32)
     )
     start = time.perf_counter()
     compiled, hlo = partitioned_hlo(lowered)
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
-    permutes = [c for c in collectives(hlo) if c.kind == "collective-permute" and c.in_loop]
+    ops = collectives(hlo)
+    permutes = [c for c in ops if c.kind == "collective-permute" and c.in_loop]
     stages = mesh_kw.get("pp", 1)
+    shape = dict(plan.mesh.shape)
+
+    def dp_bytes(kinds: tuple[str, ...]) -> int:  # per device per step, loop trips multiplied out
+        return sum(c.volume * c.trips for c in ops if c.kind in kinds and "dp" in spanned_axes(c.groups, shape))
+
     return {
         "mesh": mesh_kw,
+        "batch": [rows, seq],
         "zero_stage": stage,
         "schedule": "none"
         if pipeline is None
         else ("gpipe" if pipeline.repeats == 1 else f"circular R={pipeline.repeats}") + f" M={pipeline.microbatches}",
+        "zero3_gather": pipeline.zero3_gather if pipeline is not None and stage == 3 else None,
         "bubble": 0.0 if pipeline is None else round(pipeline.bubble(stages), 4),
         "iterations": None if pipeline is None else pipeline.iterations(stages),
         "loop_permutes_fwd_plus_bwd": len(permutes),
         "argument_bytes": memory.argument_size_in_bytes,
         "temp_bytes": memory.temp_size_in_bytes,
+        "dp_gather_bytes": dp_bytes(("all-gather",)),
+        "dp_reduce_bytes": dp_bytes(("all-reduce", "reduce-scatter")),
         "compile_seconds": round(seconds, 2),
     }
 
@@ -64,18 +77,24 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     rows = [measure({"dp": 8}, 1, None), measure({"dp": 8}, 3, None)]
-    for stage in (1, 3):
+    for stage, gather in ((1, "step"), (3, "step"), (3, "layer")):
         for m, r in ((4, 1), (8, 1), (32, 1), (4, 2), (8, 2)):
-            rows.append(measure({"dp": 2, "pp": 4}, stage, zjax.Pipeline(m, repeats=r)))
-    print(f"decoder {CFG.layers} layers, {CFG.num_params:,} params, bf16 + AdamW, global batch {ROWS} x {CFG.max_len}")
-    head = f"{'mesh':<12}{'zero':>5}  {'schedule':<18}{'bubble':>7}{'permutes':>9}"
-    print(head + f"{'args KiB':>10}{'temp KiB':>10}{'compile':>9}")
+            rows.append(measure({"dp": 2, "pp": 4}, stage, zjax.Pipeline(m, repeats=r, zero3_gather=gather)))
+    # weights outweigh activations (short sequences): where gathering per use pays off
+    for gather in ("step", "layer"):
+        for m, r in ((8, 1), (8, 2)):
+            rows.append(measure({"dp": 2, "pp": 4}, 3, zjax.Pipeline(m, repeats=r, zero3_gather=gather), 32, 8))
+    print(f"decoder {CFG.layers} layers, {CFG.num_params:,} params, bf16 + AdamW")
+    head = f"{'batch':<7}{'mesh':<12}{'zero':>7}  {'schedule':<18}{'bubble':>7}{'permutes':>9}"
+    print(head + f"{'args KiB':>10}{'temp KiB':>10}{'AG dp KiB':>10}{'RED dp KiB':>11}{'compile':>9}")
     for r in rows:
         mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items())
+        zero = f"{r['zero_stage']}" + (f"/{r['zero3_gather']}" if r["zero3_gather"] else "")
         print(
-            f"{mesh:<12}{r['zero_stage']:>5}  {r['schedule']:<18}{r['bubble']:>7.3f}"
+            f"{'x'.join(map(str, r['batch'])):<7}{mesh:<12}{zero:>7}  {r['schedule']:<18}{r['bubble']:>7.3f}"
             f"{r['loop_permutes_fwd_plus_bwd']:>9}"
-            f"{r['argument_bytes'] / 1024:>10.1f}{r['temp_bytes'] / 1024:>10.1f}{r['compile_seconds']:>8.1f}s"
+            f"{r['argument_bytes'] / 1024:>10.1f}{r['temp_bytes'] / 1024:>10.1f}"
+            f"{r['dp_gather_bytes'] / 1024:>10.1f}{r['dp_reduce_bytes'] / 1024:>11.1f}{r['compile_seconds']:>8.1f}s"
         )
     if args.json is not None:
         zjax.write_json_atomic(args.json, {"model": CFG.__dict__, "rows": rows})

@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--microbatches", type=int, default=None, help="pipeline microbatches per step (pp > 1; default 2 x pp)"
     )
     p.add_argument("--repeats", type=int, default=1, help="pipeline repeats: 1 = GPipe, > 1 = circular schedule")
+    p.add_argument(
+        "--zero3-gather",
+        choices=("step", "layer"),  # zjax.pipeline.GATHER_MODES (parsed before jax starts)
+        default="step",
+        help="stage 3 with a pipeline: gather weights once per step, or per use inside the loop (lean)",
+    )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument(
         "--optimizer",
@@ -159,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     stages = int(mesh.shape["pp"])
     pipeline = None
     if stages > 1 or args.microbatches is not None:
-        pipeline = zjax.Pipeline(args.microbatches or 2 * stages, repeats=args.repeats)
+        pipeline = zjax.Pipeline(args.microbatches or 2 * stages, repeats=args.repeats, zero3_gather=args.zero3_gather)
         if cfg.layers % (stages * args.repeats):  # deepen the preset so that every stage gets whole layers
             cfg = type(cfg)(
                 **{**cfg.__dict__, "layers": stages * args.repeats * -(-cfg.layers // (stages * args.repeats))}
@@ -251,6 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
         else {
             "microbatches": pipeline.microbatches,
             "repeats": pipeline.repeats,
+            "zero3_gather": pipeline.zero3_gather,
             "iterations": pipeline.iterations(stages),
             "bubble": pipeline.bubble(stages),
         },

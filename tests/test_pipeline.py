@@ -18,6 +18,7 @@ from zjax.pipeline import Pipeline, apply, layer_order
 from zjax.planner._hlo import collectives, partitioned_hlo, spanned_axes
 
 D, L, B = 32, 8, 32
+STAGES_ONLY = P("pp")  # weights split into stages, whole over dp
 MESHES = {"dp2_pp4": {"dp": 2, "pp": 4}, "dp2_tp2_pp2": {"dp": 2, "tp": 2, "pp": 2}}
 
 
@@ -63,14 +64,14 @@ def pipelined(cfg: Pipeline, fill: float = 0.0):
     return f
 
 
-def run_pipelined(mesh, cfg, w, x, fill=0.0, spec=P("pp")):
+def run_pipelined(mesh, cfg, w, x, fill=0.0, spec=STAGES_ONLY):
     with jax.set_mesh(mesh):
         w = jax.device_put(w, NamedSharding(mesh, spec))
         x = jax.device_put(x, NamedSharding(mesh, P("dp")))
         return jax.jit(jax.value_and_grad(pipelined(cfg, fill), has_aux=True))(w, x)
 
 
-def check_engine(mesh_name, cfg, spec=P("pp")):
+def check_engine(mesh_name, cfg, spec=STAGES_ONLY):
     mesh = zjax.make_mesh(**MESHES[mesh_name])
     stages = MESHES[mesh_name]["pp"]
     w, x = weights_and_input()
@@ -274,7 +275,7 @@ def loop_collectives(plan, hlo):
 
 
 def test_per_use_gathering_hlo(gather_modes):
-    """"step": no gathers or dp reductions in the loop. "layer": dp gathers and dp reductions in the loop,
+    """ "step": no gathers or dp reductions in the loop. "layer": dp gathers and dp reductions in the loop,
     over dp only; in both, the loop's other collectives are the pp permutes and tp-free pp reductions."""
     for gather, (plan, *_, hlo) in gather_modes.items():
         ops = loop_collectives(plan, hlo)
@@ -287,8 +288,11 @@ def test_per_use_gathering_hlo(gather_modes):
         else:
             assert gathers and set(gathers) == {("dp",)}
             assert dp_reductions and set(dp_reductions) == {("dp",)}
-        assert not [c for c in collectives(hlo) if c.kind == "all-gather" and "pp" in spanned_axes(
-            c.groups, dict(plan.mesh.shape))]
+        assert not [
+            c
+            for c in collectives(hlo)
+            if c.kind == "all-gather" and "pp" in spanned_axes(c.groups, dict(plan.mesh.shape))
+        ]
 
 
 @pytest.mark.slow
@@ -414,8 +418,8 @@ def test_compile_time_flat_in_microbatches():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", ["dp=2,pp=4", "dp=2,tp=2,pp=2"])
-def test_example_trains_with_a_pipeline(tmp_path, mesh):
+@pytest.mark.parametrize(("mesh", "gather"), [("dp=2,pp=4", "step"), ("dp=2,tp=2,pp=2", "layer")])
+def test_example_trains_with_a_pipeline(tmp_path, mesh, gather):
     import json
     import subprocess
     import sys
@@ -426,11 +430,12 @@ def test_example_trains_with_a_pipeline(tmp_path, mesh):
     run = subprocess.run(
         [sys.executable, "examples/train_lm.py", "--preset", "tiny", "--steps", "8", "--batch-size", "16",
          "--seq-len", "32", "--stage", "3", "--mesh", mesh, "--microbatches", "4", "--repeats", "2",
-         "--no-progress", "--metrics-json", str(out)],
+         "--zero3-gather", gather, "--no-progress", "--metrics-json", str(out)],
         cwd=root, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
     stages = result["mesh"]["pp"]
     assert result["pipeline"]["bubble"] == pytest.approx((stages - 1) / (4 * 2 + stages - 1))
+    assert result["pipeline"]["zero3_gather"] == gather
     assert result["losses"][-1] < result["losses"][0]

@@ -87,6 +87,9 @@ def _plan_parser(sub) -> None:
     p.add_argument("--budget", type=parse_bytes, default=None, help="per-device bytes: pick the cheapest fit")
     p.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches when pp > 1 (default 2 x pp)")
     p.add_argument("--repeats", type=int, default=1, help="pipeline repeats (1 = GPipe, > 1 = circular)")
+    p.add_argument(
+        "--zero3-gather", choices=("step", "layer"), default="step", help="stage 3 pipeline: once per step or per use"
+    )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None, help="PNG bar chart of memory by category")
 
@@ -114,7 +117,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     if pp > 1 or args.microbatches is not None:
         from .pipeline import Pipeline
 
-        pipeline = Pipeline(args.microbatches or 2 * pp, repeats=args.repeats)
+        pipeline = Pipeline(args.microbatches or 2 * pp, repeats=args.repeats, zero3_gather=args.zero3_gather)
     rows = args.mesh.get("dp", 1) * args.mesh.get("replica", 1) * (pipeline.microbatches if pipeline else 1)
     batch = args.batch_size or rows
     try:

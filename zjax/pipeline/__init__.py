@@ -6,6 +6,7 @@ Example (inside a model's forward pass; the plan sets the schedule)::
     h = zjax.pipeline.apply(stage_fn, params["layers"], h)    # stage_fn(stage_layers, h) -> h
 """
 
+from ._config import GATHER_MODES as GATHER_MODES
 from ._config import Pipeline as Pipeline
 from ._engine import ITERATION_INPUT as ITERATION_INPUT
 from ._engine import apply as apply

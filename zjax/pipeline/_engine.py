@@ -8,7 +8,9 @@ Design (measured on CPU, see the README's pipeline section):
 - The pipeline runs inside a ``shard_map`` that is manual over the data axes only, with one copy of
   the weights per data-parallel rank: their gradient is reduced over data parallelism once, at the
   region's boundary, instead of once per layer per iteration inside the loop (XLA cannot hoist
-  collectives out of a loop). ZeRO-3 weights are all-gathered at that boundary, once per step.
+  collectives out of a loop). ZeRO-3 weights are all-gathered at that boundary, once per step;
+  with ``zero3_gather="layer"`` they stay split over ``dp`` (the region then covers the other data
+  axes only) and GSPMD gathers each iteration's layers inside the loop.
 - Stream io: the local batch ``[B, ...]`` is split over ``pp`` and read as ``[S, K, mb, ...]``
   (K = M / S); stage 0 takes microbatch ``t`` from column ``t % K``, which is shifted one stage
   left each visit while the last stage writes its outputs there. No collective at the boundary.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -184,9 +187,7 @@ def apply(
                 f"leaf must be stacked on a leading layers dim of size {count}."
             )
     data = tuple(a for a in DATA_AXES if sizes.get(a, 1) > 1)
-    ranks = 1
-    for a in data:
-        ranks *= sizes[a]
+    ranks = math.prod(sizes[a] for a in data)
     cfg.check(stages, count, x.shape[0] // ranks if x.shape[0] % ranks == 0 else None)
     if x.shape[0] % (ranks * cfg.microbatches):
         raise ValueError(
@@ -203,9 +204,7 @@ def apply(
     # zero3_gather="layer" the ZeRO-3 weights stay split over dp, which GSPMD then runs inside the loop.
     region = tuple(a for a in data if cfg.zero3_gather == "step" or a != DP)
     inner = tuple(a for a in data if a not in region)
-    n = 1
-    for a in inner:
-        n *= sizes[a]
+    n = math.prod(sizes[a] for a in inner)
 
     def run(w: Any, h: jax.Array) -> jax.Array:
         # microbatches ``[S, K, n x mb, ...]``: the rows of the ``inner`` ranks side by side, split
@@ -222,9 +221,7 @@ def apply(
     # the loop. (Entering as P() and letting shard_map psum the cotangent does the same, but that
     # psum's reducer carries a sharding constraint on which XLA:CPU's bf16 all-reduce promotion aborts.)
     free = P.UNCONSTRAINED
-    copies = 1
-    for a in region:
-        copies *= sizes[a]
+    copies = math.prod(sizes[a] for a in region)
 
     def per_rank(w: jax.Array) -> jax.Array:
         w = jnp.broadcast_to(w[None], (copies, *w.shape))

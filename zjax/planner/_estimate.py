@@ -148,6 +148,8 @@ def estimate_fn(
         start = time.perf_counter()
         stages_pp = mesh.get("pp", 1)
         schedule = pipeline if pipeline is not None or stages_pp == 1 else Pipeline(2 * stages_pp)
+        if schedule is not None and stage != 3:  # per-use gathering is a stage-3 mode; the others gather nothing
+            schedule = dataclasses.replace(schedule, zero3_gather="step")
         plan = Plan(device_mesh, stage=stage, precision=precision, pipeline=schedule)
         state = plan.abstract_state(init_fn, tx, jax.random.key(0))
         step = plan.train_step(loss_fn, accum_steps=accum)
