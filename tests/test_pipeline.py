@@ -275,8 +275,8 @@ def loop_collectives(plan, hlo):
 
 
 def test_per_use_gathering_hlo(gather_modes):
-    """ "step": no gathers or dp reductions in the loop. "layer": dp gathers and dp reductions in the loop,
-    over dp only; in both, the loop's other collectives are the pp permutes and tp-free pp reductions."""
+    """Gathering once per step puts no gather and no dp reduction in the loop; gathering per use puts
+    both there, over dp only. Both keep the loop's permutes over pp and never gather over pp."""
     for gather, (plan, *_, hlo) in gather_modes.items():
         ops = loop_collectives(plan, hlo)
         gathers = [axes for c, axes in ops if c.kind == "all-gather"]
@@ -439,3 +439,17 @@ def test_example_trains_with_a_pipeline(tmp_path, mesh, gather):
     assert result["pipeline"]["bubble"] == pytest.approx((stages - 1) / (4 * 2 + stages - 1))
     assert result["pipeline"]["zero3_gather"] == gather
     assert result["losses"][-1] < result["losses"][0]
+
+
+@pytest.mark.slow
+def test_planner_takes_per_use_gathering_for_stage_3_only():
+    """The planner compiles every stage with one schedule: per-use gathering applies at stage 3 (more dp
+    traffic than gathering once), the lower stages gather once."""
+    schedule = Pipeline(8, repeats=2, zero3_gather="layer")
+    kw = {"mesh": {"dp": 2, "pp": 4}, "batch_size": 32, "seq_len": 16}
+    lean = zjax.planner.estimate(WIDE, stages=(1, 3), pipeline=schedule, **kw)
+    once = zjax.planner.estimate(WIDE, stages=(3,), pipeline=dataclasses.replace(schedule, zero3_gather="step"), **kw)
+    stage1, stage3 = lean.rows
+    assert (stage1.stage, stage3.stage) == (1, 3)
+    assert stage3.comm.total_volume > 2 * once.rows[0].comm.total_volume
+    assert stage3.compiled["temp"] < once.rows[0].compiled["temp"]

@@ -16,6 +16,7 @@ from .._plan import Plan
 from ..models import PRESETS, Decoder, DecoderConfig, lm_loss
 from ..pipeline import Pipeline
 from ..sharding._mesh import make_mesh
+from ..stages import Stage
 from ._hlo import Communication, count_collectives, partitioned_hlo
 
 
@@ -148,7 +149,7 @@ def estimate_fn(
         start = time.perf_counter()
         stages_pp = mesh.get("pp", 1)
         schedule = pipeline if pipeline is not None or stages_pp == 1 else Pipeline(2 * stages_pp)
-        if schedule is not None and stage != 3:  # per-use gathering is a stage-3 mode; the others gather nothing
+        if schedule is not None and not Stage.from_value(stage).shard_parameters:  # per-use gathering: stage 3 only
             schedule = dataclasses.replace(schedule, zero3_gather="step")
         plan = Plan(device_mesh, stage=stage, precision=precision, pipeline=schedule)
         state = plan.abstract_state(init_fn, tx, jax.random.key(0))
