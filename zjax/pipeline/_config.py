@@ -27,9 +27,9 @@ class Pipeline:
         backward pass is done (least communication). ``"layer"``: each iteration gathers only the
         layers it applies (the current repeat's chunk), the backward pass gathers them again, and
         their gradients are reduce-scattered per iteration; whole weights then live for one
-        iteration only (least memory: about half the temp memory when weights dominate, at
-        roughly ``2 x (M x R + S - 1) / R`` times the weight gathers of ``"step"``). Only for ZeRO
-        stage 3 (the plan refuses it otherwise).
+        iteration only (least memory: about half the temp memory when weights dominate, at 5-22x
+        the bytes gathered over dp in ``benchmarks/pipeline.py``). Only for ZeRO stage 3 (the plan
+        refuses it otherwise).
       remat: rematerialize each iteration in the backward pass, saving only its input.
       unroll: unroll the loop (for FLOP accounting: compiled cost analysis counts a loop body once;
         unrolled programs grow with M, so never for training).
