@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             optax.adamw(1e-3),
             jax.random.key(0),
         )
-        plan.train_step(lambda prm, b: lm_loss(model, prm, b), accum_steps=args.accum)
-        report = plan.memory_report(state, batch)
+        step = plan.train_step(lambda prm, b: lm_loss(model, prm, b), accum_steps=args.accum)
+        report = step.memory_report(state, batch)
         row = report.to_dict() | {"compile_seconds": round(time.perf_counter() - start, 2), "preset": args.preset}
         rows.append(row)
         print(report, f"\n  (compiled in {row['compile_seconds']} s)\n")

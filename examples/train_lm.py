@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
     for _ in range(start):  # the data position: replay the sampler up to where the checkpoint was
         next_batch()
     batch = plan.shard_batch(next_batch())
-    report = plan.memory_report(state, batch)
+    report = step.memory_report(state, batch)
     sizes = {k: int(v) for k, v in mesh.shape.items()}
     log = print if main_process else (lambda *a, **k: None)
     log(

@@ -78,7 +78,7 @@ def test_reshard_matrix(saved, from_stage, to_stage, mesh_name):
         state, meta = ckpt.restore(plan, linen_mlp_task()[0], tx, jax.random.key(0))
     assert meta["stage"] == from_stage and meta["user"] == {"data_position": 1}
     assert_bitwise(state, want)
-    target = plan.state_shardings(state)
+    target = state.layout.state_shardings(state.tx)
     for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(target), strict=True):
         assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
 

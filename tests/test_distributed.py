@@ -345,7 +345,7 @@ def test_hsdp_state_is_dp_state_over_the_shard_size(hsdp_programs, stage):
     batch = 256 * 32 * 4 * 2 // 8  # x and y rows on one device
     if stage == 3:  # the whole state sharded over the 4-device group: DP's state / 4
         assert got - batch == pytest.approx((dp_state - batch) / 4, rel=0.01)
-    report = plan.memory_report(state, regression_batch(256), plan.train_step(linen_mlp_task()[1]), compiled)
+    report = plan.train_step(linen_mlp_task()[1]).memory_report(state, regression_batch(256), compiled)
     assert report.state_compiled == pytest.approx(report.state_theory, rel=0.01)
 
 

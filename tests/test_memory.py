@@ -19,7 +19,7 @@ def compiled_report(task, batch, *, stage, mesh, precision="bf16", tx=None, accu
     state = plan.abstract_state(init_fn, optax.adam(1e-3) if tx is None else tx, jax.random.key(0))
     step = plan.train_step(loss_fn, accum_steps=accum)
     abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-    return plan.memory_report(state, abstract_batch, step=step), plan
+    return step.memory_report(state, abstract_batch), plan
 
 
 def formula(stage: int, psi: float, n: int) -> float:

@@ -310,7 +310,7 @@ def test_state_bytes_follow_pp_tp_and_dp(stage, mesh_name):
     """Per device: parameters / (pp x tp) (x 1/dp at stage 3) plus optimizer state / dp, within 5%."""
     mesh_kw = MESHES[mesh_name]
     plan, state, batch, step, compiled, _ = compiled_step(mesh_kw, stage, Pipeline(mesh_kw["pp"]))
-    report = plan.memory_report(state, batch, step, compiled=compiled)
+    report = step.memory_report(state, batch, compiled=compiled)
     assert report.state_compiled == pytest.approx(report.state_theory, rel=0.05)
     layer_params = sum(x.size for x in jax.tree.leaves(state.params["layers"]))
     model_parallel = mesh_kw["pp"] * mesh_kw.get("tp", 1)

@@ -125,7 +125,7 @@ def stage3_temp(layers: int, scan: bool) -> tuple[int, int]:
     init_fn, loss_fn = decoder_task(cfg)
     plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, precision="fp32")
     state = plan.abstract_state(init_fn, optax.sgd(0.1), jax.random.key(0))
-    report = plan.memory_report(state, jax.ShapeDtypeStruct((16, cfg.max_len + 1), np.int32), plan.train_step(loss_fn))
+    report = plan.train_step(loss_fn).memory_report(state, jax.ShapeDtypeStruct((16, cfg.max_len + 1), np.int32))
     return report.temp_bytes, report.theory["gradients"]
 
 

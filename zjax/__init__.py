@@ -8,6 +8,7 @@ from . import planner as planner
 from . import remat as remat
 from . import sharding as sharding
 from . import stages as stages
+from ._layout import StateLayout as StateLayout
 from ._jsonfile import write_json_atomic as write_json_atomic
 from ._loss_scale import DynamicLossScale as DynamicLossScale
 from ._loss_scale import LossScaleState as LossScaleState
@@ -17,6 +18,8 @@ from ._precision import PRECISIONS as PRECISIONS
 from ._precision import Precision as Precision
 from ._state import MixedPrecisionState as MixedPrecisionState
 from ._state import TrainState as TrainState
+from ._state import Variables as Variables
+from ._step import EvalStep as EvalStep
 from ._step import TrainStep as TrainStep
 from .checkpoint import Checkpointer as Checkpointer
 from .pipeline import Pipeline as Pipeline

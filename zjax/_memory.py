@@ -141,7 +141,7 @@ def theory_bytes(plan: Plan, state: TrainState, accum_steps: int = 1) -> tuple[i
     sizes = dict(plan.mesh.shape)
     n = axis_size(plan.mesh, DP)
     stage, precision = plan.stage, plan.precision
-    layout = plan.layout_of(state.params)
+    layout = state.layout.params
     psi = sum(int(math.prod(p.leaf.shape)) for p in layout.placements)
     # parameters per device after model parallelism (tp), before ZeRO's dp split
     psi_mp = sum(math.prod(p.leaf.shape) / shard_count(p.compute, sizes) for p in layout.placements)
@@ -163,6 +163,8 @@ def theory_bytes(plan: Plan, state: TrainState, accum_steps: int = 1) -> tuple[i
 
 def memory_report(plan: Plan, state: TrainState, batch: Any, step: TrainStep, compiled: Any = None) -> MemoryReport:
     """Compile ``step`` for ``(state, batch)`` (unless ``compiled`` is given) and report per-device memory."""
+    if state.layout is None:
+        raise ValueError("memory_report: the state has no layout; build it with plan.init or plan.abstract_state.")
     if compiled is None:
         compiled = step.lower(state, batch).compile()
     analysis = compiled.memory_analysis()
@@ -196,7 +198,7 @@ def memory_report(plan: Plan, state: TrainState, batch: Any, step: TrainStep, co
         alias_bytes=int(analysis.alias_size_in_bytes),
         temp_bytes=int(analysis.temp_size_in_bytes),
         batch_bytes=batch_bytes,
-        unsharded=tuple(plan.layout_of(state.params).unsharded),
+        unsharded=tuple(state.layout.unsharded),
         flops=_flops(compiled),
     )
 

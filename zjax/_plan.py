@@ -13,12 +13,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._loss_scale import DynamicLossScale, LossScaleState
-from ._memory import MemoryReport, memory_report
 from ._precision import Precision
-from ._state import MixedPrecisionState, TrainState
-from ._step import LossFn, TrainStep
+from ._layout import StateLayout
+from ._state import MixedPrecisionState, TrainState, Variables
+from ._step import EvalStep, LossFn, TrainStep
 from .pipeline import Pipeline
-from .sharding._annotations import read_leaves, unbox
+from .sharding._annotations import Leaf, path_str, read_leaves, unbox
 from .sharding._axes import DP, MESH_AXES, PP
 from .sharding._batch import shard_batch
 from .sharding._mesh import axis_size
@@ -74,7 +74,6 @@ class Plan:
     clip_norm: float | None = None
     loss_scale: DynamicLossScale = DynamicLossScale()
     pipeline: Pipeline | None = None
-    _steps: list = dataclasses.field(default_factory=list, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):
@@ -112,46 +111,55 @@ class Plan:
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ValueError(f"Plan: clip_norm={self.clip_norm} must be > 0 or None.")
 
-    # -- layouts and shardings ------------------------------------------------------------------
+    # -- layouts --------------------------------------------------------------------------------
 
     def layout(self, abstract_params: Any) -> Layout:
-        """The layout of a parameter tree (concrete or abstract, flax annotations allowed)."""
+        """The parameter layout of a parameter tree (concrete or abstract, flax annotations allowed)."""
         leaves = read_leaves(abstract_params)
-        compute = cast(Rules, self.rules).compute_specs(leaves, self.mesh)
         treedef = jax.tree.structure(unbox(abstract_params))
+        return self._param_layout(leaves, treedef)
+
+    def _param_layout(self, leaves: list[Leaf], treedef: Any) -> Layout:
+        compute = cast(Rules, self.rules).compute_specs(leaves, self.mesh)
         return Layout.build(self.stage, self.mesh, treedef, leaves, compute)
 
-    def layout_of(self, params: Any) -> Layout:
-        """The layout of parameters that already carry their shardings (e.g. ``state.params``)."""
-        return Layout.from_params(self.stage, self.mesh, params)
-
-    def state_specs(self, state: TrainState, layout: Layout | None = None) -> TrainState:
-        """A ``TrainState``-shaped tree of ``PartitionSpec`` for ``state`` (concrete or abstract)."""
-        layout = self.layout_of(state.params) if layout is None else layout
-        master = None if state.opt_state.master is None else layout.master_specs
-        scalar: Any = PartitionSpec()  # a spec tree mirrors the state, leaf for leaf
-        return TrainState(
-            step=scalar,
-            params=layout.param_specs,
-            opt_state=MixedPrecisionState(master, layout.optimizer_specs(state.tx, state.opt_state.inner)),
-            loss_scale=LossScaleState(scalar, scalar),
-            rng=scalar,
-            tx=state.tx,
+    def _state_layout(
+        self,
+        param_leaves: list[Leaf],
+        param_treedef: Any,
+        model_leaves: list[Leaf],
+        model_treedef: Any,
+        tx: Any,
+        opt_inner: Any,
+    ) -> StateLayout:
+        """The one place a state's layout is built (init, abstract state, restore and reshard use it)."""
+        params = self._param_layout(param_leaves, param_treedef)
+        opt_specs = params.optimizer_specs(tx, opt_inner)
+        opt_flat, opt_treedef = jax.tree.flatten(opt_specs, is_leaf=_is_spec)
+        if opt_treedef != jax.tree.structure(opt_inner):
+            raise ValueError(
+                f"Plan: could not lay out the optimizer state of {type(tx).__name__}: its spec tree "
+                f"{opt_treedef} does not mirror the state {jax.tree.structure(opt_inner)}."
+            )
+        model_specs = cast(Rules, self.rules).compute_specs(model_leaves, self.mesh)
+        return StateLayout(
+            params=params,
+            master=self.precision.master_weights,
+            opt_treedef=opt_treedef,
+            opt_specs=tuple(opt_flat),
+            model_treedef=model_treedef,
+            model_leaves=tuple(model_leaves),
+            model_specs=tuple(model_specs),
         )
-
-    def state_shardings(self, state: TrainState, layout: Layout | None = None) -> TrainState:
-        """Like :meth:`state_specs`, with ``NamedSharding`` leaves on this plan's mesh."""
-        specs = self.state_specs(state, layout)
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec)
 
     # -- state ----------------------------------------------------------------------------------
 
-    def _make_state_fn(self, init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransformation):
+    def _make_state_fn(self, init_fn: Callable[[jax.Array], Any], tx: Any, layout: StateLayout | None):
         precision = self.precision
 
         def make(rng: jax.Array) -> TrainState:
             with nnx.use_eager_sharding(False):  # zjax places parameters; nnx must not on its own
-                params = unbox(init_fn(rng))
+                params, model_state = _split_init(init_fn(rng))
 
             def cast(dtype):
                 return lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p
@@ -165,6 +173,8 @@ class Plan:
                 loss_scale=self.loss_scale.init(precision.loss_scaling),
                 rng=jax.random.fold_in(rng, _STATE_RNG),  # not the key init_fn used
                 tx=tx,
+                model_state=model_state,
+                layout=layout,
             )
 
         return make
@@ -176,34 +186,83 @@ class Plan:
 
         Nothing is allocated; use it to lower or compile a step ahead of time, or as a restore target.
         """
-        state, shardings = self._abstract(init_fn, tx, rng)
+        state = self._abstract(init_fn, tx, rng)
+        shardings = state.layout.state_shardings(state.tx)
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
 
-    def _abstract(self, init_fn, tx, rng):
+    def _abstract(self, init_fn, tx, rng) -> TrainState:
         tx = as_transformation(tx)
         with nnx.use_eager_sharding(False):
             annotated = jax.eval_shape(init_fn, rng)
-        layout = self.layout(annotated)
-        make = self._make_state_fn(init_fn, tx)
-        state = jax.eval_shape(make, rng)
-        return state, self.state_shardings(state, layout)
+        params, model_state = annotated if isinstance(annotated, Variables) else (annotated, None)
+        state = jax.eval_shape(self._make_state_fn(init_fn, tx, None), rng)
+        layout = self._state_layout(
+            read_leaves(params),
+            jax.tree.structure(unbox(params)),
+            read_leaves(model_state),
+            jax.tree.structure(state.model_state),
+            tx,
+            state.opt_state.inner,
+        )
+        return state.replace(layout=layout)
 
     def init(self, init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransformation, rng: jax.Array) -> TrainState:
         """Create the training state directly in its sharded layout (never whole on one device).
 
         Args:
           init_fn: ``init_fn(rng) -> params``, e.g. ``lambda r: model.init(r, x)["params"]`` (linen) or
-            ``lambda r: nnx.split(Model(rngs=nnx.Rngs(r)), nnx.Param)[1]`` (nnx).
+            ``lambda r: nnx.split(Model(rngs=nnx.Rngs(r)), nnx.Param)[1]`` (nnx); for a model with
+            non-trainable state, a :class:`zjax.Variables` (``zjax.Variables.linen(model.init(r, x))``,
+            ``zjax.Variables.nnx(Model(rngs=nnx.Rngs(r)))``).
           tx: any optax transformation; it updates the fp32 master weights.
           rng: a ``jax.random.key``.
 
         Returns:
-          A :class:`TrainState` whose leaves are sharded as this plan's stage says.
+          A :class:`TrainState` whose leaves are sharded as this plan's stage says; ``state.layout``
+          records where each leaf lives.
         """
-        state, shardings = self._abstract(init_fn, tx, rng)
-        return jax.jit(self._make_state_fn(init_fn, state.tx), out_shardings=shardings)(rng)
+        abstract = self._abstract(init_fn, tx, rng)
+        layout = abstract.layout
+        make = self._make_state_fn(init_fn, abstract.tx, layout)
+        return jax.jit(make, out_shardings=layout.state_shardings(abstract.tx))(rng)
 
-    # -- training -------------------------------------------------------------------------------
+    def reshard(self, state: TrainState) -> TrainState:
+        """Place a same-shaped ``state`` into this plan's layout (another stage, mesh or rules; arrays
+        put elsewhere by hand). Nothing is recomputed; arrays move with ``jax.device_put``.
+
+        Raises:
+          ValueError: if the state's precision (master weights or not) differs from this plan's.
+        """
+        if not isinstance(state, TrainState):
+            raise TypeError(f"Plan.reshard: expected a zjax.TrainState, got {type(state).__name__}.")
+        if (state.opt_state.master is None) == self.precision.master_weights:
+            raise ValueError(
+                f"Plan.reshard: the state {'has no' if state.opt_state.master is None else 'has'} fp32 master "
+                f"weights but this plan's precision {self.precision.name!r} "
+                f"{'keeps' if self.precision.master_weights else 'does not keep'} them; reshard into a plan "
+                f"of the state's precision."
+            )
+        old = state.layout
+        if old is not None and old.params.treedef == jax.tree.structure(state.params):
+            param_leaves = [p.leaf for p in old.params.placements]  # keeps the logical axis names
+        else:
+            param_leaves = _plain_leaves(state.params)
+        if old is not None and old.model_treedef == jax.tree.structure(state.model_state):
+            model_leaves = list(old.model_leaves)
+        else:
+            model_leaves = _plain_leaves(state.model_state)
+        layout = self._state_layout(
+            param_leaves,
+            jax.tree.structure(state.params),
+            model_leaves,
+            jax.tree.structure(state.model_state),
+            state.tx,
+            state.opt_state.inner,
+        )
+        state = state.replace(layout=layout)
+        return jax.device_put(state, layout.state_shardings(state.tx))
+
+    # -- steps ----------------------------------------------------------------------------------
 
     def train_step(self, loss_fn: LossFn, accum_steps: int = 1) -> TrainStep:
         """A jitted, state-donating step ``step(state, batch) -> (state, metrics)``.
@@ -211,12 +270,22 @@ class Plan:
         Args:
           loss_fn: ``loss_fn(params, batch) -> loss`` or ``(loss, aux)``; ``loss`` is a scalar mean. With
             an ``rng`` parameter, ``loss_fn(params, batch, rng)`` gets a fresh key each step (from ``state.rng``).
+            With a ``model_state`` parameter (models with batch statistics or nnx RNG state),
+            ``loss_fn(params, batch, model_state) -> (loss, new_model_state)`` or
+            ``((loss, aux), new_model_state)``; the new model state is kept in ``state.model_state``.
           accum_steps: split each batch into this many microbatches and accumulate their gradients
             (in fp32, laid out like the gradients: dp-sharded at stages 2 and 3).
         """
-        step = TrainStep(self, loss_fn, accum_steps)
-        self._steps[:] = [step]  # memory_report compiles the latest one
-        return step
+        return TrainStep(self, loss_fn, accum_steps)
+
+    def eval_step(self, fn: Callable[..., Any]) -> EvalStep:
+        """A jitted evaluation ``eval(state, batch) -> fn(state.params, batch)`` on the state's layout.
+
+        ``fn(params, batch) -> metrics`` (any pytree), or ``fn(params, batch, model_state)`` for models
+        with model state. Traced under the plan's mesh, activation rules and pipeline; nothing is donated,
+        and a second call with the same shapes does not compile again.
+        """
+        return EvalStep(self, fn)
 
     def shard_batch(self, batch: Any) -> Any:
         """Place ``batch`` on the mesh with its leading dimension over ``dp``. See :func:`zjax.shard_batch`."""
@@ -224,21 +293,27 @@ class Plan:
 
     def unsharded(self, state: TrainState) -> list[Unsharded]:
         """Leaves that this stage keeps replicated over dp because no dimension divides by its size."""
-        return self.layout_of(state.params).unsharded
+        return _layout_of(state).unsharded
 
-    def memory_report(
-        self, state: TrainState, batch: Any, step: TrainStep | None = None, compiled: Any = None
-    ) -> MemoryReport:
-        """Per-device memory by category: ZeRO theory beside the compiled program's numbers.
 
-        Args:
-          state: the training state (concrete or from :meth:`abstract_state`).
-          batch: a batch (concrete or ``ShapeDtypeStruct``), global shape.
-          step: the step to compile; the last one made by :meth:`train_step` by default.
-          compiled: the step's compiled executable, if already at hand (skips compiling again).
-        """
-        if step is None:
-            if not self._steps:
-                raise ValueError("memory_report: build a step with plan.train_step(loss_fn) first, or pass step=.")
-            step = self._steps[-1]
-        return memory_report(self, state, batch, step, compiled)
+def _split_init(out: Any) -> tuple[Any, Any]:
+    """``init_fn``'s result as (unboxed params, model state)."""
+    if isinstance(out, Variables):
+        return unbox(out.params), unbox(out.model_state)
+    return unbox(out), None
+
+
+def _plain_leaves(tree: Any) -> list[Leaf]:
+    """Leaves without logical names (a tree built without flax annotations): regex rules apply."""
+    return [
+        Leaf(path_str(p), tuple(x.shape), x.dtype, None) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    ]
+
+
+def _layout_of(state: TrainState) -> StateLayout:
+    if state.layout is None:
+        raise ValueError(
+            "this TrainState has no layout: build it with plan.init, plan.abstract_state or a checkpoint "
+            "restore, or place it with state = plan.reshard(state)."
+        )
+    return cast(StateLayout, state.layout)

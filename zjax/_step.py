@@ -11,12 +11,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from . import pipeline
+from ._layout import StateLayout
+from ._memory import MemoryReport, memory_report
 from ._state import MixedPrecisionState, TrainState
-from .sharding._batch import batch_shardings, check_batch
-from .stages._layout import Layout
+from .sharding._batch import check_batch
 
 if TYPE_CHECKING:
     from ._plan import Plan
@@ -37,54 +38,57 @@ def _split_microbatches(batch: Any, k: int) -> Any:
     return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
-def _takes_rng(fn: Callable) -> bool:
-    """Whether ``fn`` accepts an ``rng`` keyword (then the step passes it a fresh key)."""
+def _takes(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` accepts a ``name`` keyword (``rng``: a fresh key; ``model_state``: the model's state)."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
-    return "rng" in params
+    return name in params
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
 
 
 def _tree_where(pred: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.where(pred, n, o), new, old)
 
 
-class TrainStep:
-    """A compiled training step for one plan and loss function; call it as ``step(state, batch)``.
+def _layout_of(plan: Plan, state: TrainState, what: str) -> StateLayout:
+    """The state's layout, checked against the plan the step belongs to (it is never rebuilt here)."""
+    layout = getattr(state, "layout", None)
+    if not isinstance(state, TrainState):
+        raise TypeError(f"{what}: expected a zjax.TrainState (from plan.init), got {type(state).__name__}.")
+    if layout is None:
+        raise ValueError(
+            f"{what}: this TrainState has no layout; build it with plan.init, plan.abstract_state or a checkpoint "
+            "restore, or place it with state = plan.reshard(state)."
+        )
+    if layout.mesh != plan.mesh or layout.stage != plan.stage:
+        raise ValueError(
+            f"{what}: the state is laid out for ZeRO stage {layout.stage.level} on mesh {dict(layout.mesh.shape)}, "
+            f"but this step's plan is stage {plan.stage.level} on mesh {dict(plan.mesh.shape)}; call "
+            "state = plan.reshard(state) to move it into this plan's layout."
+        )
+    layout.check_structure(state)
+    return layout
 
-    ``loss_fn(params, batch)`` returns a scalar loss (a mean over the batch) or ``(loss, aux)``. A
-    ``loss_fn(params, batch, rng)`` also gets a fresh PRNG key per step and microbatch, split from
-    ``state.rng`` (dropout that resumes reproducibly from a checkpoint).
-    Returns the new state and metrics: ``loss``, ``grad_norm`` (unscaled, before clipping),
-    ``loss_scale``, ``skipped`` (non-finite gradients under loss scaling) and ``aux`` if given.
-    The input state is donated: do not use it after the call.
-    """
 
-    def __init__(self, plan: Plan, loss_fn: LossFn, accum_steps: int = 1):
-        if not callable(loss_fn):
-            raise TypeError(f"train_step: loss_fn must be callable, got {type(loss_fn).__name__}.")
-        if not isinstance(accum_steps, int) or isinstance(accum_steps, bool) or accum_steps < 1:
-            raise ValueError(f"train_step: accum_steps={accum_steps!r} must be an int >= 1.")
+def _mismatch(error: ValueError) -> bool:
+    """Whether jit rejected an argument's sharding (then the layout names the leaf)."""
+    text = str(error)
+    return "harding" in text and ("does not match" in text or "incompatible" in text or "devices" in text)
+
+
+class _CompiledFn:
+    """What the train and eval steps share: the plan's tracing context, one jit per layout, clear errors."""
+
+    what = "step"
+
+    def __init__(self, plan: Plan):
         self.plan = plan
-        self.loss_fn = loss_fn
-        self._takes_rng = _takes_rng(loss_fn)
-        self.accum_steps = accum_steps
         self._jitted: dict[Any, Any] = {}
-
-    def _jit(self, state: TrainState, batch: Any):
-        key = (jax.tree.structure(state), jax.tree.structure(batch))
-        if key not in self._jitted:
-            layout = self.plan.layout_of(state.params)
-            state_shardings = self.plan.state_shardings(state)
-            fn = jax.jit(
-                lambda s, b: self._step(layout, s, b),
-                in_shardings=(state_shardings, batch_shardings(batch, self.plan.mesh)),
-                out_shardings=(state_shardings, None),
-                donate_argnums=0,
-            )
-            self._jitted[key] = fn
-        return self._jitted[key]
 
     def _context(self):
         """The mesh and activation rules under which the loss is traced, so that
@@ -95,58 +99,195 @@ class TrainStep:
         stack.enter_context(pipeline.use(self.plan.pipeline))
         return stack
 
-    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        check_batch(batch, self.plan.mesh, self.accum_steps)
+    def _build(self, layout: StateLayout, state: TrainState, batch: Any) -> Any:
+        raise NotImplementedError
+
+    def _jit(self, state: TrainState, batch: Any):
+        key = (jax.tree.structure(state), jax.tree.structure(batch))
+        fn = self._jitted.get(key)
+        if fn is None:
+            fn = self._jitted[key] = self._build(_layout_of(self.plan, state, self.what), state, batch)
+        return fn
+
+    def _check(self, state: TrainState, batch: Any) -> None:
+        pass
+
+    def __call__(self, state: TrainState, batch: Any):
+        self._check(state, batch)
         with self._context():
-            return self._jit(state, batch)(state, batch)
+            fn = self._jit(state, batch)
+            try:
+                return fn(state, batch)
+            except ValueError as e:
+                if _mismatch(e):
+                    state.layout.check(state)  # names the leaf and the fix
+                raise
 
     def lower(self, state: TrainState, batch: Any):
         """``jax.jit(...).lower`` for concrete or abstract (``ShapeDtypeStruct``) state and batch."""
-        check_batch(batch, self.plan.mesh, self.accum_steps)
+        self._check(state, batch)
         with self._context():
             return self._jit(state, batch).lower(state, batch)
 
-    # -- the traced step ------------------------------------------------------------------------
 
-    def _grads(self, layout: Layout, params: Any, batch: Any, scale: jax.Array, rng: jax.Array):
-        """Mean loss, aux and gradients of ``loss * scale`` (summed over microbatches, fp32 if k > 1)."""
+class EvalStep(_CompiledFn):
+    """``eval(state, batch) -> fn(state.params, batch)`` jitted on the state's layout (no donation).
+
+    ``fn(params, batch)`` returns any pytree of metrics; a ``fn`` with a ``model_state`` parameter
+    also gets ``state.model_state``.
+    """
+
+    what = "eval_step"
+
+    def __init__(self, plan: Plan, fn: Callable[..., Any]):
+        if not callable(fn):
+            raise TypeError(f"eval_step: fn must be callable, got {type(fn).__name__}.")
+        super().__init__(plan)
+        self.fn = fn
+        self._takes_model_state = _takes(fn, "model_state")
+
+    def _build(self, layout: StateLayout, state: TrainState, batch: Any) -> Any:
+        specs = layout.state_specs(state.tx)
         mesh = self.plan.mesh
 
-        def scaled(p, b, i):
-            out = self.loss_fn(p, b, rng=jax.random.fold_in(rng, i)) if self._takes_rng else self.loss_fn(p, b)
+        def evaluate(params, model_state, b):
+            if self._takes_model_state:
+                return self.fn(params, b, model_state=model_state)
+            return self.fn(params, b)
+
+        jitted = jax.jit(
+            evaluate,
+            in_shardings=(
+                jax.tree.map(lambda s: NamedSharding(mesh, s), specs.params, is_leaf=_is_spec),
+                jax.tree.map(lambda s: NamedSharding(mesh, s), specs.model_state, is_leaf=_is_spec),
+                layout.batch_shardings(batch),
+            ),
+        )
+        return lambda s, b: jitted(s.params, s.model_state, b)
+
+    def _check(self, state: TrainState, batch: Any) -> None:
+        check_batch(batch, self.plan.mesh)
+
+    def lower(self, state: TrainState, batch: Any):
+        raise NotImplementedError("EvalStep.lower: compile the train step for ahead-of-time analysis.")
+
+
+class TrainStep(_CompiledFn):
+    """A compiled training step for one plan and loss function; call it as ``step(state, batch)``.
+
+    ``loss_fn(params, batch)`` returns a scalar loss (a mean over the batch) or ``(loss, aux)``. A
+    ``loss_fn(params, batch, rng)`` also gets a fresh PRNG key per step and microbatch, split from
+    ``state.rng`` (dropout that resumes reproducibly from a checkpoint). A
+    ``loss_fn(params, batch, model_state)`` gets the model's non-trainable state and returns
+    ``(loss, new_model_state)`` or ``((loss, aux), new_model_state)``.
+    Returns the new state and metrics: ``loss``, ``grad_norm`` (unscaled, before clipping),
+    ``loss_scale``, ``skipped`` (non-finite gradients under loss scaling) and ``aux`` if given.
+    The input state is donated: do not use it after the call.
+    """
+
+    what = "train_step"
+
+    def __init__(self, plan: Plan, loss_fn: LossFn, accum_steps: int = 1):
+        if not callable(loss_fn):
+            raise TypeError(f"train_step: loss_fn must be callable, got {type(loss_fn).__name__}.")
+        if not isinstance(accum_steps, int) or isinstance(accum_steps, bool) or accum_steps < 1:
+            raise ValueError(f"train_step: accum_steps={accum_steps!r} must be an int >= 1.")
+        super().__init__(plan)
+        self.loss_fn = loss_fn
+        self._takes_rng = _takes(loss_fn, "rng")
+        self._takes_model_state = _takes(loss_fn, "model_state")
+        self.accum_steps = accum_steps
+
+    def _build(self, layout: StateLayout, state: TrainState, batch: Any) -> Any:
+        if jax.tree.leaves(state.model_state) and not self._takes_model_state:
+            paths = ", ".join(leaf.path for leaf in layout.model_leaves[:4])
+            raise ValueError(
+                f"train_step: the state holds model state ({paths}, ...) but loss_fn takes no model_state "
+                "parameter; write loss_fn(params, batch, model_state) -> (loss, new_model_state)."
+            )
+        state_shardings = layout.state_shardings(state.tx)
+        return jax.jit(
+            lambda s, b: self._step(layout, s, b),
+            in_shardings=(state_shardings, layout.batch_shardings(batch)),
+            out_shardings=(state_shardings, None),
+            donate_argnums=0,
+        )
+
+    def _check(self, state: TrainState, batch: Any) -> None:
+        check_batch(batch, self.plan.mesh, self.accum_steps)
+
+    def memory_report(self, state: TrainState, batch: Any, compiled: Any = None) -> MemoryReport:
+        """Per-device memory of this step: ZeRO theory beside the compiled program's numbers.
+
+        Args:
+          state: the training state (concrete or from :meth:`zjax.Plan.abstract_state`).
+          batch: a batch (concrete or ``ShapeDtypeStruct``), global shape.
+          compiled: this step's compiled executable, if already at hand (skips compiling again).
+        """
+        return memory_report(self.plan, state, batch, self, compiled)
+
+    # -- the traced step ------------------------------------------------------------------------
+
+    def _grads(
+        self, layout: StateLayout, params: Any, model_state: Any, batch: Any, scale: jax.Array, rng: jax.Array
+    ):
+        """Mean loss, aux, gradients of ``loss * scale`` (summed over microbatches, fp32 if k > 1) and the
+        model state after the last microbatch (threaded through them in order; never differentiated)."""
+        mesh = self.plan.mesh
+
+        def scaled(p, ms, b, i):
+            kwargs: dict[str, Any] = {}
+            if self._takes_rng:
+                kwargs["rng"] = jax.random.fold_in(rng, i)
+            if self._takes_model_state:
+                kwargs["model_state"] = ms
+            out = self.loss_fn(p, b, **kwargs)
+            if self._takes_model_state:
+                if not (isinstance(out, tuple) and len(out) == 2):
+                    raise ValueError(
+                        "loss_fn with a model_state parameter must return (loss, new_model_state) or "
+                        f"((loss, aux), new_model_state), got {type(out).__name__}."
+                    )
+                out, ms = out
+                ms = _constrain(ms, layout.model_state_specs, mesh)
             loss, aux = out if isinstance(out, tuple) else (out, None)
             if jnp.ndim(loss) != 0:
                 raise ValueError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}.")
-            return loss.astype(jnp.float32) * scale, (loss.astype(jnp.float32), aux)
+            return loss.astype(jnp.float32) * scale, (loss.astype(jnp.float32), aux, ms)
 
         grad_fn = jax.grad(scaled, has_aux=True)
         k = self.accum_steps
         if k == 1:
             # Straight to the optimizer's layout: at stage 1 too the reduction is a reduce-scatter
             # (ZeRO's 2 psi per step); an all-reduce to full gradients would cost 3 psi with the gather.
-            grads, (loss, aux) = grad_fn(params, batch, 0)
-            return loss, aux, _constrain(grads, layout.master_specs, mesh)
+            grads, (loss, aux, model_state) = grad_fn(params, model_state, batch, 0)
+            return loss, aux, _constrain(grads, layout.master_specs, mesh), model_state
 
-        def body(acc, xs):
+        def body(carry, xs):
+            acc, ms = carry
             i, microbatch = xs
-            grads, (loss, aux) = grad_fn(params, microbatch, i)
+            grads, (loss, aux, ms) = grad_fn(params, ms, microbatch, i)
             grads = _constrain(grads, layout.grad_specs, mesh)
             acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
-            return _constrain(acc, layout.grad_specs, mesh), (loss, aux)
+            return (_constrain(acc, layout.grad_specs, mesh), ms), (loss, aux)
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        acc, (losses, auxes) = jax.lax.scan(
-            body, _constrain(zeros, layout.grad_specs, mesh), (jnp.arange(k), _split_microbatches(batch, k))
+        (acc, model_state), (losses, auxes) = jax.lax.scan(
+            body,
+            (_constrain(zeros, layout.grad_specs, mesh), model_state),
+            (jnp.arange(k), _split_microbatches(batch, k)),
         )
         aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
-        return jnp.mean(losses), aux, acc
+        return jnp.mean(losses), aux, acc, model_state
 
-    def _step(self, layout: Layout, state: TrainState, batch: Any):
+    def _step(self, layout: StateLayout, state: TrainState, batch: Any):
         plan, mesh = self.plan, self.plan.mesh
         precision = plan.precision
         scale = state.loss_scale.scale
         next_rng, step_rng = jax.random.split(state.rng)
-        loss, aux, grads = self._grads(layout, state.params, batch, scale, step_rng)
+        loss, aux, grads, model_state = self._grads(
+            layout, state.params, state.model_state, batch, scale, step_rng
+        )
 
         grads = _constrain(grads, layout.master_specs, mesh)
         inv = 1.0 / (scale * self.accum_steps)
@@ -184,9 +325,10 @@ class TrainStep:
             opt_state = MixedPrecisionState(None, inner)
 
         loss_scale = state.loss_scale
-        if skip_nonfinite:
+        if skip_nonfinite:  # a skipped step changes nothing but the loss scale (and the step count)
             params = _tree_where(finite, params, state.params)
             opt_state = _tree_where(finite, opt_state, state.opt_state)
+            model_state = _tree_where(finite, model_state, state.model_state)
         if precision.loss_scaling:
             loss_scale = plan.loss_scale.update(loss_scale, finite)
             skipped = ~finite
@@ -194,7 +336,12 @@ class TrainStep:
             skipped = jnp.zeros((), bool)
 
         new_state = state.replace(
-            step=state.step + 1, params=params, opt_state=opt_state, loss_scale=loss_scale, rng=next_rng
+            step=state.step + 1,
+            params=params,
+            opt_state=opt_state,
+            loss_scale=loss_scale,
+            rng=next_rng,
+            model_state=model_state,
         )
         metrics = {"loss": loss, "grad_norm": grad_norm, "loss_scale": scale, "skipped": skipped}
         if aux is not None:

@@ -155,7 +155,7 @@ def estimate_fn(
         state = plan.abstract_state(init_fn, tx, jax.random.key(0))
         step = plan.train_step(loss_fn, accum_steps=accum)
         compiled, hlo = partitioned_hlo(step.lower(state, batch))
-        report = plan.memory_report(state, batch, step, compiled=compiled)
+        report = step.memory_report(state, batch, compiled=compiled)
         psi = report.num_params
         comm = count_collectives(hlo, dict(device_mesh.shape))
         theory = {
