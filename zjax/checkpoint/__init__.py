@@ -2,3 +2,4 @@
 
 from ._checkpointer import Checkpointer as Checkpointer
 from ._checkpointer import plan_metadata as plan_metadata
+from ._checkpointer import RestoreError as RestoreError

@@ -9,6 +9,8 @@ or meshes.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import warnings
@@ -16,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
@@ -45,6 +48,10 @@ def plan_metadata(plan: Plan) -> dict[str, Any]:
 
 class _Mismatch(Exception):
     """The checkpoint holds different arrays than the plan's state: never pad or truncate silently."""
+
+
+class _CallerError(ValueError):
+    """The checkpoint is fine but does not fit the caller's plan or model (raised, never skipped)."""
 
 
 def _is_key(x: Any) -> bool:
@@ -206,64 +213,189 @@ class Checkpointer:
     ) -> tuple[TrainState, dict[str, Any]]:
         """Restore into ``plan``'s layout: ``(state, metadata)``.
 
-        Without ``step``, the newest step that restores cleanly: an incomplete or corrupt step is
-        skipped with a warning naming it, and the previous one is tried.
+        Without ``step``, the newest step that restores. A step is skipped (with a warning naming it) only
+        when it is provably incomplete or corrupt: a missing or unparsable commit or metadata file, or an
+        array file that is truncated, corrupt or missing. Anything else (an I/O error, out of memory, a
+        bug) is raised at once, naming the step: it says nothing about the checkpoint, so zjax does not
+        fall back past a good step. With several processes all of them try the same steps (process 0's
+        list) and agree after each: they restore the same step or fail together.
 
         Raises:
-          FileNotFoundError: if there is no (restorable) step.
-          ValueError: if the checkpoint's precision differs from the plan's (the state trees differ).
+          FileNotFoundError: if there is no step, or every step is damaged.
+          RestoreError: reading a step failed for another reason (``__cause__`` holds the original error).
+          ValueError: if the checkpoint's precision or array shapes differ from the plan's state.
         """
         typed = plan.abstract_state(init_fn, tx, rng)
         target = _keys_to_data(typed)  # typed PRNG keys are saved as their raw key data
-        candidates = [step] if step is not None else sorted(self._manager.all_steps(), reverse=True)
+        candidates = _agreed_steps([step] if step is not None else self.steps()[::-1])
         if not candidates:
             raise FileNotFoundError(f"No checkpoint steps in {self.directory}.")
-        errors: list[tuple[int, Exception]] = []
+        damaged: list[tuple[int, str]] = []
         for candidate in candidates:
-            try:
-                meta = self.metadata(candidate)
-            except Exception as e:  # noqa: BLE001 - an empty or unreadable step: fall back to the previous one
-                errors.append((candidate, e))
+            outcome = _agree(self._try_restore(candidate, plan, target), candidate, self.directory)
+            if isinstance(outcome, _Damaged):
+                damaged.append((candidate, outcome.reason))
                 continue
+            restored, meta = outcome
+            for bad, why in damaged:
+                warnings.warn(f"zjax: skipped damaged checkpoint step {bad} in {self.directory}: {why}", stacklevel=2)
+            changed = {k: (meta.get(k), v) for k, v in plan_metadata(plan).items() if k in ("stage", "mesh")}
+            changed = {k: v for k, v in changed.items() if v[0] != v[1]}
+            if changed:
+                log.warning(
+                    "zjax: restored step %d with a different plan: %s",
+                    candidate,
+                    ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()),
+                )
+            state = _data_to_keys(restored[STATE], typed, jax.random.key_impl(rng))
+            return state.replace(layout=typed.layout), meta
+        detail = "; ".join(f"step {s}: {why}" for s, why in damaged)
+        raise FileNotFoundError(
+            f"No restorable checkpoint step in {self.directory}: every step is damaged ({detail}). Nothing was "
+            "deleted; move the directory aside to start fresh."
+        )
+
+    def _try_restore(self, step: int, plan: Plan, target: Any) -> Any:
+        """``(restored, meta)``, a :class:`_Damaged` verdict, or a :class:`_Failed` (error kept to re-raise)."""
+        where = os.path.join(self.directory, str(step))
+        try:
+            reason = _incomplete(where)
+            if reason is not None:
+                return _Damaged(reason)
+            meta = self.metadata(step)
             if meta.get("precision") != plan.precision.name:
-                raise ValueError(
-                    f"checkpoint step {candidate} was saved with precision {meta.get('precision')!r}; this plan "
-                    f"uses {plan.precision.name!r}. Restore with a plan of the same precision."
-                )
-            try:
-                # A different model is the caller's error (never padded or truncated): checked before
-                # reading any array. Anything else that fails is a damaged step: fall back.
-                _check_shapes(candidate, self.array_metadata(candidate), target)
-                restored = self._manager.restore(
-                    candidate, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target)})
-                )
-            except _Mismatch as mismatch:
-                raise ValueError(str(mismatch)) from None
-            except Exception as e:  # noqa: BLE001
-                errors.append((candidate, e))
-            else:
-                for bad, err in errors:
-                    warnings.warn(f"zjax: skipped checkpoint step {bad} in {self.directory}: {err}", stacklevel=2)
-                changed = {k: (meta.get(k), v) for k, v in plan_metadata(plan).items() if k in ("stage", "mesh")}
-                changed = {k: v for k, v in changed.items() if v[0] != v[1]}
-                if changed:
-                    log.warning(
-                        "zjax: restored step %d with a different plan: %s",
-                        candidate,
-                        ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()),
+                return _Failed(
+                    _CallerError(
+                        f"checkpoint step {step} was saved with precision {meta.get('precision')!r}; this plan "
+                        f"uses {plan.precision.name!r}. Restore with a plan of the same precision."
                     )
-                return _data_to_keys(restored[STATE], typed, jax.random.key_impl(rng)), meta
-        detail = "; ".join(f"step {s}: {type(e).__name__}: {e}" for s, e in errors)
-        raise FileNotFoundError(f"No restorable checkpoint step in {self.directory} ({detail}).")
+                )
+            # A different model is the caller's error (never padded or truncated): checked before reading arrays.
+            _check_shapes(step, self.array_metadata(step), target)
+            restored = self._manager.restore(step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target)}))
+        except _Mismatch as mismatch:
+            return _Failed(_CallerError(str(mismatch)))
+        except Exception as e:  # noqa: BLE001 - classified: damage falls back, everything else is raised
+            reason = _damage(e, where)
+            return _Damaged(reason) if reason is not None else _Failed(e)
+        return restored, meta
 
     def restore_or_init(
         self, plan: Plan, init_fn: Callable[[jax.Array], Any], tx: Any, rng: jax.Array
     ) -> tuple[TrainState, dict[str, Any] | None]:
-        """The newest restorable step, or a fresh ``plan.init`` when there is none."""
-        if not self._manager.all_steps():
+        """The newest restorable step, or a fresh ``plan.init`` **only** when the directory has no steps.
+
+        If steps exist and none restores, or reading one fails for a reason other than damage, this
+        raises (see :meth:`restore`) and deletes nothing: a run never silently starts over.
+        """
+        if not _agreed_steps(self.steps()):
             return plan.init(init_fn, tx, rng), None
+        return self.restore(plan, init_fn, tx, rng)
+
+
+class RestoreError(RuntimeError):
+    """Reading a checkpoint step failed for a reason that is not damage to the step (I/O, memory, a bug).
+
+    Attributes:
+      step: the step that was being read.
+      path: its directory.
+    """
+
+    def __init__(self, message: str, step: int, path: str):
+        super().__init__(message)
+        self.step = step
+        self.path = path
+
+
+@dataclasses.dataclass(frozen=True)
+class _Damaged:
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failed:
+    error: BaseException
+
+
+# tensorstore reports a short or garbled file with these absl status codes (a transient error is UNAVAILABLE,
+# UNKNOWN, RESOURCE_EXHAUSTED, ... and is never taken for damage)
+_DAMAGE_CODES = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND")
+_REQUIRED = (
+    ("_CHECKPOINT_METADATA",),  # written when the step is committed
+    (STATE, "_METADATA"),
+    (META, "metadata"),
+)
+
+
+def _incomplete(step_dir: str) -> str | None:
+    """Why ``step_dir`` is provably incomplete (a missing or unparsable commit/metadata file), or ``None``.
+
+    Other ``OSError`` s (permissions, I/O) propagate: they say nothing about the step.
+    """
+    for parts in _REQUIRED:
+        path = os.path.join(step_dir, *parts)
         try:
-            return self.restore(plan, init_fn, tx, rng)
-        except FileNotFoundError as e:
-            warnings.warn(f"zjax: starting fresh: {e}", stacklevel=2)
-            return plan.init(init_fn, tx, rng), None
+            with open(path, "rb") as f:
+                json.loads(f.read())
+        except FileNotFoundError:
+            return f"{os.path.join(*parts)} is missing (the write never finished)"
+        except (ValueError, UnicodeDecodeError):
+            return f"{os.path.join(*parts)} is not valid JSON (a write cut short)"
+    return None
+
+
+def _damage(error: BaseException, step_dir: str) -> str | None:
+    """Why ``error`` proves the step's files damaged (a truncated, corrupt or missing array file), or ``None``."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e)
+        if step_dir in text and any(text.lstrip().startswith(code) or f"{code}:" in text for code in _DAMAGE_CODES):
+            return text.split("[tensorstore_spec", 1)[0].strip()[:400]
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _agreed_steps(steps: list[int]) -> list[int]:
+    """Process 0's list of steps, on every process (each could list a directory at a different moment)."""
+    if jax.process_count() == 1:
+        return list(steps)
+    n = int(multihost_utils.broadcast_one_to_all(np.int64(len(steps))))
+    if n == 0:
+        return []
+    mine = np.zeros((n,), np.int64)
+    mine[: min(n, len(steps))] = steps[:n]
+    return [int(s) for s in multihost_utils.broadcast_one_to_all(mine)]
+
+
+def _agree(outcome: Any, step: int, directory: str) -> Any:
+    """Make every process act alike on ``step``: all use it, all skip it as damaged, or all raise."""
+    verdict = 2 if isinstance(outcome, _Failed) else 1 if isinstance(outcome, _Damaged) else 0
+    if jax.process_count() > 1:
+        verdicts = np.asarray(multihost_utils.process_allgather(np.int32(verdict)))
+        worst = int(verdicts.max())
+        if worst == 1 and verdict == 0:
+            culprits = [int(i) for i in np.flatnonzero(verdicts == 1)]
+            outcome = _Damaged(f"damaged as read by process(es) {culprits}")
+        elif worst == 2 and verdict != 2:
+            culprits = [int(i) for i in np.flatnonzero(verdicts == 2)]
+            raise RestoreError(
+                f"checkpoint step {step} in {directory}: process(es) {culprits} failed to read it (see their "
+                "logs); every process stops rather than restore different steps.",
+                step,
+                os.path.join(directory, str(step)),
+            )
+    if isinstance(outcome, _Failed):
+        error = outcome.error
+        if isinstance(error, _CallerError):
+            raise error
+        raise RestoreError(
+            f"reading checkpoint step {step} in {os.path.join(directory, str(step))} failed with "
+            f"{type(error).__name__}: {error}. This is not damage to the step, so nothing was skipped or deleted; "
+            "fix the cause and restore again.",
+            step,
+            os.path.join(directory, str(step)),
+        ) from error
+    return outcome
+

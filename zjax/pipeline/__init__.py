@@ -11,5 +11,4 @@ from ._config import Pipeline as Pipeline
 from ._engine import ITERATION_INPUT as ITERATION_INPUT
 from ._engine import apply as apply
 from ._engine import current as current
-from ._engine import layer_order as layer_order
 from ._engine import use as use

@@ -2,9 +2,14 @@
 
 Design (measured on CPU, see the README's pipeline section):
 
-- Layer weights ``[L, ...]`` are sharded over ``pp`` on their leading dim and read as
-  ``[S, R, Lps, ...]``: stage ``s`` holds stored layers ``s*R*Lps ... (s+1)*R*Lps - 1`` and applies
-  chunk ``r`` on its ``r``-th visit (:func:`layer_order` gives the resulting sequential order).
+- Layer weights ``[L, ...]`` are stored in their natural order (what the model, checkpoints and
+  Hugging Face files see) and sharded over ``pp`` on their leading dim. They are read as
+  ``[R, S, Lps, ...]``: on its ``r``-th visit stage ``s`` applies layers ``(r*S + s)*Lps ...``, so every
+  schedule computes the same function as the unpipelined model. With GPipe (R = 1) that view is each
+  stage's own contiguous block (no data moves); with the circular schedule (R > 1) a stage's chunks
+  are strided in storage, so XLA exchanges ``(S-1)/S`` of the layer weights over ``pp`` once per step
+  (an all-to-all, and its transpose for the gradients): the price of a layout that does not depend on
+  the schedule.
 - The pipeline runs inside a ``shard_map`` that is manual over the data axes only, with one copy of
   the weights per data-parallel rank: their gradient is reduced over data parallelism once, at the
   region's boundary, instead of once per layer per iteration inside the loop (XLA cannot hoist
@@ -56,16 +61,6 @@ def use(pipeline: Pipeline | None) -> Iterator[None]:
 def current() -> Pipeline | None:
     """The schedule set by :func:`use` (the plan's, while its step traces the loss), or ``None``."""
     return _CURRENT.get()
-
-
-def layer_order(layers: int, stages: int, repeats: int) -> list[int]:
-    """The stored layer indices in the order the pipeline applies them.
-
-    Stage-major storage: with R = 1 this is ``0 .. L-1``; with R > 1 every stage's R chunks are
-    contiguous in storage but applied in the rounds ``r = 0 .. R-1``.
-    """
-    lps = layers // (stages * repeats)
-    return [s * repeats * lps + r * lps + j for r in range(repeats) for s in range(stages) for j in range(lps)]
 
 
 def _mesh_sizes() -> dict[str, int]:
@@ -160,7 +155,7 @@ def apply(
       stage_fn: ``stage_fn(stage_layers, h) -> h`` applies one stage's layers (leaves ``[Lps, ...]``)
         to a microbatch ``h[mb, ...]``; output shape and dtype equal the input's (a residual stream).
       layers: a pytree of layer weights stacked ``[L, ...]``, dim 0 sharded over ``pp`` (the logical
-        name ``layers``; see :func:`layer_order` for the order in which they are applied).
+        name ``layers``), applied in their natural order ``0 .. L-1`` whatever the schedule.
       x: the global batch of activations ``[B, ...]``, split over the data axes.
       pipeline: the schedule; by default the plan's (:func:`current`).
 
@@ -195,9 +190,15 @@ def apply(
             f"microbatches ({cfg.microbatches}); use a multiple of {ranks * cfg.microbatches}."
         )
     lps = count // (stages * cfg.repeats)
-    stacked = jax.tree.map(
-        lambda w: w.reshape(stages, cfg.repeats, lps, *w.shape[1:]).swapaxes(0, 1), layers
-    )  # [R, S, Lps, ...], S still over pp
+
+    def by_visit(w: jax.Array) -> jax.Array:
+        # natural order [L, ...] -> [R, S, Lps, ...]: layer (r*S + s)*Lps + j is stage s's j-th on visit r
+        w = w.reshape(cfg.repeats, stages, lps, *w.shape[1:])
+        if cfg.repeats == 1:
+            return w  # each stage's contiguous block: S stays over pp, nothing moves
+        return jax.lax.with_sharding_constraint(w, P(None, PP, *([P.UNCONSTRAINED] * (w.ndim - 2))))
+
+    stacked = jax.tree.map(by_visit, layers)
     x = jax.lax.with_sharding_constraint(x, P((*data, PP)))
     s_, k_, rest = stages, cfg.microbatches // stages, x.shape[1:]
     # The data axes over which the weights are whole on every rank get the manual region below; with
