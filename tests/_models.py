@@ -123,3 +123,64 @@ def rel_norm_diff(a, b) -> float:
     num = np.sqrt(sum(np.sum((x - y) ** 2) for x, y in zip(la, lb, strict=True)))
     den = np.sqrt(sum(np.sum(y**2) for y in lb))
     return float(num / den)
+
+
+class LinenCNN(nn.Module):
+    """Conv + BatchNorm + Dropout: a linen model with a mutable collection (batch_stats) and dropout."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.Conv(8, (3, 3))(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+        x = nn.Dropout(0.25, deterministic=not train)(nn.relu(x))
+        return nn.Dense(8)(x.mean(axis=(1, 2)))
+
+
+def cnn_task():
+    """init_fn -> zjax.Variables (params + batch_stats); loss_fn(params, batch, model_state, rng)."""
+    model = LinenCNN()
+
+    def init_fn(rng):
+        return zjax.Variables.linen(model.init(rng, jnp.zeros((1, 8, 8, 3)), train=False))
+
+    def loss_fn(params, batch, model_state, rng):
+        logits, updates = model.apply(
+            {"params": params, **model_state}, batch["x"], rngs={"dropout": rng}, mutable=["batch_stats"]
+        )
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["y"]).mean()
+        return loss, updates
+
+    return init_fn, loss_fn
+
+
+def image_batch(n: int = 32, seed: int = 0) -> dict[str, np.ndarray]:
+    rs = np.random.RandomState(seed)
+    return {"x": rs.randn(n, 8, 8, 3).astype(np.float32), "y": rs.randint(0, 8, (n,)).astype(np.int32)}
+
+
+class NnxNormDrop(nnx.Module):
+    """Linear + BatchNorm + Dropout in nnx: BatchNorm statistics and the dropout RNG are not nnx.Param."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.up = nnx.Linear(32, 64, rngs=rngs)
+        self.norm = nnx.BatchNorm(64, momentum=0.9, rngs=rngs)
+        self.drop = nnx.Dropout(0.25, rngs=rngs)
+        self.down = nnx.Linear(64, 32, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(self.drop(nnx.relu(self.norm(self.up(x)))))
+
+
+def nnx_norm_drop_task():
+    """The README's nnx recipe for a module with model state."""
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: NnxNormDrop(nnx.Rngs(0))))
+
+    def init_fn(rng):
+        return zjax.Variables.nnx(NnxNormDrop(nnx.Rngs(rng)))
+
+    def loss_fn(params, batch, model_state):
+        model = nnx.merge(graphdef, params, model_state)
+        loss = mse(model(batch["x"]), batch["y"])
+        return loss, nnx.state(model, nnx.Not(nnx.Param))
+
+    return init_fn, loss_fn

@@ -31,7 +31,8 @@ LABELS = {
 
 def _itemsize(x: Any) -> int:
     """Bytes per element as jax stores it (a float64 numpy batch becomes float32 without x64)."""
-    return np.dtype(jax.dtypes.canonicalize_dtype(np.result_type(x))).itemsize
+    dtype = getattr(x, "dtype", None)
+    return np.dtype(jax.dtypes.canonicalize_dtype(np.result_type(x) if dtype is None else dtype)).itemsize
 
 
 def _nbytes(x: Any) -> int:

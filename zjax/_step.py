@@ -240,7 +240,8 @@ class TrainStep(_CompiledFn):
             if self._takes_rng:
                 kwargs["rng"] = jax.random.fold_in(rng, i)
             if self._takes_model_state:
-                kwargs["model_state"] = ms
+                # rebuilt inside the differentiated trace: nnx refuses to mutate variables made outside it
+                kwargs["model_state"] = jax.tree.map(lambda x: x, ms)
             out = self.loss_fn(p, b, **kwargs)
             if self._takes_model_state:
                 if not (isinstance(out, tuple) and len(out) == 2):
