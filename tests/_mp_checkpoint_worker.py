@@ -2,6 +2,7 @@
 
 Run by tests/test_checkpoint.py: ``python -m tests._mp_checkpoint_worker PID PORT DIR save|restore|killsave``.
 ``killsave`` saves step 1, then starts saving a large step 2 and prints ``SAVING``; the test kills a process.
+``save2`` saves steps 1 and 2 (stage 3, dp=8); ``restore_same`` restores into that layout and prints the step.
 """
 
 import sys
@@ -46,7 +47,26 @@ if mode == "killsave":
     ckpt.save(at(2), plan)
     time.sleep(120)
     sys.exit(0)
-if mode == "save":
+if mode == "save2":
+    plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, precision="bf16")
+    state = plan.init(init_fn, tx, jax.random.key(0))
+    step = plan.train_step(loss_fn)
+    full = regression_batch(32)
+    local = {k: v[pid * 16 : (pid + 1) * 16] for k, v in full.items()}
+    with zjax.Checkpointer(directory) as ckpt:
+        for _ in range(2):
+            state, _ = step(state, plan.shard_batch(local))
+            ckpt.save(state, plan)
+            ckpt.wait()
+            if int(state.step) == 1:
+                host = multihost_utils.process_allgather(state.params, tiled=True)
+elif mode == "restore_same":
+    plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, precision="bf16")
+    with zjax.Checkpointer(directory) as ckpt:
+        state, meta = ckpt.restore(plan, init_fn, tx, jax.random.key(0))
+    print("RESTORED", pid, meta["step"], flush=True)
+    host = multihost_utils.process_allgather(state.params, tiled=True)
+elif mode == "save":
     plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, precision="bf16")
     state = plan.init(init_fn, tx, jax.random.key(0))
     full = regression_batch(32)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 
 import zjax
@@ -133,7 +134,7 @@ def test_fallback_past_an_empty_step_directory(tmp_path):
         warnings.simplefilter("always")
         restored, meta = ckpt.restore(plan, linen_mlp_task()[0], tx, jax.random.key(0))
     assert meta["step"] == 1
-    assert any("skipped checkpoint step 7" in str(w.message) for w in caught)
+    assert any("skipped damaged checkpoint step 7" in str(w.message) for w in caught)
     assert_bitwise(restored, want)
 
 
@@ -212,7 +213,7 @@ def test_fallback_past_a_truncated_step(tmp_path):
         warnings.simplefilter("always")
         restored, meta = ckpt.restore(plan, init_fn, tx, jax.random.key(0))
     assert meta["step"] == 1
-    assert any("skipped checkpoint step 2" in str(w.message) for w in caught)
+    assert any("skipped damaged checkpoint step 2" in str(w.message) and "OUT_OF_RANGE" in str(w.message) for w in caught)
     assert_bitwise(restored, want)
     import gc
 
@@ -351,7 +352,7 @@ def test_sigterm_saves_the_agreed_step_and_exits_cleanly(tmp_path):
     _assert_resumes(ckpt, step)
 
 
-def _two_processes(directory: Path, mode: str) -> None:
+def _two_processes(directory: Path, mode: str) -> list[str]:
     port = str(free_port())
     procs = [
         subprocess.Popen(
@@ -366,6 +367,7 @@ def _two_processes(directory: Path, mode: str) -> None:
     outs = [p.communicate(timeout=180)[0] for p in procs]
     for pid, (p, out) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0 and f"OK {pid} 2 8" in out, out[-3000:]
+    return outs
 
 
 @pytest.mark.slow
@@ -546,3 +548,67 @@ def test_save_returns_before_the_write_ends(tmp_path):
         assert ckpt.saving()
         ckpt.wait()
         assert not ckpt.saving() and ckpt.steps() == [0]
+
+
+def test_a_transient_read_error_is_raised_and_deletes_nothing(tmp_path, monkeypatch):
+    """An OSError while reading the newest step is not damage: restore_or_init raises (never starts over
+    at step 0), every step stays on disk, and the next call restores the newest step."""
+    plan, state, tx = trained_state(1)
+    init_fn = linen_mlp_task()[0]
+    with zjax.Checkpointer(tmp_path, max_to_keep=3) as ckpt:
+        ckpt.save(state, plan)
+        ckpt.save(state.replace(step=state.step + 4), plan)
+    real = ocp.CheckpointManager.restore
+    calls = []
+
+    def flaky(self, step, *args, **kwargs):  # the first read of the arrays fails once, as a flaky disk would
+        if not calls and "state" in list(kwargs["args"].keys()):
+            calls.append(step)
+            raise OSError(5, "Input/output error (injected)")
+        return real(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", flaky)
+    with zjax.Checkpointer(tmp_path, max_to_keep=3) as ckpt:
+        with pytest.raises(zjax.checkpoint.RestoreError, match=r"step 5 .* failed with OSError.*nothing was skipped") as err:
+            ckpt.restore_or_init(plan, init_fn, tx, jax.random.key(0))
+        assert isinstance(err.value.__cause__, OSError) and err.value.step == 5
+        assert ckpt.steps() == [1, 5]
+        restored, meta = ckpt.restore_or_init(plan, init_fn, tx, jax.random.key(0))
+    assert calls == [5] and meta["step"] == 5 and int(restored.step) == 5
+
+
+def test_every_step_damaged_raises_and_deletes_nothing(tmp_path):
+    plan, state, tx = trained_state(1)
+    with zjax.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(state, plan)
+    os.remove(tmp_path / "1" / "_CHECKPOINT_METADATA")  # the commit never finished
+    os.makedirs(tmp_path / "3")
+    with zjax.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(FileNotFoundError, match=r"every step is damaged .*step 3: .*missing.*step 1: .*Nothing was deleted"):
+            ckpt.restore_or_init(plan, linen_mlp_task()[0], tx, jax.random.key(0))
+        assert ckpt.steps() == [1, 3]
+
+
+def test_a_fresh_directory_starts_from_init(tmp_path):
+    plan, _, tx = trained_state(0)
+    with zjax.Checkpointer(tmp_path / "new") as ckpt:
+        state, meta = ckpt.restore_or_init(plan, linen_mlp_task()[0], tx, jax.random.key(0))
+    assert meta is None and int(state.step) == 0 and state.layout is not None
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_two_processes_a_step_damaged_for_one_process_both_restore_the_older_step(tmp_path):
+    """Step 2's array files written by process 1 are cut short: only process 1's reads fail. Both processes
+    agree to skip it and restore step 1 (the same step, bitwise)."""
+    directory = tmp_path / "ckpt"
+    _two_processes(directory, "save2")
+    files = [p for p in (directory / "2" / "state" / "ocdbt.process_1").rglob("*") if p.is_file() and "/d/" in str(p)]
+    assert files
+    for f in files:
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    outs = _two_processes(directory, "restore_same")
+    assert all(f"RESTORED {pid} 1" in out for pid, out in enumerate(outs)), outs
+    saved = np.load(f"{directory}.save2.npz")
+    restored = np.load(f"{directory}.restore_same.npz")
+    assert all(np.array_equal(saved[f], restored[f]) for f in saved.files)

@@ -121,7 +121,7 @@ class Checkpointer:
         self.preempted = False
         self._manager = ocp.CheckpointManager(
             self.directory,
-            item_handlers={STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()},
+            item_handlers={STATE: _GuardedHandler(), META: ocp.JsonCheckpointHandler()},
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
         )
 
@@ -161,7 +161,7 @@ class Checkpointer:
             self._manager.save(
                 step,
                 args=ocp.args.Composite(
-                    **{STATE: ocp.args.StandardSave(_keys_to_data(state)), META: ocp.args.JsonSave(meta)}
+                    **{STATE: _Save(_keys_to_data(state)), META: ocp.args.JsonSave(meta)}
                 ),
                 force=force,
             )
@@ -272,7 +272,9 @@ class Checkpointer:
                 )
             # A different model is the caller's error (never padded or truncated): checked before reading arrays.
             _check_shapes(step, self.array_metadata(step), target)
-            restored = self._manager.restore(step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target)}))
+            restored = self._manager.restore(step, args=ocp.args.Composite(**{STATE: _Restore(target)}))
+            if isinstance(restored[STATE], _ReadFailure):
+                raise restored[STATE].error
         except _Mismatch as mismatch:
             return _Failed(_CallerError(str(mismatch)))
         except Exception as e:  # noqa: BLE001 - classified: damage falls back, everything else is raised
@@ -305,6 +307,38 @@ class RestoreError(RuntimeError):
         super().__init__(message)
         self.step = step
         self.path = path
+
+
+@dataclasses.dataclass(frozen=True)
+class _ReadFailure:
+    error: BaseException
+
+
+class _GuardedHandler(ocp.StandardCheckpointHandler):
+    """Orbax's handler, except that a failed read is returned, not raised.
+
+    orbax ends every restore with a barrier across processes; a process whose read raised would skip it and
+    leave the others waiting. Returning the failure lets every process pass the barrier, after which they
+    agree on what to do with the step (:func:`_agree`).
+    """
+
+    def restore(self, directory: Any, args: Any = None) -> Any:
+        try:
+            return super().restore(directory, args=args)
+        except Exception as e:  # noqa: BLE001 - re-raised by Checkpointer._try_restore, after the barrier
+            return _ReadFailure(e)
+
+
+@ocp.args.register_with_handler(_GuardedHandler, for_save=True)
+@dataclasses.dataclass
+class _Save(ocp.args.StandardSave):
+    """``StandardSave`` for :class:`_GuardedHandler` (the same files on disk)."""
+
+
+@ocp.args.register_with_handler(_GuardedHandler, for_restore=True)
+@dataclasses.dataclass
+class _Restore(ocp.args.StandardRestore):
+    """``StandardRestore`` for :class:`_GuardedHandler`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,10 +426,15 @@ def _agree(outcome: Any, step: int, directory: str) -> Any:
             raise error
         raise RestoreError(
             f"reading checkpoint step {step} in {os.path.join(directory, str(step))} failed with "
-            f"{type(error).__name__}: {error}. This is not damage to the step, so nothing was skipped or deleted; "
+            f"{type(error).__name__}: {_clip(error)}. This is not damage to the step, so nothing was skipped or deleted; "
             "fix the cause and restore again.",
             step,
             os.path.join(directory, str(step)),
         ) from error
     return outcome
 
+
+
+def _clip(error: BaseException, limit: int = 600) -> str:
+    text = str(error).split("[tensorstore_spec", 1)[0].strip()
+    return text if len(text) <= limit else text[: limit - 3] + "..."
