@@ -68,6 +68,13 @@ def measure(
         "temp_bytes": memory.temp_size_in_bytes,
         "dp_gather_bytes": dp_bytes(("all-gather",)),
         "dp_reduce_bytes": dp_bytes(("all-reduce", "reduce-scatter")),
+        # weights (and their gradients) exchanged over pp, outside the loop's stage-to-stage permutes: the
+        # circular schedule's view of naturally ordered layers as [R, S, Lps]
+        "pp_exchange_bytes": sum(
+            c.volume * c.trips
+            for c in ops
+            if c.kind != "collective-permute" and "pp" in spanned_axes(c.groups, shape)
+        ),
         "compile_seconds": round(seconds, 2),
     }
 
@@ -86,7 +93,7 @@ def main() -> None:
             rows.append(measure({"dp": 2, "pp": 4}, 3, zjax.Pipeline(m, repeats=r, zero3_gather=gather), 32, 8))
     print(f"decoder {CFG.layers} layers, {CFG.num_params:,} params, bf16 + AdamW")
     head = f"{'batch':<7}{'mesh':<12}{'zero':>7}  {'schedule':<18}{'bubble':>7}{'permutes':>9}"
-    print(head + f"{'args KiB':>10}{'temp KiB':>10}{'AG dp KiB':>10}{'RED dp KiB':>11}{'compile':>9}")
+    print(head + f"{'args KiB':>10}{'temp KiB':>10}{'AG dp KiB':>10}{'RED dp KiB':>11}{'pp xchg KiB':>12}{'compile':>9}")
     for r in rows:
         mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items())
         zero = f"{r['zero_stage']}" + (f"/{r['zero3_gather']}" if r["zero3_gather"] else "")
@@ -94,7 +101,8 @@ def main() -> None:
             f"{'x'.join(map(str, r['batch'])):<7}{mesh:<12}{zero:>7}  {r['schedule']:<18}{r['bubble']:>7.3f}"
             f"{r['loop_permutes_fwd_plus_bwd']:>9}"
             f"{r['argument_bytes'] / 1024:>10.1f}{r['temp_bytes'] / 1024:>10.1f}"
-            f"{r['dp_gather_bytes'] / 1024:>10.1f}{r['dp_reduce_bytes'] / 1024:>11.1f}{r['compile_seconds']:>8.1f}s"
+            f"{r['dp_gather_bytes'] / 1024:>10.1f}{r['dp_reduce_bytes'] / 1024:>11.1f}"
+            f"{r['pp_exchange_bytes'] / 1024:>12.1f}{r['compile_seconds']:>8.1f}s"
         )
     if args.json is not None:
         zjax.write_json_atomic(args.json, {"model": CFG.__dict__, "rows": rows})

@@ -121,18 +121,28 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     import os
 
-    if args.processes > 1 and not os.environ.get("ZJAX_EXAMPLE_CHILD"):
-        raise SystemExit(_relaunch(argv, args.processes, args.cpu_devices))
-
     import jax
 
     import zjax
 
-    if args.processes > 1:  # one of the launched processes: join the job first
-        zjax.distributed.initialize()
+    # A job started by a cluster (srun, mpirun, a Kubernetes Indexed Job, ZJAX_* variables) is joined as it
+    # is; --processes N relaunches this script locally only when no cluster is detected.
+    cluster = zjax.distributed.detect(os.environ)
+    if args.processes > 1 and cluster.num_processes == 1 and not os.environ.get("ZJAX_EXAMPLE_CHILD"):
+        raise SystemExit(_relaunch(argv, args.processes, args.cpu_devices))
+    if cluster.num_processes > 1:  # join the job first, before anything starts a backend
+        if args.cpu_devices % cluster.num_processes:
+            raise SystemExit(f"--cpu-devices {args.cpu_devices} must divide among {cluster.num_processes} processes")
+        # simulated CPU devices per process (a GPU job drives its GPUs; this only sizes the CPU backend)
+        per_process = None if os.environ.get("ZJAX_CPU_DEVICES") else args.cpu_devices // cluster.num_processes
+        joined = zjax.distributed.initialize(cpu_devices=per_process)
+        print(
+            f"joined a {joined.num_processes}-process job ({joined.source}) as process {joined.process_id}",
+            flush=True,
+        )
     else:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # must precede backend start
-    if args.preemptible and args.processes == 1:
+    if args.preemptible and cluster.num_processes == 1:
         if args.checkpoint_dir is None:
             raise SystemExit("--preemptible needs --checkpoint-dir")
         port = zjax.distributed.free_port()  # the coordinator of a one-process job

@@ -213,7 +213,9 @@ def test_fallback_past_a_truncated_step(tmp_path):
         warnings.simplefilter("always")
         restored, meta = ckpt.restore(plan, init_fn, tx, jax.random.key(0))
     assert meta["step"] == 1
-    assert any("skipped damaged checkpoint step 2" in str(w.message) and "OUT_OF_RANGE" in str(w.message) for w in caught)
+    assert any(
+        "skipped damaged checkpoint step 2" in str(w.message) and "OUT_OF_RANGE" in str(w.message) for w in caught
+    )
     assert_bitwise(restored, want)
     import gc
 
@@ -569,7 +571,9 @@ def test_a_transient_read_error_is_raised_and_deletes_nothing(tmp_path, monkeypa
 
     monkeypatch.setattr(ocp.CheckpointManager, "restore", flaky)
     with zjax.Checkpointer(tmp_path, max_to_keep=3) as ckpt:
-        with pytest.raises(zjax.checkpoint.RestoreError, match=r"step 5 .* failed with OSError.*nothing was skipped") as err:
+        with pytest.raises(
+            zjax.checkpoint.RestoreError, match=r"step 5 .* failed with OSError.*nothing was skipped"
+        ) as err:
             ckpt.restore_or_init(plan, init_fn, tx, jax.random.key(0))
         assert isinstance(err.value.__cause__, OSError) and err.value.step == 5
         assert ckpt.steps() == [1, 5]
@@ -584,7 +588,9 @@ def test_every_step_damaged_raises_and_deletes_nothing(tmp_path):
     os.remove(tmp_path / "1" / "_CHECKPOINT_METADATA")  # the commit never finished
     os.makedirs(tmp_path / "3")
     with zjax.Checkpointer(tmp_path) as ckpt:
-        with pytest.raises(FileNotFoundError, match=r"every step is damaged .*step 3: .*missing.*step 1: .*Nothing was deleted"):
+        with pytest.raises(
+            FileNotFoundError, match=r"every step is damaged .*step 3: .*missing.*step 1: .*Nothing was deleted"
+        ):
             ckpt.restore_or_init(plan, linen_mlp_task()[0], tx, jax.random.key(0))
         assert ckpt.steps() == [1, 3]
 

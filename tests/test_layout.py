@@ -36,7 +36,9 @@ def test_params_placed_elsewhere_get_an_error_naming_the_leaf_and_reshard_fixes_
     step = plan.train_step(loss_fn)
     moved = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(plan.mesh, P())), state.params)
     bad = state.replace(params=moved)
-    with pytest.raises(ValueError, match=r"state leaf 'params/Dense_0/bias' .* placed as P\(\).* puts it at P\('dp',\)"):
+    with pytest.raises(
+        ValueError, match=r"state leaf 'params/Dense_0/bias' .* placed as P\(\).* puts it at P\('dp',\)"
+    ):
         step(bad, plan.shard_batch(regression_batch()))
     fixed = plan.reshard(bad)
     assert fixed.layout == state.layout

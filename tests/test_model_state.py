@@ -37,7 +37,10 @@ def test_linen_batchnorm_and_dropout_train_alike_under_every_stage(cnn_runs, sta
     np.testing.assert_allclose(got, want, atol=1e-5)
     stats = jax.device_get(state.model_state["batch_stats"])
     for new, old, ref in zip(
-        jax.tree.leaves(stats), jax.tree.leaves(first), jax.tree.leaves(jax.device_get(want_state.model_state)), strict=True
+        jax.tree.leaves(stats),
+        jax.tree.leaves(first),
+        jax.tree.leaves(jax.device_get(want_state.model_state)),
+        strict=True,
     ):
         assert not np.allclose(new, old)  # the step returned updated statistics
         np.testing.assert_allclose(new, ref, atol=1e-5)

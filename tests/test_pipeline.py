@@ -196,9 +196,7 @@ def test_a_circular_checkpoint_restores_into_any_plan_and_computes_the_same_func
     the next losses equal the straight run's."""
     init_fn, loss_fn = decoder_task()
     tx = optax.sgd(0.1, momentum=0.9)
-    circular = zjax.Plan(
-        zjax.make_mesh(dp=2, tp=2, pp=2), stage=3, precision="fp32", pipeline=Pipeline(4, repeats=2)
-    )
+    circular = zjax.Plan(zjax.make_mesh(dp=2, tp=2, pp=2), stage=3, precision="fp32", pipeline=Pipeline(4, repeats=2))
     state = circular.init(init_fn, tx, jax.random.key(0))
     state, _ = circular.train_step(loss_fn)(state, circular.shard_batch(tokens(0)))
     with zjax.Checkpointer(tmp_path) as ckpt:

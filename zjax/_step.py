@@ -147,29 +147,16 @@ class EvalStep(_CompiledFn):
         self._takes_model_state = _takes(fn, "model_state")
 
     def _build(self, layout: StateLayout, state: TrainState, batch: Any) -> Any:
-        specs = layout.state_specs(state.tx)
-        mesh = self.plan.mesh
-
-        def evaluate(params, model_state, b):
+        def evaluate(s: TrainState, b: Any) -> Any:
             if self._takes_model_state:
-                return self.fn(params, b, model_state=model_state)
-            return self.fn(params, b)
+                return self.fn(s.params, b, model_state=s.model_state)
+            return self.fn(s.params, b)
 
-        jitted = jax.jit(
-            evaluate,
-            in_shardings=(
-                jax.tree.map(lambda s: NamedSharding(mesh, s), specs.params, is_leaf=_is_spec),
-                jax.tree.map(lambda s: NamedSharding(mesh, s), specs.model_state, is_leaf=_is_spec),
-                layout.batch_shardings(batch),
-            ),
-        )
-        return lambda s, b: jitted(s.params, s.model_state, b)
+        # the whole state goes in (jit drops the arguments it does not use); nothing is donated
+        return jax.jit(evaluate, in_shardings=(layout.state_shardings(state.tx), layout.batch_shardings(batch)))
 
     def _check(self, state: TrainState, batch: Any) -> None:
         check_batch(batch, self.plan.mesh)
-
-    def lower(self, state: TrainState, batch: Any):
-        raise NotImplementedError("EvalStep.lower: compile the train step for ahead-of-time analysis.")
 
 
 class TrainStep(_CompiledFn):
