@@ -10,10 +10,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zjax
-from zjax.planner._hlo import collectives, partitioned_hlo
 from zjax.pallas import FusedAdamWConfig, fused_adamw
 from zjax.pallas._backend import TRITON_CUSTOM_CALL
 from zjax.pallas.adamw import FusedAdamWState, Scalars, adamw_kernel, adamw_reference
+from zjax.planner._hlo import collectives, partitioned_hlo
 
 from ._models import decoder_task, linen_mlp_task, regression_batch, rel_norm_diff, token_batch, train
 

@@ -8,8 +8,8 @@ from . import planner as planner
 from . import remat as remat
 from . import sharding as sharding
 from . import stages as stages
-from ._layout import StateLayout as StateLayout
 from ._jsonfile import write_json_atomic as write_json_atomic
+from ._layout import StateLayout as StateLayout
 from ._loss_scale import DynamicLossScale as DynamicLossScale
 from ._loss_scale import LossScaleState as LossScaleState
 from ._memory import MemoryReport as MemoryReport

@@ -55,9 +55,7 @@ class StateLayout:
 
     @functools.cached_property
     def _hash(self) -> int:
-        return hash(
-            (self.params, self.master, self.opt_treedef, self.opt_specs, self.model_treedef, self.model_specs)
-        )
+        return hash((self.params, self.master, self.opt_treedef, self.opt_specs, self.model_treedef, self.model_specs))
 
     # -- what the plan recorded -----------------------------------------------------------------
 

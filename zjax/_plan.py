@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
-from ._loss_scale import DynamicLossScale, LossScaleState
-from ._precision import Precision
 from ._layout import StateLayout
+from ._loss_scale import DynamicLossScale
+from ._precision import Precision
 from ._state import MixedPrecisionState, TrainState, Variables
 from ._step import EvalStep, LossFn, TrainStep
 from .pipeline import Pipeline
@@ -136,7 +136,7 @@ class Plan:
         params = self._param_layout(param_leaves, param_treedef)
         opt_specs = params.optimizer_specs(tx, opt_inner)
         opt_flat, opt_treedef = jax.tree.flatten(opt_specs, is_leaf=_is_spec)
-        if opt_treedef != jax.tree.structure(opt_inner):
+        if not opt_treedef == jax.tree.structure(opt_inner):  # noqa: SIM201 - PyTreeDef defines only ==
             raise ValueError(
                 f"Plan: could not lay out the optimizer state of {type(tx).__name__}: its spec tree "
                 f"{opt_treedef} does not mirror the state {jax.tree.structure(opt_inner)}."
@@ -305,9 +305,7 @@ def _split_init(out: Any) -> tuple[Any, Any]:
 
 def _plain_leaves(tree: Any) -> list[Leaf]:
     """Leaves without logical names (a tree built without flax annotations): regex rules apply."""
-    return [
-        Leaf(path_str(p), tuple(x.shape), x.dtype, None) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-    ]
+    return [Leaf(path_str(p), tuple(x.shape), x.dtype, None) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def _layout_of(state: TrainState) -> StateLayout:

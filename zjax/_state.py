@@ -46,7 +46,8 @@ class Variables(NamedTuple):
         """Split an nnx module: its ``nnx.Param`` variables are trained, all other state is model state."""
         from flax import nnx
 
-        _, params, rest = nnx.split(module, nnx.Param, ...)
+        parts: Any = nnx.split(module, nnx.Param, ...)
+        params, rest = parts[1], parts[2]
         return cls(params, rest if jax.tree.leaves(rest) else None)
 
 

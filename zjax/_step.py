@@ -215,9 +215,7 @@ class TrainStep(_CompiledFn):
 
     # -- the traced step ------------------------------------------------------------------------
 
-    def _grads(
-        self, layout: StateLayout, params: Any, model_state: Any, batch: Any, scale: jax.Array, rng: jax.Array
-    ):
+    def _grads(self, layout: StateLayout, params: Any, model_state: Any, batch: Any, scale: jax.Array, rng: jax.Array):
         """Mean loss, aux, gradients of ``loss * scale`` (summed over microbatches, fp32 if k > 1) and the
         model state after the last microbatch (threaded through them in order; never differentiated)."""
         mesh = self.plan.mesh
@@ -273,9 +271,7 @@ class TrainStep(_CompiledFn):
         precision = plan.precision
         scale = state.loss_scale.scale
         next_rng, step_rng = jax.random.split(state.rng)
-        loss, aux, grads, model_state = self._grads(
-            layout, state.params, state.model_state, batch, scale, step_rng
-        )
+        loss, aux, grads, model_state = self._grads(layout, state.params, state.model_state, batch, scale, step_rng)
 
         grads = _constrain(grads, layout.master_specs, mesh)
         inv = 1.0 / (scale * self.accum_steps)

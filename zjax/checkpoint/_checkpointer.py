@@ -160,9 +160,7 @@ class Checkpointer:
         return bool(
             self._manager.save(
                 step,
-                args=ocp.args.Composite(
-                    **{STATE: _Save(_keys_to_data(state)), META: ocp.args.JsonSave(meta)}
-                ),
+                args=ocp.args.Composite(**{STATE: _Save(_keys_to_data(state)), META: ocp.args.JsonSave(meta)}),
                 force=force,
             )
         )
@@ -426,13 +424,12 @@ def _agree(outcome: Any, step: int, directory: str) -> Any:
             raise error
         raise RestoreError(
             f"reading checkpoint step {step} in {os.path.join(directory, str(step))} failed with "
-            f"{type(error).__name__}: {_clip(error)}. This is not damage to the step, so nothing was skipped or deleted; "
-            "fix the cause and restore again.",
+            f"{type(error).__name__}: {_clip(error)}. This is not damage to the step, so nothing was skipped or "
+            "deleted; fix the cause and restore again.",
             step,
             os.path.join(directory, str(step)),
         ) from error
     return outcome
-
 
 
 def _clip(error: BaseException, limit: int = 600) -> str:
