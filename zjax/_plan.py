@@ -136,7 +136,7 @@ class Plan:
         params = self._param_layout(param_leaves, param_treedef)
         opt_specs = params.optimizer_specs(tx, opt_inner)
         opt_flat, opt_treedef = jax.tree.flatten(opt_specs, is_leaf=_is_spec)
-        if not opt_treedef == jax.tree.structure(opt_inner):  # noqa: SIM201 - PyTreeDef defines only ==
+        if cast(Any, opt_treedef) != jax.tree.structure(opt_inner):
             raise ValueError(
                 f"Plan: could not lay out the optimizer state of {type(tx).__name__}: its spec tree "
                 f"{opt_treedef} does not mirror the state {jax.tree.structure(opt_inner)}."
