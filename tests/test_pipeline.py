@@ -183,7 +183,11 @@ def test_decoder_trains_through_the_pipeline(reference):
 
 
 @pytest.mark.parametrize(
-    ("mesh_kw", "schedule"), [({"dp": 2, "pp": 4}, "gpipe"), ({"dp": 2, "tp": 2, "pp": 2}, "circular_m_eq_s")]
+    ("mesh_kw", "schedule"),
+    [
+        pytest.param({"dp": 2, "pp": 4}, "gpipe", marks=pytest.mark.slow),
+        ({"dp": 2, "tp": 2, "pp": 2}, "circular_m_eq_s"),
+    ],
 )
 def test_the_same_seed_gives_the_same_model_under_every_schedule(reference, mesh_kw, schedule):
     """No pipeline (dp=8), GPipe (dp=2 x pp=4) and circular R=2 (dp=2 x tp=2 x pp=2), fp32 stage 0: the
@@ -191,6 +195,7 @@ def test_the_same_seed_gives_the_same_model_under_every_schedule(reference, mesh
     check_against_reference(reference, mesh_kw, 0, schedule)
 
 
+@pytest.mark.slow
 def test_a_circular_checkpoint_restores_into_any_plan_and_computes_the_same_function(reference, tmp_path):
     """Saved under circular R=2 after one step; restored into dp=8 without a pipeline and into GPipe (R=1):
     the next losses equal the straight run's."""
