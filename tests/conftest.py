@@ -1,8 +1,15 @@
 """Device setup for the whole suite: 8 simulated CPU devices, set before any backend starts."""
 
-import jax
-import pytest
+import os
 
+# The CUDA compiler plugin (installed for the deviceless GPU planner tests) must not look for a GPU: the CPU
+# platform here, and in every process the tests start (examples, workers), inherits it.
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 
 NUM_DEVICES = 8

@@ -77,6 +77,7 @@ class MemoryReport:
     batch_bytes: int
     unsharded: tuple[Unsharded, ...]
     flops: float | None = None  # per device, from cost_analysis (a scanned layer's body counted once)
+    params_per_group: float = 0.0  # parameters per model-parallel (tp x pp) group: psi / tp for tp-split leaves
 
     @property
     def state_theory(self) -> int:
@@ -139,6 +140,11 @@ class MemoryReport:
 
 def theory_bytes(plan: Plan, state: TrainState, accum_steps: int = 1) -> tuple[int, dict[str, int]]:
     """The ZeRO formula per device for ``state``: (parameter count, bytes by category)."""
+    psi, _, theory = _theory(plan, state, accum_steps)
+    return psi, theory
+
+
+def _theory(plan: Plan, state: TrainState, accum_steps: int) -> tuple[int, float, dict[str, int]]:
     sizes = dict(plan.mesh.shape)
     n = axis_size(plan.mesh, DP)
     stage, precision = plan.stage, plan.precision
@@ -159,7 +165,7 @@ def theory_bytes(plan: Plan, state: TrainState, accum_steps: int = 1) -> tuple[i
         "optimizer": per_device(opt_per_param, stage.shard_optimizer),
         "gradients": per_device(grad_bytes, stage.shard_gradients),
     }
-    return psi, theory
+    return psi, psi_mp, theory
 
 
 def memory_report(plan: Plan, state: TrainState, batch: Any, step: TrainStep, compiled: Any = None) -> MemoryReport:
@@ -185,7 +191,7 @@ def memory_report(plan: Plan, state: TrainState, batch: Any, step: TrainStep, co
         _shard_bytes(x, s)
         for x, s in zip(jax.tree.leaves(batch), jax.tree.leaves(batch_shardings(batch, plan.mesh)), strict=True)
     )
-    psi, theory = theory_bytes(plan, state, step.accum_steps)
+    psi, psi_mp, theory = _theory(plan, state, step.accum_steps)
     return MemoryReport(
         stage=plan.stage.level,
         precision=plan.precision.name,
@@ -201,11 +207,15 @@ def memory_report(plan: Plan, state: TrainState, batch: Any, step: TrainStep, co
         batch_bytes=batch_bytes,
         unsharded=tuple(state.layout.unsharded),
         flops=_flops(compiled),
+        params_per_group=psi_mp,
     )
 
 
 def _flops(compiled: Any) -> float | None:
-    cost = compiled.cost_analysis()
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - a deviceless GPU compile has no client (zjax.planner reads it otherwise)
+        return None
     if isinstance(cost, list):  # older jax returned one dict per program
         cost = cost[0] if cost else None
     return float(cost["flops"]) if cost and "flops" in cost else None

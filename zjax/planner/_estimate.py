@@ -17,6 +17,7 @@ from ..models import PRESETS, Decoder, DecoderConfig, lm_loss
 from ..pipeline import Pipeline
 from ..sharding._mesh import make_mesh
 from ..stages import Stage
+from ._gpu import cost_analysis, gpu_devices
 from ._hlo import Communication, count_collectives, partitioned_hlo
 
 
@@ -30,8 +31,12 @@ class Row:
     theory: dict[str, int]
     compiled: dict[str, int]
     comm: Communication
-    comm_psi: float  # collective volume / (psi x compute-dtype bytes)
+    comm_psi: float  # data-parallel (dp, replica) volume / (psi per model-parallel group x compute bytes)
     compile_seconds: float
+    backend: str = "cpu"  # the compiler that produced the numbers: "cpu" (simulated devices) or "gpu"
+    device_kind: str = "cpu"
+    flops: float | None = None  # per device per step, XLA's cost analysis of the compiled program
+    bytes_accessed: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -43,8 +48,16 @@ class Row:
             "comm_bytes": dict(self.comm.volume),
             "comm_wire_bytes": dict(self.comm.wire),
             "comm_psi": round(self.comm_psi, 4),
+            "comm_by_axes": {",".join(k) or "none": v for k, v in self.comm.by_axes.items()},
+            "comm_overlapped_by_axes": {",".join(k) or "none": v for k, v in self.comm.overlapped_by_axes.items()},
+            "comm_overlapped_bytes": self.comm.overlapped_volume,
+            "comm_exposed_bytes": self.comm.exposed_volume,
             "comm_cross_replica_bytes": self.comm.volume_across("replica"),
             "compile_seconds": round(self.compile_seconds, 2),
+            "backend": self.backend,
+            "device_kind": self.device_kind,
+            "flops": self.flops,
+            "bytes_accessed": self.bytes_accessed,
         }
 
 
@@ -62,6 +75,8 @@ class Estimate:
     precision: str
     batch_size: int
     rows: tuple[Row, ...]
+    backend: str = "cpu"
+    device_kind: str = "cpu"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -70,6 +85,8 @@ class Estimate:
             "mesh": dict(self.mesh),
             "precision": self.precision,
             "batch_size": self.batch_size,
+            "backend": self.backend,
+            "device_kind": self.device_kind,
             "rows": [r.to_dict() for r in self.rows],
         }
 
@@ -81,12 +98,22 @@ class Estimate:
         def f(n: float) -> str:
             return f"{n / scale:,.3f}"
 
+        compiler = (
+            f"compiled by XLA:GPU for {self.device_kind} (deviceless)"
+            if self.backend == "gpu"
+            else "compiled by XLA:CPU on simulated devices (temporaries are CPU figures: bf16 upcast to f32)"
+        )
         head = (
             f"{self.model}: {self.params:,} params, mesh {mesh}, {self.precision}, global batch {self.batch_size}"
-            f" -- {unit} per device; comm = collective volume per step (ZeRO counting)"
+            f" -- {compiler}\n{unit} per device; comm = collective volume per step (ZeRO counting); x psi = "
+            "data-parallel comm / (params per model-parallel group x compute bytes)"
         )
+        if self.backend == "gpu":
+            head += "; exposed = comm the scheduler did not overlap with compute"
         cols = f"{'stage':>5} {'remat':<16}{'acc':>4} | {'params':>9}{'optim':>9}{'grads':>9}{'theory':>9} | "
-        cols += f"{'state':>9}{'temp':>9}{'total':>9} | {'comm':>9}{'x psi':>7}{'wire':>9}{'compile':>9}"
+        cols += f"{'state':>9}{'temp':>9}{'total':>9} | {'comm':>9}{'x psi':>7}{'wire':>9}"
+        gpu = self.backend == "gpu"
+        cols += (f"{'exposed':>9}" if gpu else "") + f"{'compile':>9}"
         hsdp = self.mesh.get("replica", 1) > 1
         if hsdp:
             cols += f"{'x-replica':>10}"
@@ -98,25 +125,36 @@ class Estimate:
                 f"{r.stage:>5} {r.remat:<16}{r.accum:>4} | {f(t['params']):>9}{f(t['optimizer']):>9}"
                 f"{f(t['grads']):>9}{f(t['total']):>9} | {f(c['state']):>9}{f(c['temp']):>9}"
                 f"{f(c['total']):>9} | {f(r.comm.total_volume):>9}{r.comm_psi:>7.2f}"
-                f"{f(r.comm.total_wire):>9}{r.compile_seconds:>8.1f}s"
+                f"{f(r.comm.total_wire):>9}"
+                + (f"{f(r.comm.exposed_volume):>9}" if gpu else "")
+                + f"{r.compile_seconds:>8.1f}s"
                 + (f"{f(r.comm.volume_across('replica')):>10}" if hsdp else "")
             )
         return "\n".join(lines)
 
 
-def _check_devices(mesh: dict[str, int]) -> None:
+def _check_mesh(mesh: dict[str, int]) -> None:
     unknown = sorted(set(mesh) - {"replica", "dp", "tp", "pp"})
     if unknown:
         raise ValueError(f"planner: unknown mesh axes {unknown} in {mesh}; use replica (HSDP), dp, tp and pp.")
     if any(not isinstance(v, int) or v < 1 for v in mesh.values()):
         raise ValueError(f"planner: mesh sizes must be positive ints, got {mesh}.")
-    need, have = math.prod(mesh.values()), jax.device_count()
+
+
+def _devices(mesh: dict[str, int], target: str | None) -> list[Any]:
+    """The devices to compile for: a GPU target's (deviceless) or this process's simulated CPU devices."""
+    _check_mesh(mesh)
+    need = math.prod(mesh.values())
+    if target is not None:
+        return gpu_devices(target, need)
+    have = jax.device_count()
     if need > have:
         raise ValueError(
             f"planner: mesh {mesh} needs {need} devices but this process has {have}. Simulate them with "
             f"jax.config.update('jax_num_cpu_devices', {need}) before jax starts its backend (a fresh "
             "process), or use the `zjax plan` command, which does that for you."
         )
+    return jax.devices()[:need]
 
 
 def estimate_fn(
@@ -132,17 +170,21 @@ def estimate_fn(
     name: str = "custom",
     remat: str = "-",
     pipeline: Pipeline | None = None,
+    target: str | None = None,
 ) -> Estimate:
     """Estimate a user's model: ``init_fn``/``loss_fn`` as for :meth:`zjax.Plan.init`, ``batch`` a tree of
     ``ShapeDtypeStruct`` (global shapes). Nothing is allocated; every stage is compiled ahead of time.
-    With ``pp`` > 1 in ``mesh`` the model runs through ``pipeline`` (default: 2 x pp microbatches, GPipe)."""
-    _check_devices(mesh)
+    With ``pp`` > 1 in ``mesh`` the model runs through ``pipeline`` (default: 2 x pp microbatches, GPipe).
+
+    ``target`` (``"h100"``, ``"h200"``, ``"b200"``, ``"a100"`` or a ``.txtpb`` path) compiles with XLA:GPU
+    for that many GPUs that are not there (``pip install "zjax[plan-gpu]"``); without it, XLA:CPU on
+    simulated devices. Every row says which compiler produced it."""
+    devices = _devices(mesh, target)
     device_mesh = make_mesh(
-        dp=(mesh.get("replica", 1), mesh.get("dp", 1)),
-        tp=mesh.get("tp", 1),
-        pp=mesh.get("pp", 1),
-        devices=jax.devices()[: math.prod(mesh.values())],
+        dp=(mesh.get("replica", 1), mesh.get("dp", 1)), tp=mesh.get("tp", 1), pp=mesh.get("pp", 1), devices=devices
     )
+    backend = "gpu" if target is not None else "cpu"
+    device_kind = str(devices[0].device_kind)
     tx = optax.adamw(1e-4) if tx is None else tx
     rows, psi = [], 0
     for stage in stages:
@@ -154,10 +196,16 @@ def estimate_fn(
         plan = Plan(device_mesh, stage=stage, precision=precision, pipeline=schedule)
         state = plan.abstract_state(init_fn, tx, jax.random.key(0))
         step = plan.train_step(loss_fn, accum_steps=accum)
-        compiled, hlo = partitioned_hlo(step.lower(state, batch))
+        lowered = step.lower(state, batch)
+        if target is not None:  # the scheduled GPU program: async collectives, real reduce-scatters, bf16
+            compiled = lowered.compile()
+            hlo = compiled.as_text()
+        else:  # XLA:CPU: read right after SPMD partitioning (later CPU passes upcast and split collectives)
+            compiled, hlo = partitioned_hlo(lowered)
         report = step.memory_report(state, batch, compiled=compiled)
         psi = report.num_params
         comm = count_collectives(hlo, dict(device_mesh.shape))
+        cost = cost_analysis(compiled) or {}
         theory = {
             "params": report.theory["params"],
             "optimizer": report.theory["master"] + report.theory["optimizer"],
@@ -173,13 +221,24 @@ def estimate_fn(
                 theory=theory,
                 compiled=compiled_bytes,
                 comm=comm,
-                comm_psi=comm.total_volume / (psi * plan.precision.compute_bytes) if psi else 0.0,
+                comm_psi=_data_volume(comm) / (report.params_per_group * plan.precision.compute_bytes)
+                if report.params_per_group
+                else 0.0,
                 compile_seconds=time.perf_counter() - start,
+                backend=backend,
+                device_kind=device_kind,
+                flops=cost.get("flops"),
+                bytes_accessed=cost.get("bytes accessed"),
             )
         )
     sizes = {k: int(v) for k, v in device_mesh.shape.items()}
     batch_size = int(jax.tree.leaves(batch)[0].shape[0])
-    return Estimate(name, psi, sizes, precision, batch_size, tuple(rows))
+    return Estimate(name, psi, sizes, precision, batch_size, tuple(rows), backend, device_kind)
+
+
+def _data_volume(comm: Communication) -> int:
+    """The volume of collectives over data-parallel axes only (dp and/or replica: ZeRO's traffic)."""
+    return sum(v for axes, v in comm.by_axes.items() if axes and set(axes) <= {"dp", "replica"})
 
 
 def resolve_model(model: str | DecoderConfig) -> tuple[str, DecoderConfig]:
@@ -201,6 +260,7 @@ def estimate(
     seq_len: int | None = None,
     accum: int = 1,
     pipeline: Pipeline | None = None,
+    target: str | None = None,
 ) -> Estimate:
     """Estimate a decoder preset (``zjax.models.PRESETS``, e.g. ``"llama2-7b"``) or a ``DecoderConfig``.
 
@@ -224,6 +284,7 @@ def estimate(
         name=name,
         remat=remat,
         pipeline=pipeline,
+        target=target,
     )
 
 
@@ -242,6 +303,7 @@ def fit(
     precision: str = "bf16",
     batch_size: int = 8,
     seq_len: int | None = None,
+    target: str | None = None,
 ) -> tuple[Row | None, Row, list[Estimate]]:
     """The cheapest (stage, remat, microbatches) whose compiled per-device total fits in ``budget`` bytes.
 
@@ -258,7 +320,7 @@ def fit(
                     continue
                 est = estimate(
                     model, mesh=mesh, stages=(stage,), remat=remat, precision=precision,
-                    batch_size=batch_size, seq_len=seq_len, accum=accum,
+                    batch_size=batch_size, seq_len=seq_len, accum=accum, target=target,
                 )  # fmt: skip
                 tried.append(est)
                 row = est.rows[0]

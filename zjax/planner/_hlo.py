@@ -182,6 +182,13 @@ class Collective:
     in_loop: bool
     groups: list[list[int]]
     computation: str = ""  # the HLO computation it sits in (a while body, for loop collectives)
+    # scheduled (async) collectives: compute instructions the scheduler put between its -start and -done;
+    # None for a synchronous collective (XLA:CPU), which overlaps nothing
+    overlap_ops: int | None = None
+
+    @property
+    def overlapped(self) -> bool:
+        return bool(self.overlap_ops)
 
 
 def _num_devices(text: str) -> int:
@@ -202,6 +209,7 @@ def collectives(hlo_text: str) -> list[Collective]:
         if not factor:
             continue
         users: dict[str, list[str]] = defaultdict(list)
+        between = _compute_between(instrs)
         for instr in instrs:
             for operand in re.findall(r"%([\w.\-]+)", instr.rest.split("), ")[0]):
                 users[operand].append(instr.opcode)
@@ -209,7 +217,8 @@ def collectives(hlo_text: str) -> list[Collective]:
             kind = instr.opcode.removesuffix("-start")
             if kind not in KINDS or instr.opcode.endswith("-done"):
                 continue
-            size = _bytes(instr.type_text)
+            operands_bytes, size = _async_sizes(instr) if instr.opcode.endswith("-start") else (None, None)
+            size = _bytes(instr.type_text) if size is None else size
             groups = replica_groups(instr.rest, devices)
             n = max((len(g) for g in groups), default=1)
             if kind == "all-reduce" and users[instr.name] and all(u == "dynamic-slice" for u in users[instr.name]):
@@ -219,13 +228,63 @@ def collectives(hlo_text: str) -> list[Collective]:
                 vol = 2 * size
             elif kind == "reduce-scatter":
                 operand = re.match(r"\s*([a-z0-9]+\[[0-9,]*\])", instr.rest)
-                vol = _bytes(operand.group(1)) if operand else size * n
+                vol = operands_bytes if operands_bytes else _bytes(operand.group(1)) if operand else size * n
             else:
                 vol = size
             ring = 1.0 if kind == "collective-permute" else (n - 1) / n if n > 1 else 0.0
             wire = round(vol * ring)
-            out.append(Collective(instr.name, kind, size, vol, wire, factor, comp in looped, groups, comp))
+            out.append(
+                Collective(
+                    instr.name, kind, size, vol, wire, factor, comp in looped, groups, comp, between.get(instr.name)
+                )
+            )
     return out
+
+
+# instructions that do work on the device (what a collective can hide behind)
+_COMPUTE = ("fusion", "custom-call", "dot", "convolution", "while", "call", "conditional", "sort", "scatter", "gather")
+
+
+def _compute_between(instrs: list[_Instr]) -> dict[str, int]:
+    """For each async ``-start``: how many compute instructions come before its ``-done`` in schedule order."""
+    starts: dict[str, int] = {}
+    found: dict[str, int] = {}
+    for i, instr in enumerate(instrs):
+        if instr.opcode.endswith("-start"):
+            starts[instr.name] = i
+        elif instr.opcode.endswith("-done"):
+            m = re.match(r"\s*%?([\w.\-]+)", instr.rest)
+            if m and m.group(1) in starts:
+                lo = starts[m.group(1)]
+                found[m.group(1)] = sum(1 for x in instrs[lo + 1 : i] if x.opcode in _COMPUTE)
+    return found
+
+
+def _top_level(type_text: str) -> list[str]:
+    """The elements of a tuple type ``(a, (b, c))`` at its top level (the type itself if not a tuple)."""
+    text = type_text.strip()
+    if not text.startswith("("):
+        return [text]
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(text):
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            depth -= 1
+        elif ch == "," and depth == 1:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:-1])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _async_sizes(instr: _Instr) -> tuple[int | None, int | None]:
+    """``(operand bytes, result bytes)`` of an async ``-start`` whose type is ``((operands), (results))``
+    (XLA:GPU's combined all-gathers and reduce-scatters); ``(None, None)`` for other shapes of type."""
+    parts = _top_level(instr.type_text)
+    if len(parts) == 2 and instr.opcode in ("all-gather-start", "reduce-scatter-start"):
+        return _bytes(parts[0]), _bytes(parts[1])
+    return None, None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +299,17 @@ class Communication:
     wire: dict[str, int]
     count: dict[str, int]
     by_axes: dict[tuple[str, ...], int] = dataclasses.field(default_factory=dict)
+    # of by_axes: the volume of collectives the scheduler overlapped with compute (async, compute between
+    # -start and -done); the rest is exposed. Synchronous collectives (XLA:CPU) count as exposed.
+    overlapped_by_axes: dict[tuple[str, ...], int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def overlapped_volume(self) -> int:
+        return sum(self.overlapped_by_axes.values())
+
+    @property
+    def exposed_volume(self) -> int:
+        return self.total_volume - self.overlapped_volume
 
     @property
     def total_volume(self) -> int:
@@ -266,13 +336,17 @@ def count_collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None) -
     wire: dict[str, int] = dict.fromkeys(KINDS, 0)
     count: dict[str, int] = dict.fromkeys(KINDS, 0)
     by_axes: dict[tuple[str, ...], int] = defaultdict(int)
+    overlapped: dict[tuple[str, ...], int] = defaultdict(int)
     for c in collectives(hlo_text):
         volume[c.kind] += c.volume * c.trips
         wire[c.kind] += c.wire * c.trips
         count[c.kind] += c.trips
+        axes = spanned_axes(c.groups, mesh_shape) if mesh_shape is not None else ()
         if mesh_shape is not None:
-            by_axes[spanned_axes(c.groups, mesh_shape)] += c.volume * c.trips
-    return Communication(volume, wire, count, dict(by_axes))
+            by_axes[axes] += c.volume * c.trips
+        if c.overlapped:
+            overlapped[axes] += c.volume * c.trips
+    return Communication(volume, wire, count, dict(by_axes), dict(overlapped))
 
 
 def partitioned_hlo(lowered: Any) -> tuple[Any, str]:
