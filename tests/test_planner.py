@@ -118,7 +118,8 @@ def test_cli_budget_picks_a_config_that_fits(tmp_path):
     assert data["fits"]["compiled"]["total"] <= 5e6
     assert (data["fits"]["stage"], data["fits"]["remat"]) == (0, "full")
     assert data["rows"][0]["compiled"]["total"] > 5e6  # the cheaper candidate tried first did not fit
-    assert "fits in 0.005 GB" in proc.stdout
+    assert "budget: 0.01 GB usable = the given size - 0.00 GB reserved" in proc.stdout
+    assert "fits: stage 0, remat full" in proc.stdout
 
 
 @pytest.mark.slow

@@ -1,27 +1,34 @@
 """The ``zjax`` command.
 
 ``zjax plan --model llama2-7b --mesh dp=64`` compiles every stage ahead of time on simulated CPU devices
-and prints per-device memory and communication; ``zjax ckpt info PATH`` describes a checkpoint."""
+(or, with ``--target h100``, with XLA:GPU for GPUs that are not there) and prints per-device memory and
+communication; ``zjax ckpt info PATH`` describes a checkpoint."""
 
 from __future__ import annotations
 
 import argparse
 import math
-import re
 import sys
 from pathlib import Path
 
 from ._jsonfile import write_json_atomic
 
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
 
 def parse_bytes(text: str) -> float:
     """``"80GB"`` (1e9), ``"80GiB"`` (2**30) or a plain number of bytes."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"--budget: expected e.g. 80GB, 75GiB or 1e9, got {text!r}")
-    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+    from .planner._gpu import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--budget: {e}") from None
+
+
+def parse_budget(text: str) -> str:
+    """``80%`` (of a GPU target's memory) or a size; resolved once the target is known."""
+    if not text.strip().endswith("%"):
+        parse_bytes(text)
+    return text.strip()
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -84,7 +91,19 @@ def _plan_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=None, help="global batch (default: 1 sequence per dp rank)")
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--accum", type=parse_ints, default=[1], help="microbatches; comma list with --budget")
-    p.add_argument("--budget", type=parse_bytes, default=None, help="per-device bytes: pick the cheapest fit")
+    p.add_argument(
+        "--budget",
+        type=parse_budget,
+        default=None,
+        help="per-device memory to fit: 80%% (of the --target's memory, as the allocator's fraction) or 70GB; a "
+        "GPU target keeps a reserve for what the compiler does not count; picks the cheapest fit",
+    )
+    p.add_argument(
+        "--target",
+        default=None,
+        help="compile with XLA:GPU for this GPU (h100, h200, b200, a100, or a GpuTargetConfigProto .txtpb file), "
+        'no GPU needed (pip install "zjax[plan-gpu]"); default: XLA:CPU on simulated devices',
+    )
     p.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches when pp > 1 (default 2 x pp)")
     p.add_argument("--repeats", type=int, default=1, help="pipeline repeats (1 = GPipe, > 1 = circular)")
     p.add_argument(
@@ -98,10 +117,12 @@ def _run_plan(args: argparse.Namespace) -> int:
     devices = math.prod(args.mesh.values())
     import jax
 
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", devices)
+    jax.config.update("jax_platforms", "cpu")  # also what a deviceless GPU compile needs
+    if args.target is None:
+        jax.config.update("jax_num_cpu_devices", devices)
     from . import planner
     from .models import PRESETS
+    from .planner._gpu import budget as make_budget
     from .remat import POLICIES
 
     if args.model not in PRESETS:
@@ -122,35 +143,52 @@ def _run_plan(args: argparse.Namespace) -> int:
     batch = args.batch_size or rows
     try:
         if args.budget is None:
-            est = planner.estimate(
-                args.model, mesh=args.mesh, stages=args.stages, remat=remats[0], precision=args.precision,
-                batch_size=batch, seq_len=args.seq_len, accum=args.accum[0], pipeline=pipeline,
-            )  # fmt: skip
+            if len(remats) > 1:
+                raise ValueError(f"--remat {args.remat}: several policies are compared only with --budget.")
+            estimates = [
+                planner.estimate(
+                    args.model,
+                    mesh=args.mesh,
+                    stages=args.stages,
+                    remat=remats[0],
+                    precision=args.precision,
+                    batch_size=batch,
+                    seq_len=args.seq_len,
+                    accum=accum,
+                    pipeline=pipeline,
+                    target=args.target,
+                )  # fmt: skip
+                for accum in args.accum  # every value is planned
+            ]
+            est = type(estimates[0])(**{**estimates[0].__dict__, "rows": tuple(r for e in estimates for r in e.rows)})
             print(est)
             result = est.to_dict()
         else:
+            limit = make_budget(args.budget, args.target)
             row, closest, tried = planner.fit(
-                args.budget, args.model, mesh=args.mesh, stages=args.stages, remats=remats, accums=args.accum,
-                precision=args.precision, batch_size=batch, seq_len=args.seq_len,
+                limit.usable, args.model, mesh=args.mesh, stages=args.stages, remats=remats, accums=args.accum,
+                precision=args.precision, batch_size=batch, seq_len=args.seq_len, target=args.target,
             )  # fmt: skip
             est = type(tried[0])(**{**tried[0].__dict__, "rows": tuple(r for e in tried for r in e.rows)})
             print(est)
+            print(f"\nbudget: {limit.describe()}")
             if row is not None:
                 print(
-                    f"\nfits in {args.budget / 1e9:.3f} GB: stage {row.stage}, remat {row.remat}, "
+                    f"fits: stage {row.stage}, remat {row.remat}, "
                     f"{row.accum} microbatch(es): {row.compiled['total'] / 1e9:.3f} GB per device"
                 )
             else:
                 print(
-                    f"\nnothing fits in {args.budget / 1e9:.3f} GB per device; closest: stage {closest.stage}, "
+                    f"nothing fits in {limit.usable / 1e9:.3f} GB per device; closest: stage {closest.stage}, "
                     f"remat {closest.remat}, {closest.accum} microbatch(es) at {closest.compiled['total'] / 1e9:.3f} GB"
                 )
             result = est.to_dict() | {
-                "budget": args.budget,
+                "budget": limit.usable,
+                "budget_detail": limit.describe(),
                 "fits": row.to_dict() if row is not None else None,
                 "closest": closest.to_dict(),
             }
-    except ValueError as e:
+    except (ValueError, ImportError) as e:
         print(f"zjax plan: {e}", file=sys.stderr)
         return 2
     if args.json:

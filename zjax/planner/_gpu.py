@@ -42,9 +42,7 @@ def gpu_devices(target: str | GpuTarget, count: int) -> list[Any]:
     from jax.experimental import topologies
 
     try:
-        topo = topologies.get_topology_desc(
-            platform="cuda", target_config=spec.text, topology=topology_string(count)
-        )
+        topo = topologies.get_topology_desc(platform="cuda", target_config=spec.text, topology=topology_string(count))
     except RuntimeError as e:
         raise RuntimeError(
             f"deviceless compile for {count} x {spec.device_kind} failed to start: {e}. Run JAX on the CPU "

@@ -70,9 +70,9 @@ class FusedAdamW:
     # -- the fused path -------------------------------------------------------------------------
 
     def resolved_implementation(self) -> str:
-        if self.implementation != "auto":
-            return self.implementation
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        """``"auto"`` is the XLA path everywhere until a GPU measurement shows the kernel faster
+        (``benchmarks/gpu_suite.py``); ``"pallas"`` asks for the kernel."""
+        return "xla" if self.implementation == "auto" else self.implementation
 
     def _scalars(self, count: jax.Array, wd: float, inv_scale: jax.Array, apply: jax.Array) -> Scalars:
         t = (count + 1).astype(jnp.float32)
@@ -124,7 +124,9 @@ class FusedAdamW:
         """
         if self.resolved_implementation() == "xla":
             return self._reference_tree(grads, state, master, inv_scale, apply, compute_dtype)
-        interpret = jax.default_backend() == "cpu" if self.interpret is None else self.interpret
+        # interpret on CPU meshes; a mesh of GPU devices (real, or a deviceless compile's) gets the kernel
+        platform = _platform(mesh)
+        interpret = platform == "cpu" if self.interpret is None else self.interpret
         decay = self._decay(master)
         leaves, treedef = jax.tree.flatten(master)
         spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
@@ -203,9 +205,9 @@ def fused_adamw(
       b1, b2, eps: Adam's constants (``eps`` outside the square root, as optax).
       weight_decay: decoupled weight decay.
       mask: a pytree of bools (or a function of the params returning one): decay only where True.
-      implementation: ``"pallas"`` (the kernel), ``"xla"`` (the jnp reference) or ``"auto"`` (Pallas on
-        GPU, the reference elsewhere).
-      interpret: run the Pallas kernel in interpret mode (default: on CPU).
+      implementation: ``"pallas"`` (the kernel), ``"xla"`` (the jnp reference) or ``"auto"`` (the XLA
+        path until a GPU measurement shows the kernel faster).
+      interpret: run the Pallas kernel in interpret mode (default: when the mesh's devices are CPUs).
       config: block size and launch parameters.
 
     Raises:
@@ -218,3 +220,10 @@ def fused_adamw(
         learning_rate, b1, b2, eps, weight_decay, mask, implementation, interpret,
         FusedAdamWConfig() if config is None else config,
     )  # fmt: skip
+
+
+def _platform(mesh: Any) -> str:
+    """The platform of the devices the update runs on (a deviceless GPU compile's mesh says "gpu")."""
+    if mesh is not None:
+        return str(mesh.devices.flat[0].platform)
+    return jax.default_backend()

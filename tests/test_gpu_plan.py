@@ -1,0 +1,148 @@
+"""Deviceless XLA:GPU compiles: targets as data, the GPU compiler's memory and collectives, overlap, budgets.
+
+Needs the CUDA compiler plugin (``jax-cuda12-plugin``, in the ``test`` extra); no GPU.
+"""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import zjax
+from zjax.models import PRESETS, Decoder, lm_loss
+from zjax.planner import count_collectives, zero_bytes
+from zjax.planner._gpu import budget, cost_analysis, gpu_devices
+from zjax.planner._hlo import collectives
+from zjax.planner._targets import get_target, target_names, topology_string
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG = PRESETS["tiny"]
+
+
+@pytest.mark.parametrize("name", target_names())
+def test_every_registered_target_names_its_device_and_memory(name):
+    target = get_target(name)
+    assert target.name == name and target.memory_bytes > 40e9
+    assert target.device_kind.startswith("NVIDIA")
+    assert target.compute_capability[0] in (8, 9, 10)
+
+
+def test_a_target_file_and_unknown_names():
+    path = ROOT / "zjax" / "planner" / "targets" / "h100_sxm.txtpb"
+    assert get_target(str(path)).memory_bytes == get_target("h100").memory_bytes
+    assert get_target("H100-SXM").name == "h100"
+    with pytest.raises(
+        ValueError, match=r"unknown GPU target 'tpu9'; known targets: \['a100', 'b200', 'h100', 'h200'\]"
+    ):
+        get_target("tpu9")
+    assert topology_string(4096) == "1x512x8" and topology_string(4) == "1x1x4"
+    with pytest.raises(ValueError, match="do not fill hosts of 8"):
+        topology_string(12)
+
+
+def test_budget_is_the_allocator_share_less_a_stated_reserve():
+    b = budget("80%", "h100")
+    assert b.usable == pytest.approx(get_target("h100").memory_bytes * 0.8 - 4 * 2**30)
+    assert "x 80%" in b.describe() and "NCCL" in b.describe()
+    assert budget("70GB", "h100").usable == pytest.approx(70e9 - 4 * 2**30)
+    assert budget("5MB").usable == 5e6  # the CPU path reserves nothing
+    with pytest.raises(ValueError, match="a percentage needs a GPU target"):
+        budget("80%")
+
+
+def _compiled(stage: int, tx=None, rows: int = 16):
+    mesh = zjax.make_mesh(dp=8, devices=gpu_devices("h100", 8))
+    model = Decoder(CFG)
+    plan = zjax.Plan(mesh, stage=stage, precision="bf16")
+    tx = optax.adamw(1e-3) if tx is None else tx
+    state = plan.abstract_state(
+        lambda r: model.init(r, jnp.zeros((1, CFG.max_len), jnp.int32))["params"], tx, jax.random.key(0)
+    )
+    step = plan.train_step(lambda p, b: lm_loss(model, p, b))
+    batch = jax.ShapeDtypeStruct((rows, CFG.max_len + 1), jnp.int32)
+    compiled = step.lower(state, batch).compile()
+    return compiled, step.memory_report(state, batch, compiled=compiled), plan
+
+
+@pytest.fixture(scope="module")
+def gpu_steps():
+    return {stage: _compiled(stage) for stage in (0, 3)}
+
+
+def test_zero3_on_the_gpu_target_reduce_scatters_and_gathers_bf16_over_dp(gpu_steps):
+    compiled, report, plan = gpu_steps[3]
+    text = compiled.as_text()
+    assert "NVIDIA H100" in str(plan.mesh.devices.flat[0].device_kind)
+    starts = re.findall(r"= \(*(\w+)\[[^\n]*? (all-gather|reduce-scatter|all-reduce)-start\(", text)
+    assert ("bf16", "reduce-scatter") in starts and ("bf16", "all-gather") in starts
+    ops = collectives(text)
+    # gradients are reduce-scattered, never all-reduced: only scalars (loss, norm) are all-reduced
+    assert not [c for c in ops if c.kind == "all-reduce" and c.bytes > 16]
+    comm = count_collectives(text, dict(plan.mesh.shape))
+    assert set(comm.by_axes) == {("dp",)}
+    assert 0 < comm.overlapped_volume <= comm.total_volume  # the scheduler hid some of it behind compute
+
+
+def test_gpu_state_bytes_match_the_zero_formula(gpu_steps):
+    for stage, (_, report, _) in gpu_steps.items():
+        analytic = zero_bytes(report.num_params, 8, stage)
+        assert report.state_compiled == pytest.approx(analytic["params"] + analytic["optimizer"], rel=0.01)
+    assert gpu_steps[3][1].state_compiled < gpu_steps[0][1].state_compiled / 7
+
+
+def test_cost_analysis_works_without_a_client(gpu_steps):
+    cost = cost_analysis(gpu_steps[3][0])
+    assert cost is not None and cost["flops"] > 1e6 and cost["bytes accessed"] > 1e5
+
+
+def test_overlap_is_read_from_the_schedule():
+    hlo = """
+HloModule m, is_scheduled=true
+
+ENTRY %main (x: bf16[1024], w: bf16[64,64]) -> bf16[1024] {
+  %x = bf16[1024] parameter(0)
+  %w = bf16[64,64] parameter(1)
+  %ag = (bf16[128], bf16[1024]) all-gather-start(%x), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}
+  %f = bf16[64,64] fusion(%w), kind=kLoop, calls=%fc
+  %agd = bf16[1024] all-gather-done(%ag)
+  %rs = ((bf16[1024]), bf16[128]) reduce-scatter-start(%agd), channel_id=2, replica_groups=[1,8]<=[8], dimensions={0}
+  %rsd = bf16[128] reduce-scatter-done(%rs)
+  ROOT %r = bf16[1024] bitcast(%agd)
+}
+"""
+    comm = count_collectives(hlo, {"dp": 8})
+    assert comm.volume["all-gather"] == 2048 and comm.volume["reduce-scatter"] == 2048  # operand/result split
+    assert comm.overlapped_volume == 2048 and comm.exposed_volume == 2048  # a fusion hides only the gather
+
+
+@pytest.mark.slow
+def test_the_pallas_adamw_kernel_compiles_to_a_cubin_inside_a_zero3_step():
+    """Triton lowering and PTX -> cubin run in the deviceless compile: errors that interpret mode hides fail here."""
+    compiled, report, _ = _compiled(3, tx=zjax.pallas.fused_adamw(1e-3, implementation="pallas"))
+    assert compiled.as_text().count('custom_call_target="__gpu$xla.gpu.triton"') >= 1
+    analytic = zero_bytes(report.num_params, 8, 3)
+    assert report.state_compiled == pytest.approx(analytic["params"] + analytic["optimizer"], rel=0.01)
+
+
+@pytest.mark.slow
+def test_cli_plans_on_the_gpu_target_and_labels_the_backend(tmp_path):
+    out = tmp_path / "gpu.json"
+    cmd = [sys.executable, "-m", "zjax.cli", "plan", "--model", "tiny", "--mesh", "dp=8", "--stages", "3",
+           "--target", "h100", "--budget", "80%", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "compiled by XLA:GPU for NVIDIA H100 80GB HBM3 (deviceless)" in proc.stdout
+    assert "x 80% (the allocator's share)" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["backend"] == "gpu" and data["rows"][0]["backend"] == "gpu"
+    assert data["rows"][0]["comm_by_axes"].keys() == {"dp"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "zjax.cli", "plan", "--target", "tpu9"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert proc.returncode == 2 and "known targets: ['a100', 'b200', 'h100', 'h200']" in proc.stderr
