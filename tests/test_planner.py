@@ -160,3 +160,38 @@ def test_llama2_7b_on_64_devices(tmp_path):
         assert row["compiled"]["state"] == pytest.approx(state, rel=0.01)
         assert row["compile_seconds"] < 120
     assert png.stat().st_size > 10_000
+
+
+COND_HLO = """
+HloModule c
+
+%small (p: f32[16]) -> f32[16] {
+  %p = f32[16] parameter(0)
+  ROOT %g = f32[16] all-reduce(%p), channel_id=1, replica_groups=[1,8]<=[8], to_apply=%add
+}
+
+%big (p: f32[16]) -> f32[16] {
+  %p = f32[16] parameter(0)
+  %q = f8e4m3fn[1024] all-gather(%p), channel_id=2, replica_groups=[1,8]<=[8], dimensions={0}
+  %r = s4[1024] all-gather(%p), channel_id=3, replica_groups=[1,8]<=[8], dimensions={0}
+  ROOT %o = f32[16] bitcast(%q)
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (i: s32[], x: f32[16]) -> f32[16] {
+  %i = s32[] parameter(0)
+  %x = f32[16] parameter(1)
+  ROOT %c = f32[16] conditional(%i, %x, %x), branch_computations={%small, %big}
+}
+"""
+
+
+def test_a_conditional_counts_its_larger_branch_and_narrow_dtypes_have_bytes():
+    comm = count_collectives(COND_HLO)
+    assert comm.volume["all-reduce"] == 0  # the smaller branch is not counted on top
+    assert comm.volume["all-gather"] == 1024 + 512  # fp8: 1 byte, int4: half a byte per element

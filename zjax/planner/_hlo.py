@@ -23,9 +23,11 @@ from typing import Any
 import numpy as np
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {
+_DTYPE_BYTES: dict[str, float] = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
+    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+    "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1, "f8e3m4": 1,
+    "f8e8m0fnu": 1, "s4": 0.5, "u4": 0.5, "f4e2m1fn": 0.5, "s2": 0.25, "u2": 0.25, "s1": 0.125, "u1": 0.125,
 }  # fmt: skip
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
@@ -33,11 +35,11 @@ _HEADER = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 
 
 def _bytes(type_text: str) -> int:
-    total = 0
+    total = 0.0
     for dtype, dims in _ARRAY.findall(type_text):
-        if dtype in _DTYPE_BYTES:
-            total += math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dtype]
-    return total
+        if dtype in _DTYPE_BYTES:  # sub-byte types pack: 2 x int4 per byte, rounded up per array
+            total += math.ceil(math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dtype])
+    return int(total)
 
 
 _MESH_GROUPS = re.compile(
@@ -146,6 +148,11 @@ def _callees(attrs: str) -> list[str]:
     return names
 
 
+def _direct_volume(comps: dict[str, list[_Instr]], name: str) -> int:
+    """Result bytes of the collectives directly in computation ``name`` (to pick a conditional's branch)."""
+    return sum(_bytes(i.type_text) for i in comps.get(name, []) if i.opcode.removesuffix("-start") in KINDS)
+
+
 def _multiplicities(comps: dict[str, list[_Instr]], entry: str) -> tuple[dict[str, int], set[str]]:
     """Trips per step of every computation reachable from ``entry``, and those inside a ``while`` body."""
     mult: dict[str, int] = defaultdict(int)
@@ -160,10 +167,15 @@ def _multiplicities(comps: dict[str, list[_Instr]], entry: str) -> tuple[dict[st
                 body = re.search(r"body=%?([\w.\-]+)", instr.rest)
                 if body:
                     visit(body.group(1), factor * _trip_count(instr, comps), True)
-            elif instr.opcode in ("call", "conditional"):
+            elif instr.opcode == "call":
                 for callee in _callees(instr.rest):
                     if callee in comps and callee != name:
                         visit(callee, factor, in_loop)
+            elif instr.opcode == "conditional":
+                # one branch runs per execution: count the one that communicates most, not all of them
+                branches = [c for c in _callees(instr.rest) if c in comps and c != name]
+                if branches:
+                    visit(max(branches, key=lambda c: _direct_volume(comps, c)), factor, in_loop)
 
     visit(entry, 1, False)
     return mult, looped

@@ -1,0 +1,111 @@
+"""What only a GPU can measure, in one script (under 10 minutes on one H100); tiny sizes elsewhere.
+
+    python benchmarks/gpu_suite.py [--json runs/gpu_suite.json] [--tiny]
+
+1. Fused AdamW: GB/s of the Pallas kernel beside a device copy of the same bytes and optax.adamw
+   (benchmarks/optimizer_update.py; goal: the kernel >= 90% of the copy).
+2. Planned vs measured peak memory of a train step: the compiled program's ``argument + output - alias +
+   temp`` beside ``device.memory_stats()["peak_bytes_in_use"]`` after the steps (goal: within 10%).
+3. Step time and MFU of a LLaMA-shaped decoder at each ZeRO stage (compiled FLOPs per step over the
+   device's dense bf16 peak; "unknown device" where there is no peak to compare with, e.g. a CPU).
+
+On a CPU it runs everything at tiny sizes so that it stays alive in CI; its figures then mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def step_figures(stage: int, tiny: bool) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import zjax
+    from zjax.models import PRESETS, Decoder, DecoderConfig, lm_loss
+    from zjax.planner._gpu import cost_analysis
+    from zjax.planner._targets import peak_flops
+
+    cfg = (
+        PRESETS["tiny"]
+        if tiny
+        else DecoderConfig(
+            vocab=32000, embed=2048, layers=16, heads=16, head_dim=128, mlp=5632, max_len=2048, remat="dots"
+        )
+    )
+    n = jax.device_count()
+    rows = max(n, 8 if tiny else 8 * n)
+    model = Decoder(cfg)
+    plan = zjax.Plan(zjax.make_mesh(dp=n), stage=stage, precision="bf16")
+    init = lambda r: model.init(r, jnp.zeros((1, cfg.max_len), jnp.int32))["params"]  # noqa: E731
+    state = plan.init(init, optax.adamw(1e-4), jax.random.key(0))
+    step = plan.train_step(lambda p, b: lm_loss(model, p, b))
+    tokens = np.random.RandomState(0).randint(0, cfg.vocab, (rows, cfg.max_len + 1)).astype(np.int32)
+    batch = plan.shard_batch(tokens)
+    compiled = step.lower(state, batch).compile()
+    report = step.memory_report(state, batch, compiled=compiled)
+    state, m = step(state, batch)
+    jax.block_until_ready(m["loss"])
+    times = []
+    for _ in range(3 if tiny else 10):
+        start = time.perf_counter()
+        state, m = step(state, batch)
+        jax.block_until_ready(m["loss"])
+        times.append(time.perf_counter() - start)
+    seconds = sorted(times)[len(times) // 2]
+    stats = jax.devices()[0].memory_stats() or {}
+    measured = stats.get("peak_bytes_in_use")
+    flops = (cost_analysis(compiled) or {}).get("flops")
+    peak = peak_flops(jax.devices()[0].device_kind)
+    return {
+        "stage": stage,
+        "params": cfg.num_params,
+        "step_seconds": seconds,
+        "tokens_per_second": rows * cfg.max_len / seconds,
+        "planned_peak_bytes": report.peak_bytes,
+        "measured_peak_bytes": measured,
+        "peak_ratio": None if measured is None else measured / report.peak_bytes,
+        "flops_per_device": flops,  # XLA counts a scanned layer body once: a lower bound on MFU
+        "mfu": None if (flops is None or peak is None) else flops / seconds / peak,
+        "device": "unknown device" if peak is None else jax.devices()[0].device_kind,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes (the default without a GPU)")
+    args = parser.parse_args()
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)  # only the CPU backend reads it (before it starts)
+    tiny = args.tiny or jax.default_backend() != "gpu"
+    import optimizer_update
+
+    out: dict = {"device": str(jax.devices()[0].device_kind), "tiny": tiny}
+    out["fused_adamw"] = optimizer_update.main(["--params", str(1 << 16 if tiny else 1 << 28), "--repeats", "3"])
+    out["steps"] = [step_figures(stage, tiny) for stage in range(4)]
+    print(f"{'stage':>5}{'step s':>10}{'tok/s':>12}{'planned GB':>12}{'measured GB':>13}{'MFU':>8}")
+    for r in out["steps"]:
+        measured = "-" if r["measured_peak_bytes"] is None else f"{r['measured_peak_bytes'] / 1e9:.3f}"
+        mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
+        print(
+            f"{r['stage']:>5}{r['step_seconds']:>10.4f}{r['tokens_per_second']:>12,.0f}"
+            f"{r['planned_peak_bytes'] / 1e9:>12.3f}{measured:>13}{mfu:>8}"
+        )
+    if args.json is not None:
+        from zjax import write_json_atomic
+
+        write_json_atomic(args.json, out)
+        print(f"written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()
