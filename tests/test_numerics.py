@@ -55,7 +55,7 @@ def test_tp_matches_pure_dp(reference):
         assert abs(got - want) <= 1e-5 * abs(want)
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, pytest.param(3, marks=pytest.mark.slow)])
 def test_accumulation_equals_big_batch(stage):
     """k microbatches of B/k accumulate to the same step as one batch of B."""
     data = mlp_batches(3, size=64)

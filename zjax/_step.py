@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import flax.linen as nn
 import jax
@@ -18,6 +18,8 @@ from ._layout import StateLayout
 from ._memory import MemoryReport, memory_report
 from ._state import MixedPrecisionState, TrainState
 from .sharding._batch import check_batch
+from .sharding._mesh import data_axes, data_size
+from .sharding._rules import Rules
 
 if TYPE_CHECKING:
     from ._plan import Plan
@@ -49,6 +51,16 @@ def _takes(fn: Callable, name: str) -> bool:
 
 def _is_spec(x: Any) -> bool:
     return isinstance(x, PartitionSpec)
+
+
+def _without_axes(rules: Any, drop: set[str]) -> tuple[tuple[str, Any], ...]:
+    """Logical axis rules with the mesh axes in ``drop`` taken out of every target."""
+    out = []
+    for name, target in rules:
+        axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        kept = tuple(a for a in axes if a not in drop)
+        out.append((name, None if not kept else kept[0] if len(kept) == 1 else kept))
+    return tuple(out)
 
 
 def _tree_where(pred: jax.Array, new: Any, old: Any) -> Any:
@@ -266,12 +278,77 @@ class TrainStep(_CompiledFn):
         aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
         return jnp.mean(losses), aux, acc, model_state
 
+    def _defers_reduction(self, layout: StateLayout, model_state: Any) -> bool:
+        """Stages 0 and 1 with accumulation: reduce the gradients once per step, not once per microbatch."""
+        return (
+            self.accum_steps > 1
+            and not layout.stage.shard_gradients
+            and self.plan.pipeline is None  # the pipeline reduces once per step at its own boundary
+            and not jax.tree.leaves(model_state)  # batch statistics stay global-batch statistics
+            and data_size(self.plan.mesh) > 1
+        )
+
+    def _grads_per_rank(self, layout: StateLayout, params: Any, batch: Any, scale: jax.Array, rng: jax.Array):
+        """Accumulation without a reduction per microbatch (stages 0 and 1, like DDP's ``no_sync``).
+
+        A ``shard_map`` manual over the data axes (tp stays with GSPMD) gives every data-parallel rank its
+        own rows; it sums its microbatch gradients, unreduced, into its fp32 accumulator; after the loop
+        the ranks' accumulators are summed once, straight into the optimizer's layout (a reduce-scatter at
+        stage 1, an all-reduce at stage 0): ZeRO's 2 psi per step for every ``accum_steps``. Microbatch
+        ``i`` holds the same rows as without it; each rank's dropout key is folded with its index.
+        """
+        mesh, k = self.plan.mesh, self.accum_steps
+        axes, n = data_axes(mesh), data_size(mesh)
+        rules = _without_axes(cast(Rules, self.plan.rules).activations_for(mesh), set(axes))
+
+        def local(p, rows, key):
+            key = jax.random.fold_in(key, jax.lax.axis_index(axes))
+
+            def scaled(p, b, i):
+                out = self.loss_fn(p, b, rng=jax.random.fold_in(key, i)) if self._takes_rng else self.loss_fn(p, b)
+                loss, aux = out if isinstance(out, tuple) else (out, None)
+                if jnp.ndim(loss) != 0:
+                    raise ValueError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}.")
+                return loss.astype(jnp.float32) * scale / n, (loss.astype(jnp.float32), aux)
+
+            def body(acc, xs):
+                i, microbatch = xs
+                grads, (loss, aux) = jax.grad(scaled, has_aux=True)(p, microbatch, i)
+                return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads), (loss, aux)
+
+            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p)
+            # each rank sees only its own rows: activation rules must not split them over the data axes again
+            with nn.logical_axis_rules(rules):
+                acc, (losses, auxes) = jax.lax.scan(body, zeros, (jnp.arange(k), _split_microbatches(rows, k)))
+            aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
+            lead = lambda x: jnp.asarray(x)[None]  # noqa: E731 - one entry per rank, split over the data axes
+            return jax.tree.map(lead, acc), lead(jnp.mean(losses)), jax.tree.map(lead, aux)
+
+        data = PartitionSpec(axes)
+        acc, losses, auxes = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(PartitionSpec(), data, PartitionSpec()),
+            out_specs=data,
+            axis_names=set(axes),
+            check_vma=False,
+        )(params, batch, rng)
+        grads = jax.tree.map(lambda a: jnp.sum(a, axis=0), acc)  # the one reduction of the step
+        aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
+        return jnp.mean(losses), aux, _constrain(grads, layout.master_specs, mesh)
+
     def _step(self, layout: StateLayout, state: TrainState, batch: Any):
         plan, mesh = self.plan, self.plan.mesh
         precision = plan.precision
         scale = state.loss_scale.scale
         next_rng, step_rng = jax.random.split(state.rng)
-        loss, aux, grads, model_state = self._grads(layout, state.params, state.model_state, batch, scale, step_rng)
+        if self._defers_reduction(layout, state.model_state):
+            loss, aux, grads = self._grads_per_rank(layout, state.params, batch, scale, step_rng)
+            model_state = state.model_state
+        else:
+            loss, aux, grads, model_state = self._grads(
+                layout, state.params, state.model_state, batch, scale, step_rng
+            )
 
         grads = _constrain(grads, layout.master_specs, mesh)
         inv = 1.0 / (scale * self.accum_steps)
