@@ -346,9 +346,7 @@ class TrainStep(_CompiledFn):
             loss, aux, grads = self._grads_per_rank(layout, state.params, batch, scale, step_rng)
             model_state = state.model_state
         else:
-            loss, aux, grads, model_state = self._grads(
-                layout, state.params, state.model_state, batch, scale, step_rng
-            )
+            loss, aux, grads, model_state = self._grads(layout, state.params, state.model_state, batch, scale, step_rng)
 
         grads = _constrain(grads, layout.master_specs, mesh)
         inv = 1.0 / (scale * self.accum_steps)
