@@ -86,13 +86,15 @@ def test_stage2_shards_the_accumulation_buffer():
     assert temps[1] - temps[2] >= (1 - 1 / 8) * grad_bytes, temps
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1])
-def test_accumulation_reduces_once_per_step_at_stages_0_and_1(stage):
+def test_accumulation_reduces_once_per_step_at_stages_0_and_1(stage, precision):
     """Stage 0/1 with 8 microbatches: no gradient reduction over dp inside the accumulation loop, and the
-    per-step dp bytes equal those of one microbatch (ZeRO's 2 psi, not 2 psi per microbatch)."""
+    per-step dp bytes equal those of one microbatch (ZeRO's 2 psi, not 2 psi per microbatch; in bf16 the
+    fp32 accumulator is reduced in bf16, as the gradients are without accumulation)."""
     mesh = zjax.make_mesh(dp=4, tp=2)
     init_fn, loss_fn = linen_mlp_task()
-    plan = zjax.Plan(mesh, stage=stage, precision="fp32")
+    plan = zjax.Plan(mesh, stage=stage, precision=precision)
     state = plan.abstract_state(init_fn, optax.sgd(0.1), jax.random.key(0))
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), regression_batch(64))
     shape = dict(mesh.shape)

@@ -53,6 +53,11 @@ def _is_spec(x: Any) -> bool:
     return isinstance(x, PartitionSpec)
 
 
+def _sum_leading(x: jax.Array) -> jax.Array:
+    """Sum over the leading axis in ``x``'s own dtype (``jnp.sum`` would reduce bf16 in f32)."""
+    return jax.lax.reduce(x, jnp.zeros((), x.dtype), jax.lax.add, (0,))
+
+
 def _without_axes(rules: Any, drop: set[str]) -> tuple[tuple[str, Any], ...]:
     """Logical axis rules with the mesh axes in ``drop`` taken out of every target."""
     out = []
@@ -333,7 +338,9 @@ class TrainStep(_CompiledFn):
             axis_names=set(axes),
             check_vma=False,
         )(params, batch, rng)
-        grads = jax.tree.map(lambda a: jnp.sum(a, axis=0), acc)  # the one reduction of the step
+        # the one reduction of the step, in the gradients' own dtype as without accumulation (bf16 moves half
+        # the bytes of the fp32 partial sums)
+        grads = jax.tree.map(lambda a, p: _sum_leading(a.astype(p.dtype)), acc, params)
         aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
         return jnp.mean(losses), aux, _constrain(grads, layout.master_specs, mesh)
 
