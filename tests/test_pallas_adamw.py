@@ -108,41 +108,9 @@ def test_kernel_reads_and_writes_each_byte_once():
     assert per_param == 28
 
 
-@pytest.mark.parametrize(("group_bytes", "launches"), [(4 << 20, 1), (0, 2)])
-def test_lowers_for_cuda_under_shard_map_without_gathering(group_bytes, launches):
-    """Small leaves share one launch (a constant-size buffer); with grouping off each leaf gets its own."""
+def sharded_update(tx, specs):
+    """``(update, args)``: the fused update of a dp x tp sharded state (``w`` (64, 32), ``b`` (40,)), told ``specs``."""
     mesh = zjax.make_mesh(dp=4, tp=2)
-    config = FusedAdamWConfig(group_bytes=group_bytes)
-    tx = fused_adamw(1e-3, implementation="pallas", interpret=False, config=config)
-    specs = {"w": P("dp", "tp"), "b": P("dp")}
-    shapes = {"w": (64, 32), "b": (40,)}
-
-    def sds(dtype):
-        return {k: jax.ShapeDtypeStruct(v, dtype, sharding=NamedSharding(mesh, specs[k])) for k, v in shapes.items()}
-
-    def update(g, state, master):
-        return tx.fused_apply(
-            g, state, master, compute_dtype=jnp.bfloat16, inv_scale=jnp.float32(1.0), apply=jnp.float32(1.0),
-            mesh=mesh, specs=specs,
-        )  # fmt: skip
-
-    count = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
-    exported = jax.export.export(
-        jax.jit(update), platforms=["cuda"], disabled_checks=[DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)]
-    )(sds(jnp.bfloat16), FusedAdamWState(count, sds(jnp.float32), sds(jnp.float32)), sds(jnp.float32))
-    text = exported.mlir_module()
-    assert text.count(TRITON_CUSTOM_CALL) == launches  # on the local shards
-
-
-@pytest.mark.parametrize(
-    ("specs", "gathers"), [({"w": P("dp", "tp"), "b": P("dp")}, False), ({"w": P(), "b": P()}, True)]
-)
-def test_the_partitioned_update_gathers_nothing(specs, gathers):
-    """The kernel runs inside shard_map on each device's shard: the program after SPMD partitioning has no
-    all-gather (collectives only exist there, not in exported StableHLO). Told the wrong specs (whole
-    leaves), the same update must gather the sharded inputs: the check can fail."""
-    mesh = zjax.make_mesh(dp=4, tp=2)
-    tx = fused_adamw(1e-3, implementation="pallas", interpret=True)
     placed = {"w": P("dp", "tp"), "b": P("dp")}
     shapes = {"w": (64, 32), "b": (40,)}
 
@@ -156,10 +124,31 @@ def test_the_partitioned_update_gathers_nothing(specs, gathers):
         )  # fmt: skip
 
     count = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
-    lowered = jax.jit(update).lower(
-        sds(jnp.bfloat16), FusedAdamWState(count, sds(jnp.float32), sds(jnp.float32)), sds(jnp.float32)
-    )
-    _, hlo = partitioned_hlo(lowered)
+    return update, (sds(jnp.bfloat16), FusedAdamWState(count, sds(jnp.float32), sds(jnp.float32)), sds(jnp.float32))
+
+
+SPECS = {"w": P("dp", "tp"), "b": P("dp")}
+
+
+@pytest.mark.parametrize(("group_bytes", "launches"), [(4 << 20, 1), (0, 2)])
+def test_lowers_for_cuda_under_shard_map_without_gathering(group_bytes, launches):
+    """Small leaves share one launch (a constant-size buffer); with grouping off each leaf gets its own."""
+    config = FusedAdamWConfig(group_bytes=group_bytes)
+    tx = fused_adamw(1e-3, implementation="pallas", interpret=False, config=config)
+    update, args = sharded_update(tx, SPECS)
+    exported = jax.export.export(
+        jax.jit(update), platforms=["cuda"], disabled_checks=[DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)]
+    )(*args)
+    assert exported.mlir_module().count(TRITON_CUSTOM_CALL) == launches  # on the local shards
+
+
+@pytest.mark.parametrize(("specs", "gathers"), [(SPECS, False), ({"w": P(), "b": P()}, True)])
+def test_the_partitioned_update_gathers_nothing(specs, gathers):
+    """The kernel runs inside shard_map on each device's shard: the program after SPMD partitioning has no
+    all-gather (collectives only exist there, not in exported StableHLO). Told the wrong specs (whole
+    leaves), the same update must gather the sharded inputs: the check can fail."""
+    update, args = sharded_update(fused_adamw(1e-3, implementation="pallas", interpret=True), specs)
+    _, hlo = partitioned_hlo(jax.jit(update).lower(*args))
     kinds = [c.kind for c in collectives(hlo)]
     assert ("all-gather" in kinds) == gathers, kinds
 
@@ -208,3 +197,16 @@ def test_example_lm_20_steps_fused_vs_optax():
     got, _, _ = train(decoder_task(), data, stage=3, precision="bf16", tx=fused_adamw(3e-3, weight_decay=0.1))
     np.testing.assert_allclose(got, ref, rtol=1e-3)  # measured 1.8e-4; bf16 eps is 7.8e-3
     assert got[-1] < got[0]
+
+
+def test_a_shard_too_long_for_int32_offsets_is_refused():
+    tx = fused_adamw(1e-3, implementation="pallas", interpret=True)
+    big = jax.ShapeDtypeStruct((2**31,), jnp.float32)
+    with pytest.raises(ValueError, match=r"local shard of 2,147,483,648 elements is too long .* implementation='xla'"):
+        jax.eval_shape(
+            lambda g, p: tx.fused_apply(
+                {"w": g}, tx.init({"w": p}), {"w": p}, compute_dtype=jnp.bfloat16, inv_scale=jnp.float32(1.0),
+                apply=jnp.float32(1.0), mesh=None, specs={"w": P()},
+            ),
+            jax.ShapeDtypeStruct((2**31,), jnp.bfloat16), big,
+        )  # fmt: skip

@@ -78,6 +78,7 @@ class MemoryReport:
     unsharded: tuple[Unsharded, ...]
     flops: float | None = None  # per device, from cost_analysis (a scanned layer's body counted once)
     params_per_group: float = 0.0  # parameters per model-parallel (tp x pp) group: psi / tp for tp-split leaves
+    host_bytes: int = 0  # host memory the program uses per device (host_* of memory_analysis: offloaded buffers)
 
     @property
     def state_theory(self) -> int:
@@ -110,6 +111,7 @@ class MemoryReport:
             "alias_bytes": self.alias_bytes,
             "peak_bytes": self.peak_bytes,
             "flops": self.flops,
+            "host_bytes": self.host_bytes,
             "dp_replicated": [dataclasses.asdict(u) for u in self.unsharded],
         }
 
@@ -208,6 +210,12 @@ def memory_report(plan: Plan, state: TrainState, batch: Any, step: TrainStep, co
         unsharded=tuple(state.layout.unsharded),
         flops=_flops(compiled),
         params_per_group=psi_mp,
+        host_bytes=int(
+            getattr(analysis, "host_argument_size_in_bytes", 0)
+            + getattr(analysis, "host_output_size_in_bytes", 0)
+            - getattr(analysis, "host_alias_size_in_bytes", 0)
+            + getattr(analysis, "host_temp_size_in_bytes", 0)
+        ),
     )
 
 

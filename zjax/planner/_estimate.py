@@ -212,7 +212,12 @@ def estimate_fn(
             "grads": report.theory["gradients"],
         }
         theory["total"] = sum(theory.values())
-        compiled_bytes = {"state": report.state_compiled, "temp": report.temp_bytes, "total": report.peak_bytes}
+        compiled_bytes = {
+            "state": report.state_compiled,
+            "temp": report.temp_bytes,
+            "total": report.peak_bytes,
+            "host": report.host_bytes,  # host_* of memory_analysis (0 on a deviceless compile: memory kinds drop)
+        }
         rows.append(
             Row(
                 stage=plan.stage.level,

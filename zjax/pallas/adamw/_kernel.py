@@ -19,6 +19,7 @@ from ._config import FusedAdamWConfig
 from ._reference import adamw_math
 
 NUM_SCALARS = 16
+_MAX_OFFSET = 2**31 - 1  # program_id * block_size and the element index are int32 inside the kernel
 
 
 def _kernel(s_ref, g_ref, p_ref, m_ref, v_ref, p_out, m_out, v_out, c_out, *, n: int, block: int):
@@ -41,6 +42,12 @@ def adamw_kernel(scalars, grad, master, m, v, compute_dtype, config: FusedAdamWC
     """Run the kernel on flat arrays: ``(new_master, new_m, new_v, new_compute)``."""
     n = master.shape[0]
     block = config.block_size
+    if n + block > _MAX_OFFSET:
+        raise ValueError(
+            f"fused_adamw: a local shard of {n:,} elements is too long for the Pallas kernel, whose offsets are "
+            f"int32 (at most {_MAX_OFFSET - block:,} with block_size={block}). Shard the leaf further (a higher "
+            "ZeRO stage, more dp or tp) or use implementation='xla'."
+        )
     f32 = jax.ShapeDtypeStruct((n,), jnp.float32)
     call = pl.pallas_call(
         functools.partial(_kernel, n=n, block=block),
