@@ -93,7 +93,8 @@ def test_compiled_state_matches_theory(small_estimate):
     assert set(d) >= {"model", "params", "mesh", "rows"}
     assert set(d["rows"][0]) >= {"stage", "remat", "theory", "compiled", "comm_bytes", "compile_seconds"}
     assert set(d["rows"][0]["theory"]) >= {"params", "optimizer", "grads", "total"}
-    assert set(d["rows"][0]["compiled"]) == {"state", "temp", "total"}
+    assert set(d["rows"][0]["compiled"]) == {"state", "temp", "total", "host"}
+    assert d["backend"] == "cpu" and all(r["backend"] == "cpu" and r["compiled"]["host"] == 0 for r in d["rows"])
 
 
 def test_mesh_larger_than_devices_is_a_clear_error():
