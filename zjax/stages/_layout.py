@@ -7,9 +7,9 @@ from typing import Any, cast
 
 import jax
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
-from ..sharding._annotations import Leaf, path_str
+from ..sharding._annotations import Leaf
 from ..sharding._axes import DP
 from ._placement import add_axis
 from ._stage import Stage
@@ -51,20 +51,6 @@ class Layout:
             sharded, reason = add_axis(spec, leaf.shape, DP, sizes)
             placements.append(Placement(leaf, spec, sharded, reason))
         return cls(stage, mesh, treedef, tuple(placements))
-
-    @classmethod
-    def from_params(cls, stage: Stage, mesh: Mesh, params: Any) -> Layout:
-        """Recover the layout from parameters that already carry their shardings (e.g. a state).
-
-        The compute spec of a leaf is its sharding spec without ``dp``; the dp placement is
-        deterministic, so this gives back the layout the parameters were created with.
-        """
-        flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-        leaves, compute = [], []
-        for path, x in flat:
-            leaves.append(Leaf(path_str(path), tuple(x.shape), x.dtype, None))
-            compute.append(_without(_spec_of(x), DP))
-        return cls.build(stage, mesh, treedef, leaves, compute)
 
     def _tree(self, pick) -> Any:
         return jax.tree_util.tree_unflatten(self.treedef, [pick(p) for p in self.placements])
@@ -130,22 +116,6 @@ class Layout:
             )
         except Exception:  # noqa: BLE001 - transforms whose init rejects optax's placeholder
             return _map_by_structure(state, masters, inherit, own)
-
-
-def _spec_of(x: Any) -> PartitionSpec:
-    sharding = getattr(x, "sharding", None)
-    return sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
-
-
-def _without(spec: PartitionSpec, axis: str) -> PartitionSpec:
-    entries = []
-    for entry in spec:
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        kept = tuple(a for a in axes if a != axis)
-        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-    while entries and entries[-1] is None:
-        entries.pop()
-    return PartitionSpec(*entries)
 
 
 @dataclasses.dataclass(frozen=True)
