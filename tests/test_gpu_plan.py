@@ -17,7 +17,7 @@ import pytest
 import zjax
 from zjax.models import PRESETS, Decoder, lm_loss
 from zjax.planner import count_collectives, zero_bytes
-from zjax.planner._gpu import budget, cost_analysis, gpu_devices
+from zjax.planner._gpu import budget, cost_analysis, cudnn_for_target, gpu_devices
 from zjax.planner._hlo import collectives
 from zjax.planner._targets import get_target, target_names, topology_string
 
@@ -66,7 +66,8 @@ def _compiled(stage: int, tx=None, rows: int = 16):
     )
     step = plan.train_step(lambda p, b: lm_loss(model, p, b))
     batch = jax.ShapeDtypeStruct((rows, CFG.max_len + 1), jnp.int32)
-    compiled = step.lower(state, batch).compile()
+    with cudnn_for_target("h100"):  # what the planner does for a GPU target
+        compiled = step.lower(state, batch).compile()
     return compiled, step.memory_report(state, batch, compiled=compiled), plan
 
 
@@ -94,6 +95,29 @@ def test_gpu_state_bytes_match_the_zero_formula(gpu_steps):
         analytic = zero_bytes(report.num_params, 8, stage)
         assert report.state_compiled == pytest.approx(analytic["params"] + analytic["optimizer"], rel=0.01)
     assert gpu_steps[3][1].state_compiled < gpu_steps[0][1].state_compiled / 7
+
+
+def test_attention_runs_on_cudnn_for_the_gpu_target_and_on_xla_here(gpu_steps):
+    text = gpu_steps[3][0].as_text()
+    assert 'custom_call_target="__cudnn$fmhaSoftmax"' in text  # forward (and its remat recompute)
+    assert 'custom_call_target="__cudnn$fmhaSoftmaxBackward"' in text
+    from zjax.models._attention import attention_implementation
+
+    assert attention_implementation(jnp.bfloat16) == "xla"  # this process's CPU devices
+
+
+def test_cudnn_checks_answer_for_the_target_and_are_restored():
+    """JAX asks the local backend (a CPU: 'pre-Hopper', no cuDNN); for a target the answers are the target's."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    q = jax.ShapeDtypeStruct((2, 128, 4, 256), jnp.bfloat16)  # head_dim 256: Hopper and later only
+    original = fa.check_compute_capability
+    with cudnn_for_target("h100"):
+        assert fa.check_compute_capability("9.0") and fa.check_cudnn_version() == 91000
+        fa.check_is_flash_attention(q, q, q, 0, fa.check_cudnn_version(), False, True)
+    with cudnn_for_target("a100"), pytest.raises(NotImplementedError, match="must be <= 128"):
+        fa.check_is_flash_attention(q, q, q, 0, fa.check_cudnn_version(), False, True)
+    assert fa.check_compute_capability is original
 
 
 def test_cost_analysis_works_without_a_client(gpu_steps):

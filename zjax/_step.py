@@ -18,7 +18,7 @@ from ._layout import StateLayout
 from ._memory import MemoryReport, memory_report
 from ._state import MixedPrecisionState, TrainState
 from .sharding._batch import check_batch
-from .sharding._mesh import data_axes, data_size
+from .sharding._mesh import data_axes, data_size, use_mesh_platform
 from .sharding._rules import Rules
 
 if TYPE_CHECKING:
@@ -114,6 +114,7 @@ class _CompiledFn:
         stack.enter_context(jax.set_mesh(self.plan.mesh))
         stack.enter_context(nn.logical_axis_rules(self.plan.rules.activations_for(self.plan.mesh)))
         stack.enter_context(pipeline.use(self.plan.pipeline))
+        stack.enter_context(use_mesh_platform(self.plan.mesh))  # cuDNN attention for GPU meshes
         return stack
 
     def _build(self, layout: StateLayout, state: TrainState, batch: Any) -> Any:

@@ -17,6 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from .. import pipeline
 from ..remat import RematPolicy, gather_checkpoint, linen_scan, partition_checkpoint
+from ._attention import causal_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,11 +99,7 @@ class Block(nn.Module):
         q = _rope(checkpoint_name(jnp.einsum("bse,ehd->bshd", h, wq), "qkv_proj"))
         k = _rope(checkpoint_name(jnp.einsum("bse,ehd->bshd", h, wk), "qkv_proj"))
         v = checkpoint_name(jnp.einsum("bse,ehd->bshd", h, wv), "qkv_proj")
-        scores = jnp.einsum("bshd,bthd->bhst", q, k).astype(jnp.float32) / jnp.sqrt(c.head_dim)
-        seq = x.shape[1]
-        causal = jnp.tril(jnp.ones((seq, seq), bool))
-        probs = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1).astype(x.dtype)
-        attn = jnp.einsum("bhst,bthd->bshd", probs, v)
+        attn = causal_attention(q, k, v)  # cuDNN flash attention on GPUs, XLA elsewhere
         x = x + checkpoint_name(jnp.einsum("bshd,hde->bse", attn, wo), "out_proj")
 
         w_gate = _param(self, "w_gate", (c.embed, c.mlp), ("embed", "mlp"))

@@ -17,7 +17,7 @@ from ..models import PRESETS, Decoder, DecoderConfig, lm_loss
 from ..pipeline import Pipeline
 from ..sharding._mesh import make_mesh
 from ..stages import Stage
-from ._gpu import cost_analysis, gpu_devices
+from ._gpu import cost_analysis, cudnn_for_target, gpu_devices
 from ._hlo import Communication, count_collectives, partitioned_hlo
 
 
@@ -196,12 +196,13 @@ def estimate_fn(
         plan = Plan(device_mesh, stage=stage, precision=precision, pipeline=schedule)
         state = plan.abstract_state(init_fn, tx, jax.random.key(0))
         step = plan.train_step(loss_fn, accum_steps=accum)
-        lowered = step.lower(state, batch)
         if target is not None:  # the scheduled GPU program: async collectives, real reduce-scatters, bf16
+            with cudnn_for_target(target):  # cuDNN attention is checked against the target, not this CPU
+                lowered = step.lower(state, batch)
             compiled = lowered.compile()
             hlo = compiled.as_text()
         else:  # XLA:CPU: read right after SPMD partitioning (later CPU passes upcast and split collectives)
-            compiled, hlo = partitioned_hlo(lowered)
+            compiled, hlo = partitioned_hlo(step.lower(state, batch))
         report = step.memory_report(state, batch, compiled=compiled)
         psi = report.num_params
         comm = count_collectives(hlo, dict(device_mesh.shape))

@@ -7,10 +7,12 @@ plugin looks for a GPU and fails.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -50,6 +52,36 @@ def gpu_devices(target: str | GpuTarget, count: int) -> list[Any]:
             "matches jaxlib's."
         ) from e
     return list(topo.devices)
+
+
+@contextlib.contextmanager
+def cudnn_for_target(target: str | GpuTarget) -> Iterator[None]:
+    """Answer JAX's cuDNN attention checks for ``target`` while a step is traced for it.
+
+    ``jax.nn.dot_product_attention(implementation="cudnn")`` asks the *local* backend for the compute
+    capability (a CPU here: every Hopper/Blackwell-only shape, e.g. head_dim 256, is rejected) and loads
+    cuDNN to read its version (absent: a RuntimeError). For a deviceless compile both answers come from the
+    target instead. This is the one place that touches those (private) checks.
+    """
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    spec = get_target(target)
+    have = spec.compute_capability
+
+    def at_least(capability: str) -> bool:
+        return have >= tuple(int(x) for x in capability.split("."))
+
+    def equal(capability: str) -> bool:
+        return have == tuple(int(x) for x in capability.split("."))
+
+    saved = (fa.check_cudnn_version, fa.check_compute_capability, fa.is_cuda_compute_capability_equal)
+    fa.check_cudnn_version = lambda: spec.cudnn_version  # type: ignore[assignment]
+    fa.check_compute_capability = at_least  # type: ignore[assignment]
+    fa.is_cuda_compute_capability_equal = equal  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        fa.check_cudnn_version, fa.check_compute_capability, fa.is_cuda_compute_capability_equal = saved
 
 
 def cost_analysis(compiled: Any) -> dict[str, float] | None:

@@ -48,6 +48,13 @@ class GpuTarget:
         return int(m.group(1))
 
     @property
+    def cudnn_version(self) -> int:
+        """cuDNN's version as JAX encodes it (9.10.0 -> 91000), from the target's ``dnn_version``."""
+        m = re.search(r'dnn_version:\s*"(\d+)\.(\d+)\.(\d+)"', self.text)
+        major, minor, patch = (int(x) for x in m.groups()) if m else (9, 0, 0)
+        return major * 10000 + minor * 100 + patch
+
+    @property
     def compute_capability(self) -> tuple[int, int]:
         block = re.search(r"cuda_compute_capability\s*\{([^}]*)\}", self.text)
         text = block.group(1) if block else ""

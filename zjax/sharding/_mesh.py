@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 from jax.experimental import mesh_utils
@@ -159,3 +161,22 @@ def process_spans(mesh: Mesh) -> dict[str, bool]:
         moved = mesh.devices.swapaxes(i, -1).reshape(-1, mesh.devices.shape[i])
         out[name] = any(len({d.process_index for d in group}) > 1 for group in moved)
     return out
+
+
+_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("zjax_mesh_platform", default=None)
+
+
+@contextlib.contextmanager
+def use_mesh_platform(mesh: Mesh) -> Iterator[None]:
+    """Record the platform of ``mesh``'s devices while a step is traced (``jax.sharding.get_mesh`` cannot be
+    asked inside ``jit``): a deviceless GPU mesh says ``"gpu"`` although this process runs on a CPU."""
+    token = _PLATFORM.set(str(mesh.devices.flat[0].platform))
+    try:
+        yield
+    finally:
+        _PLATFORM.reset(token)
+
+
+def mesh_platform() -> str:
+    """The platform of the devices the traced step runs on (:func:`use_mesh_platform`), else JAX's default."""
+    return _PLATFORM.get() or jax.default_backend()

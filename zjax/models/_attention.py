@@ -1,0 +1,27 @@
+"""Causal attention through ``jax.nn.dot_product_attention``, with the implementation chosen for the devices.
+
+cuDNN's fused (flash) attention on GPUs (bf16/fp16), XLA's elsewhere: the choice follows the devices of the
+mesh the step is traced under, so a deviceless compile for a GPU target (``zjax plan --target``) plans the
+cuDNN kernels a GPU run will use.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from ..sharding._mesh import mesh_platform
+
+
+def attention_implementation(dtype) -> Literal["cudnn", "xla"]:
+    """``"cudnn"`` for bf16/fp16 attention on a mesh of GPUs, ``"xla"`` otherwise (cuDNN has no fp32 kernel)."""
+    platform = mesh_platform()
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "cudnn" if platform == "gpu" and half else "xla"
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention of ``q, k, v [batch, seq, heads, head_dim]``: logits and softmax in fp32."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_implementation(q.dtype))
