@@ -5,7 +5,9 @@
     python examples/train_lm.py --stage 3 --mesh replica=2,dp=4 --processes 2   # HSDP, 2 processes x 4 devices
     python examples/train_lm.py --stage 1 --mesh dp=2,pp=4 --microbatches 8 --repeats 2   # circular pipeline
 
-With no accelerator the example runs on 8 simulated CPU devices. The text is the source of a few
+Started by a cluster (srun, mpirun, a Kubernetes Indexed Job, ZJAX_* variables) it joins that job; with
+--processes N and no cluster it launches N local processes itself. With no accelerator the example runs
+on 8 simulated CPU devices. The text is the source of a few
 modules of Python's own standard library, read from this interpreter's installation (no downloads).
 """
 
