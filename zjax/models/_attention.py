@@ -24,4 +24,9 @@ def attention_implementation(dtype) -> Literal["cudnn", "xla"]:
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal attention of ``q, k, v [batch, seq, heads, head_dim]``: logits and softmax in fp32."""
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_implementation(q.dtype))
+    implementation = attention_implementation(q.dtype)
+    if implementation == "xla" and q.dtype == jnp.float16 and mesh_platform() == "cpu":
+        # XLA's attention asks for fp16 x fp16 -> fp32 products, which XLA:CPU's dot does not implement
+        out = jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=True)
+        return out.astype(q.dtype)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
