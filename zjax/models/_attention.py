@@ -12,11 +12,16 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from .. import pipeline
 from ..sharding._mesh import mesh_platform
 
 
 def attention_implementation(dtype) -> Literal["cudnn", "xla"]:
     """``"cudnn"`` for bf16/fp16 attention on a mesh of GPUs, ``"xla"`` otherwise (cuDNN has no fp32 kernel)."""
+    if pipeline.current() is not None:
+        # inside the pipeline's vmap over pp, cuDNN attention's custom partitioner fails to partition
+        # (measured: an INTERNAL custom_partitioner error compiling for H100 with pp=2): XLA's there
+        return "xla"
     platform = mesh_platform()
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     return "cudnn" if platform == "gpu" and half else "xla"
