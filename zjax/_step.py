@@ -53,6 +53,14 @@ def _is_spec(x: Any) -> bool:
     return isinstance(x, PartitionSpec)
 
 
+def _loss_and_aux(out: Any) -> tuple[jax.Array, Any]:
+    """``loss_fn``'s result (``loss`` or ``(loss, aux)``) as ``(fp32 scalar loss, aux or None)``."""
+    loss, aux = out if isinstance(out, tuple) else (out, None)
+    if jnp.ndim(loss) != 0:
+        raise ValueError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}.")
+    return loss.astype(jnp.float32), aux
+
+
 def _sum_leading(x: jax.Array) -> jax.Array:
     """Sum over the leading axis in ``x``'s own dtype (``jnp.sum`` would reduce bf16 in f32)."""
     return jax.lax.reduce(x, jnp.zeros((), x.dtype), jax.lax.add, (0,))
@@ -254,10 +262,8 @@ class TrainStep(_CompiledFn):
                     )
                 out, ms = out
                 ms = _constrain(ms, layout.model_state_specs, mesh)
-            loss, aux = out if isinstance(out, tuple) else (out, None)
-            if jnp.ndim(loss) != 0:
-                raise ValueError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}.")
-            return loss.astype(jnp.float32) * scale, (loss.astype(jnp.float32), aux, ms)
+            loss, aux = _loss_and_aux(out)
+            return loss * scale, (loss, aux, ms)
 
         grad_fn = jax.grad(scaled, has_aux=True)
         k = self.accum_steps
@@ -312,10 +318,8 @@ class TrainStep(_CompiledFn):
 
             def scaled(p, b, i):
                 out = self.loss_fn(p, b, rng=jax.random.fold_in(key, i)) if self._takes_rng else self.loss_fn(p, b)
-                loss, aux = out if isinstance(out, tuple) else (out, None)
-                if jnp.ndim(loss) != 0:
-                    raise ValueError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}.")
-                return loss.astype(jnp.float32) * scale / n, (loss.astype(jnp.float32), aux)
+                loss, aux = _loss_and_aux(out)
+                return loss * scale / n, (loss, aux)
 
             def body(acc, xs):
                 i, microbatch = xs
