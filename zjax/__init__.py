@@ -2,6 +2,7 @@
 
 from . import checkpoint as checkpoint
 from . import distributed as distributed
+from . import hf as hf
 from . import pallas as pallas
 from . import pipeline as pipeline
 from . import planner as planner

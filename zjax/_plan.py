@@ -157,9 +157,11 @@ class Plan:
     def _make_state_fn(self, init_fn: Callable[[jax.Array], Any], tx: Any, layout: StateLayout | None):
         precision = self.precision
 
-        def make(rng: jax.Array) -> TrainState:
+        def make(rng: jax.Array, given: Any = None) -> TrainState:
             with nnx.use_eager_sharding(False):  # zjax places parameters; nnx must not on its own
                 params, model_state = _split_init(init_fn(rng))
+            if given is not None:  # the caller's values (XLA drops the unused initialisation)
+                params = given
 
             def cast(dtype):
                 return lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p
@@ -206,7 +208,14 @@ class Plan:
         )
         return state.replace(layout=layout)
 
-    def init(self, init_fn: Callable[[jax.Array], Any], tx: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+    def init(
+        self,
+        init_fn: Callable[[jax.Array], Any],
+        tx: optax.GradientTransformation,
+        rng: jax.Array,
+        *,
+        params: Any = None,
+    ) -> TrainState:
         """Create the training state directly in its sharded layout (never whole on one device).
 
         Args:
@@ -216,15 +225,27 @@ class Plan:
             ``zjax.Variables.nnx(Model(rngs=nnx.Rngs(r)))``).
           tx: any optax transformation; it updates the fp32 master weights.
           rng: a ``jax.random.key``.
+          params: start from these parameter values instead of ``init_fn``'s (pretrained weights, e.g.
+            from :func:`zjax.hf.load`); ``init_fn`` still gives the structure and logical axis names. Same
+            tree and shapes as ``init_fn``'s parameters, any placement (they are not modified).
 
         Returns:
           A :class:`TrainState` whose leaves are sharded as this plan's stage says; ``state.layout``
           records where each leaf lives.
         """
+        return self._init(init_fn, tx, rng, params, donate=False)
+
+    def _init(self, init_fn, tx, rng, params: Any, donate: bool) -> TrainState:
+        """:meth:`init`; ``donate`` lets fp32 ``params`` placed in the master layout become the master
+        weights without a copy (for callers that made them, e.g. :func:`zjax.hf.load`)."""
         abstract = self._abstract(init_fn, tx, rng)
         layout = abstract.layout
         make = self._make_state_fn(init_fn, abstract.tx, layout)
-        return jax.jit(make, out_shardings=layout.state_shardings(abstract.tx))(rng)
+        shardings = layout.state_shardings(abstract.tx)
+        if params is None:
+            return jax.jit(make, out_shardings=shardings)(rng)
+        _check_given(params, abstract.params)
+        return jax.jit(make, out_shardings=shardings, donate_argnums=(1,) if donate else ())(rng, params)
 
     def reshard(self, state: TrainState) -> TrainState:
         """Place a same-shaped ``state`` into this plan's layout (another stage, mesh or rules; arrays
@@ -301,6 +322,24 @@ def _split_init(out: Any) -> tuple[Any, Any]:
     if isinstance(out, Variables):
         return unbox(out.params), unbox(out.model_state)
     return unbox(out), None
+
+
+def _check_given(params: Any, expected: Any) -> None:
+    """``params`` has the tree and shapes of the model's parameters ``expected``, or a ValueError names the leaf."""
+    got, want = jax.tree.structure(params), jax.tree.structure(expected)
+    if got != want:
+        have = {path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+        need = {path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(expected)[0]}
+        raise ValueError(
+            f"Plan.init: params do not match the model's parameter tree: missing {sorted(need - have)[:8]}, "
+            f"unexpected {sorted(have - need)[:8]}. Pass a tree shaped like init_fn's parameters."
+        )
+    for (path, x), e in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(expected), strict=True):
+        if tuple(jnp.shape(x)) != tuple(e.shape):
+            raise ValueError(
+                f"Plan.init: params leaf {path_str(path)!r} has shape {tuple(jnp.shape(x))}; the model's parameter "
+                f"has shape {tuple(e.shape)}."
+            )
 
 
 def _plain_leaves(tree: Any) -> list[Leaf]:

@@ -1,6 +1,11 @@
-"""Reference models used by the example, the tests and the planner presets."""
+"""The Llama-family decoder (Llama-2/3/3.1, Mistral, Qwen2 by configuration), its loss and its presets."""
 
 from ._decoder import PRESETS as PRESETS
 from ._decoder import Decoder as Decoder
 from ._decoder import DecoderConfig as DecoderConfig
-from ._decoder import lm_loss as lm_loss
+from ._decoder import RopeScaling as RopeScaling
+from ._hf_config import SUPPORTED_MODEL_TYPES as SUPPORTED_MODEL_TYPES
+from ._hf_config import config_from_hf as config_from_hf
+from ._hf_config import config_to_hf as config_to_hf
+from ._hf_config import from_hf_config as from_hf_config
+from ._loss import lm_loss as lm_loss

@@ -27,11 +27,31 @@ def attention_implementation(dtype) -> Literal["cudnn", "xla"]:
     return "cudnn" if platform == "gpu" and half else "xla"
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal attention of ``q, k, v [batch, seq, heads, head_dim]``: logits and softmax in fp32."""
+def causal_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    segment_ids: jax.Array | None = None,
+    window: int | None = None,
+) -> jax.Array:
+    """Causal attention of ``q [batch, seq, heads, head_dim]`` over ``k, v [batch, seq, kv_heads, head_dim]``
+    (grouped-query when ``kv_heads < heads``): logits and softmax in fp32.
+
+    ``segment_ids [batch, seq]`` keeps each token within its own packed sequence; ``window`` lets a token see
+    itself and the ``window - 1`` tokens before it (Mistral's sliding window).
+    """
     implementation = attention_implementation(q.dtype)
+    mask = None
+    if segment_ids is not None:
+        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+        implementation = "xla"  # an arbitrary [b, 1, s, s] mask: XLA's path (cuDNN's takes lengths, not masks)
+    local = None if window is None else (window - 1, 0)
     if implementation == "xla" and q.dtype == jnp.float16 and mesh_platform() == "cpu":
         # XLA's attention asks for fp16 x fp16 -> fp32 products, which XLA:CPU's dot does not implement
-        out = jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=True)
+        q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
+        out = jax.nn.dot_product_attention(q32, k32, v32, mask=mask, is_causal=True, local_window_size=local)
         return out.astype(q.dtype)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask, is_causal=True, local_window_size=local, implementation=implementation
+    )

@@ -1,18 +1,22 @@
-"""A decoder-only transformer in flax linen with logical axis names and scanned layers.
+"""The Llama-family decoder in flax linen: logical axis names, scanned layers, one configuration per model.
 
-Computation follows the dtype of the parameters it is given (bf16 params -> bf16 matmuls); norms,
-softmax and the loss run in fp32. Layers are stacked by ``nn.scan`` (one compiled layer, parameters
-with a leading ``layers`` axis) so that ZeRO-3 gathers one layer at a time.
+One module covers Llama-2/3/3.1, Mistral and Qwen2 by configuration (:class:`DecoderConfig`): grouped-query
+attention (``kv_heads``), the RoPE base and Llama-3.1's frequency scaling, the RMSNorm epsilon, tied or
+untied embeddings, Qwen2's q/k/v biases, Mistral's sliding window, SwiGLU. Computation follows the dtype of
+the parameters it is given (bf16 params -> bf16 matmuls); norms, RoPE, softmax and the loss run in fp32.
+Layers are stacked by ``nn.scan`` (one compiled layer, parameters with a leading ``layers`` axis) so that
+ZeRO-3 gathers one layer at a time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from .. import pipeline
@@ -21,9 +25,27 @@ from ._attention import causal_attention
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1's RoPE frequency scaling (``rope_scaling`` with ``rope_type: llama3`` in a HF config):
+    wavelengths longer than ``original_max_len / low_freq_factor`` are divided by ``factor``, those shorter
+    than ``original_max_len / high_freq_factor`` kept, the band between interpolated smoothly."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-    """Sizes of the decoder. ``scan`` stacks layers with ``nn.scan``; ``remat`` names the checkpointing
-    policy of each layer (:data:`zjax.remat.POLICIES`)."""
+    """Sizes and variant of the decoder.
+
+    ``kv_heads`` (default: ``heads``) < ``heads`` is grouped-query attention; ``rope_theta`` and
+    ``rope_scaling`` set the rotary frequencies; ``tie_embeddings`` reads the output head from the
+    embedding table; ``qkv_bias`` adds Qwen2's q/k/v biases; ``sliding_window`` limits each token to the
+    last ``sliding_window`` positions (Mistral). ``scan`` stacks layers with ``nn.scan``; ``remat`` names
+    the checkpointing policy of each layer (:data:`zjax.remat.POLICIES`).
+    """
 
     vocab: int = 256
     embed: int = 128
@@ -34,18 +56,79 @@ class DecoderConfig:
     max_len: int = 128
     scan: bool = True
     remat: str = "full"
+    kv_heads: int | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "embed", "layers", "heads", "head_dim", "mlp", "max_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"DecoderConfig: {name}={value!r} must be a positive int.")
+        if self.head_dim % 2:
+            raise ValueError(f"DecoderConfig: head_dim={self.head_dim} must be even (RoPE rotates pairs).")
+        if self.heads % self.num_kv_heads:
+            raise ValueError(
+                f"DecoderConfig: heads={self.heads} is not a multiple of kv_heads={self.num_kv_heads}; grouped-query "
+                f"attention shares each key/value head among heads/kv_heads query heads."
+            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"DecoderConfig: sliding_window={self.sliding_window} must be >= 1 or None.")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
 
     @property
     def num_params(self) -> int:
-        per_layer = 4 * self.embed * self.heads * self.head_dim + 3 * self.embed * self.mlp + 2 * self.embed
-        return 2 * self.vocab * self.embed + self.layers * per_layer + self.embed
+        kv = self.num_kv_heads * self.head_dim
+        attn = 2 * self.embed * self.heads * self.head_dim + 2 * self.embed * kv
+        bias = (self.heads * self.head_dim + 2 * kv) if self.qkv_bias else 0
+        per_layer = attn + bias + 3 * self.embed * self.mlp + 2 * self.embed
+        tables = (1 if self.tie_embeddings else 2) * self.vocab * self.embed
+        return tables + self.layers * per_layer + self.embed
 
+    def rope_frequencies(self) -> np.ndarray:
+        """The rotary inverse frequencies ``[head_dim / 2]`` (fp32), Llama-3.1 scaling applied."""
+        inv = 1.0 / (self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
+        s = self.rope_scaling
+        if s is not None:
+            wavelen = 2 * math.pi / inv
+            low, high = s.original_max_len / s.low_freq_factor, s.original_max_len / s.high_freq_factor
+            smooth = (s.original_max_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+            mid = (1 - smooth) * inv / s.factor + smooth * inv
+            inv = np.where(wavelen > low, inv / s.factor, np.where(wavelen < high, inv, mid))
+        return inv.astype(np.float32)
+
+
+_LLAMA2_7B = DecoderConfig(vocab=32000, embed=4096, layers=32, heads=32, head_dim=128, mlp=11008, max_len=4096)
+_LLAMA3 = dict(vocab=128256, heads=32, head_dim=128, kv_heads=8, rope_theta=500000.0, norm_eps=1e-5, max_len=8192)
 
 PRESETS: dict[str, DecoderConfig] = {
     "tiny": DecoderConfig(embed=64, layers=2, heads=2, head_dim=32, mlp=256, max_len=64),
     "small": DecoderConfig(),
     "medium": DecoderConfig(embed=512, layers=8, heads=8, head_dim=64, mlp=2048, max_len=256),
-    "llama2-7b": DecoderConfig(vocab=32000, embed=4096, layers=32, heads=32, head_dim=128, mlp=11008, max_len=4096),
+    # the seeds' table: Llama-2-7B's sizes (6.74e9 parameters)
+    "llama2-7b": dataclasses.replace(_LLAMA2_7B, norm_eps=1e-5),
+    "llama3-8b": DecoderConfig(embed=4096, layers=32, mlp=14336, **_LLAMA3),  # type: ignore[arg-type]
+    "llama3-70b": DecoderConfig(  # type: ignore[arg-type]
+        embed=8192, layers=80, mlp=28672, **{**_LLAMA3, "heads": 64}
+    ),
+    "llama3.1-8b": DecoderConfig(  # type: ignore[arg-type]
+        embed=4096, layers=32, mlp=14336, rope_scaling=RopeScaling(), **{**_LLAMA3, "max_len": 131072}
+    ),
+    "mistral-7b": DecoderConfig(
+        vocab=32000, embed=4096, layers=32, heads=32, head_dim=128, kv_heads=8, mlp=14336, max_len=32768,
+        norm_eps=1e-5, sliding_window=4096,
+    ),  # fmt: skip
+    "qwen2-7b": DecoderConfig(
+        vocab=152064, embed=3584, layers=28, heads=28, head_dim=128, kv_heads=4, mlp=18944, max_len=32768,
+        rope_theta=1000000.0, qkv_bias=True,
+    ),  # fmt: skip
 }
 
 
@@ -56,12 +139,13 @@ def _param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple[st
 
 class RMSNorm(nn.Module):
     dim: int
+    eps: float = 1e-6
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = _param(self, "scale", (self.dim,), ("norm",), nn.initializers.ones)
         x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
@@ -71,12 +155,11 @@ def _constrain(x: jax.Array) -> jax.Array:
     return nn.with_logical_constraint(x, ("batch", "seq", "embed"))
 
 
-def _rope(x: jax.Array) -> jax.Array:
-    """Rotary position embedding over the last dim of ``x`` [batch, seq, heads, head_dim]."""
-    seq, dim = x.shape[1], x.shape[-1]
-    freq = 1.0 / (10000.0 ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
-    angle = jnp.arange(seq, dtype=jnp.float32)[:, None] * freq[None, :]
-    sin, cos = jnp.sin(angle)[None, :, None, :], jnp.cos(angle)[None, :, None, :]
+def _rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotary position embedding of ``x [batch, seq, heads, head_dim]`` at ``positions [batch|1, seq]``
+    (the halves convention of Hugging Face's Llama checkpoints), in fp32."""
+    angle = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -85,27 +168,38 @@ class Block(nn.Module):
     cfg: DecoderConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, _=None):
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None):
         c = self.cfg
         partitioned = RematPolicy.from_str(c.remat).partition
         if partitioned:
             x = gather_checkpoint(x, axis=1)  # the saved input arrives split over tp along seq
-        qkv_shape, qkv_names = (c.embed, c.heads, c.head_dim), ("embed", "heads", "head_dim")
-        wq = _param(self, "wq", qkv_shape, qkv_names)
-        wk = _param(self, "wk", qkv_shape, qkv_names)
-        wv = _param(self, "wv", qkv_shape, qkv_names)
+        if positions is None:
+            positions = jnp.arange(x.shape[1])[None]
+        q_shape, kv_shape = (c.embed, c.heads, c.head_dim), (c.embed, c.num_kv_heads, c.head_dim)
+        wq = _param(self, "wq", q_shape, ("embed", "heads", "head_dim"))
+        wk = _param(self, "wk", kv_shape, ("embed", "kv_heads", "head_dim"))
+        wv = _param(self, "wv", kv_shape, ("embed", "kv_heads", "head_dim"))
         wo = _param(self, "wo", (c.heads, c.head_dim, c.embed), ("heads", "head_dim", "embed"))
-        h = RMSNorm(c.embed, name="attn_norm")(x)
-        q = _rope(checkpoint_name(jnp.einsum("bse,ehd->bshd", h, wq), "qkv_proj"))
-        k = _rope(checkpoint_name(jnp.einsum("bse,ehd->bshd", h, wk), "qkv_proj"))
-        v = checkpoint_name(jnp.einsum("bse,ehd->bshd", h, wv), "qkv_proj")
-        attn = causal_attention(q, k, v)  # cuDNN flash attention on GPUs, XLA elsewhere
+        h = RMSNorm(c.embed, c.norm_eps, name="attn_norm")(x)
+        q = jnp.einsum("bse,ehd->bshd", h, wq)
+        k = jnp.einsum("bse,ehd->bshd", h, wk)
+        v = jnp.einsum("bse,ehd->bshd", h, wv)
+        if c.qkv_bias:
+            zeros = nn.initializers.zeros
+            q = q + _param(self, "bq", q_shape[1:], ("heads", "head_dim"), zeros).astype(q.dtype)
+            k = k + _param(self, "bk", kv_shape[1:], ("kv_heads", "head_dim"), zeros).astype(k.dtype)
+            v = v + _param(self, "bv", kv_shape[1:], ("kv_heads", "head_dim"), zeros).astype(v.dtype)
+        inv_freq = c.rope_frequencies()
+        q = _rope(checkpoint_name(q, "qkv_proj"), positions, inv_freq)
+        k = _rope(checkpoint_name(k, "qkv_proj"), positions, inv_freq)
+        v = checkpoint_name(v, "qkv_proj")
+        attn = causal_attention(q, k, v, segment_ids=segment_ids, window=c.sliding_window)
         x = x + checkpoint_name(jnp.einsum("bshd,hde->bse", attn, wo), "out_proj")
 
         w_gate = _param(self, "w_gate", (c.embed, c.mlp), ("embed", "mlp"))
         w_up = _param(self, "w_up", (c.embed, c.mlp), ("embed", "mlp"))
         w_down = _param(self, "w_down", (c.mlp, c.embed), ("mlp", "embed"))
-        h = RMSNorm(c.embed, name="mlp_norm")(x)
+        h = RMSNorm(c.embed, c.norm_eps, name="mlp_norm")(x)
         gate = checkpoint_name(h @ w_gate, "mlp_in")
         up = checkpoint_name(h @ w_up, "mlp_in")
         x = x + checkpoint_name((jax.nn.silu(gate) * up) @ w_down, "mlp_out")
@@ -115,12 +209,24 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    """``Decoder(cfg)(tokens[batch, seq]) -> logits[batch, seq, vocab]`` (in the parameters' dtype)."""
+    """``Decoder(cfg)(tokens[batch, seq]) -> logits[batch, seq, vocab]`` (in the parameters' dtype).
+
+    ``positions [batch, seq]`` (default ``0 .. seq-1``) and ``segment_ids [batch, seq]`` (tokens attend
+    only within their segment) serve packed sequences; ``return_hidden=True`` returns the final normed
+    hidden states ``[batch, seq, embed]`` instead of logits (:func:`lm_loss` computes the logits in chunks).
+    """
 
     cfg: DecoderConfig
 
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        *,
+        return_hidden: bool = False,
+    ) -> jax.Array:
         c = self.cfg
         embedding = _param(self, "embedding", (c.vocab, c.embed), ("vocab", "embed"), nn.initializers.normal(1.0))
         x = _constrain(jnp.take(embedding, tokens, axis=0))
@@ -129,6 +235,11 @@ class Decoder(nn.Module):
         if schedule is not None and not self.is_initializing():
             if not c.scan:
                 raise ValueError("Decoder: pipeline parallelism needs scan=True (layers stacked on one axis).")
+            if positions is not None or segment_ids is not None:
+                raise ValueError(
+                    "Decoder: packed sequences (positions / segment_ids) are not supported under pipeline "
+                    "parallelism yet; train with pp=1, or pass unpacked sequences (tokens only)."
+                )
             # the pipeline rematerializes whole iterations: the layers inside run without their own remat
             one = Block(dataclasses.replace(c, remat="none"))
 
@@ -139,17 +250,21 @@ class Decoder(nn.Module):
 
             x = pipeline.apply(stage_fn, self.variables["params"]["layers"], x, schedule)
         elif c.scan:
-            x, _ = linen_scan(Block, c.layers, policy)(c, name="layers")(x, None)
+            x, _ = linen_scan(Block, c.layers, policy, broadcast=True)(c, name="layers")(x, positions, segment_ids)
         else:
             block = nn.remat(Block, policy=policy.jax_policy()) if policy.remat else Block
             for i in range(c.layers):
-                x, _ = block(c, name=f"layer_{i}")(x, None)
-        x = RMSNorm(c.embed, name="final_norm")(x)
-        head = _param(self, "head", (c.embed, c.vocab), ("embed", "vocab"))
-        return nn.with_logical_constraint(x @ head, ("batch", "seq", "vocab"))
+                x, _ = block(c, name=f"layer_{i}")(x, positions, segment_ids)
+        x = RMSNorm(c.embed, c.norm_eps, name="final_norm")(x)
+        if c.tie_embeddings:
+            head = embedding.T
+        else:
+            head = _param(self, "head", (c.embed, c.vocab), ("embed", "vocab"))
+        if return_hidden:
+            return x
+        return nn.with_logical_constraint(x @ head.astype(x.dtype), ("batch", "seq", "vocab"))
 
 
-def lm_loss(model: Decoder, params, tokens: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy of ``tokens[batch, seq + 1]`` (fp32)."""
-    logits: jax.Array = model.apply({"params": params}, tokens[:, :-1])  # type: ignore[assignment]
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
+def output_head(cfg: DecoderConfig, params) -> jax.Array:
+    """The ``[embed, vocab]`` output projection of ``params`` (the embedding table's transpose when tied)."""
+    return params["embedding"].T if cfg.tie_embeddings else params["head"]

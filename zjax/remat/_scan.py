@@ -19,11 +19,15 @@ LAYERS = "layers"
 """Logical name of the stacked-layer axis (replicated by the default rules)."""
 
 
-def linen_scan(block: type[nn.Module], length: int, policy: str | RematPolicy = "full") -> Any:
+def linen_scan(
+    block: type[nn.Module], length: int, policy: str | RematPolicy = "full", *, broadcast: bool = False
+) -> Any:
     """A linen module class applying ``block`` ``length`` times with ``nn.scan``, remat'ed per layer.
 
     ``block`` is called as ``block(...)(carry, x) -> (carry, y)``; its parameters get a leading axis of
-    size ``length`` named ``layers`` in their logical partitioning metadata.
+    size ``length`` named ``layers`` in their logical partitioning metadata. With ``broadcast=True`` the
+    arguments after the carry are the same for every layer (``block(...)(carry, *args)``, e.g. positions
+    and segment ids) instead of scanned over.
 
     Example:
       >>> Stack = zjax.remat.linen_scan(Block, 16, "dots")
@@ -35,6 +39,7 @@ def linen_scan(block: type[nn.Module], length: int, policy: str | RematPolicy = 
         cls,
         variable_axes={"params": 0},
         split_rngs={"params": True, "dropout": True},
+        in_axes=nn.broadcast if broadcast else 0,
         length=length,
         metadata_params={nn.PARTITION_NAME: LAYERS},
     )

@@ -1,0 +1,162 @@
+"""``zjax.hf.load``: a Hugging Face checkpoint into a plan's sharded layout, each process reading only its slices.
+
+Every fp32 master leaf is made by ``jax.make_array_from_callback`` on its master sharding; the callback
+reads, through ``safetensors``' lazy slices, exactly the rows and columns its device holds (a superset
+only along a flattened head dimension). No device and no host holds a leaf that the plan shards; a
+process holds on host at most the distinct shards of one leaf that its devices need.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._plan import Plan
+from .._state import TrainState
+from ..models import Decoder, config_from_hf
+from ..models._hf_config import config_path, read_hf_config
+from ._files import checkpoint_dir, weight_map
+from ._names import IGNORED_SUFFIXES, Tensor, tensors
+
+_COMPARED = ("vocab", "embed", "layers", "heads", "num_kv_heads", "head_dim", "mlp", "tie_embeddings", "qkv_bias")
+
+
+def _check_config(path: str, model: Decoder) -> None:
+    file = config_path(path)
+    found = config_from_hf(read_hf_config(path), file)
+    diff = [f"{k}: model {getattr(model.cfg, k)}, checkpoint {getattr(found, k)}" for k in _COMPARED]
+    diff = [d for d, k in zip(diff, _COMPARED, strict=True) if getattr(model.cfg, k) != getattr(found, k)]
+    if diff:
+        raise ValueError(
+            f"zjax.hf.load: the model does not match {file}: {'; '.join(diff)}. Build the model with "
+            f"zjax.models.from_hf_config({path!r})."
+        )
+
+
+def _check_names(directory: str, files: dict[str, str], specs: list[Tensor], layers: int, tied: bool) -> None:
+    expected = {n for t in specs for n in t.names(layers)}
+    present = {n for n in files if not n.endswith(IGNORED_SUFFIXES) and not (tied and n == "lm_head.weight")}
+    missing, unexpected = sorted(expected - present), sorted(present - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"zjax.hf.load: the tensors in {directory!r} do not match the model: "
+            + (f"{len(missing)} missing {missing[:12]}" if missing else "")
+            + ("; " if missing and unexpected else "")
+            + (f"{len(unexpected)} unexpected {unexpected[:12]}" if unexpected else "")
+            + ". Check that config.json belongs to these weights."
+        )
+
+
+class _Reader:
+    """Open safetensors files and slice tensors out of them, checking each tensor's shape once."""
+
+    def __init__(self, files: dict[str, str], stack: contextlib.ExitStack):
+        self._files, self._stack, self._open, self._checked = files, stack, {}, set()
+
+    def handle(self, name: str) -> Any:
+        file = self._files[name]
+        if file not in self._open:
+            from safetensors import safe_open
+
+            self._open[file] = self._stack.enter_context(safe_open(file, "numpy"))
+        return self._open[file]
+
+    def check(self, t: Tensor, name: str) -> None:
+        if name in self._checked:
+            return
+        shape = tuple(self.handle(name).get_slice(name).get_shape())
+        if shape != t.hf_shape:
+            raise ValueError(
+                f"zjax.hf.load: tensor {name!r} in {self._files[name]!r} has shape {shape}; the model's config "
+                f"makes it {t.hf_shape} (zjax parameter {'/'.join(t.path)} {t.shape}). Check config.json."
+            )
+        self._checked.add(name)
+
+    def read(self, t: Tensor, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """The zjax-layout block ``index`` (normalized slices over ``t.shape``) of tensor ``name``, fp32."""
+        self.check(t, name)
+        ranges, blocks = [], []
+        for group in t.hf_dims:  # each Hugging Face dim: a contiguous range covering the block
+            first, rest = index[group[0]], math.prod(t.shape[d] for d in group[1:])
+            ranges.append(slice(first.start * rest, first.stop * rest))
+            blocks += [first.stop - first.start, *(t.shape[d] for d in group[1:])]
+        x = self.handle(name).get_slice(name)[tuple(ranges)].reshape(blocks)
+        order = [d for group in t.hf_dims for d in group]
+        x = x[tuple(slice(None) if d in {g[0] for g in t.hf_dims} else index[d] for d in order)]
+        return np.ascontiguousarray(x.transpose(np.argsort(order)), dtype=np.float32)
+
+
+def _leaf(reader: _Reader, t: Tensor, shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> jax.Array:
+    cache: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+
+    def block(index: tuple[slice, ...]) -> np.ndarray:
+        norm = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
+        key = tuple((s.start, s.stop) for s in norm)
+        if key not in cache:  # replicas of a block share one host copy
+            if t.stacked:
+                rows = [reader.read(t, t.name.format(i=i), norm[1:]) for i in range(norm[0].start, norm[0].stop)]
+                cache[key] = np.stack(rows) if rows else np.zeros((0, *t.shape), np.float32)
+            else:
+                cache[key] = reader.read(t, t.name, norm)
+        return cache[key]
+
+    return jax.make_array_from_callback(shape, sharding, block)
+
+
+def load(
+    path: str | os.PathLike,
+    plan: Plan,
+    model: Decoder,
+    tx: Any,
+    rng: jax.Array | None = None,
+) -> TrainState:
+    """A :class:`~zjax.TrainState` in ``plan``'s layout whose weights are the Hugging Face checkpoint's.
+
+    Args:
+      path: the checkpoint directory (``config.json`` plus ``model.safetensors`` or a sharded index), or
+        its ``config.json``.
+      plan: where the state lives (any stage, mesh and pipeline).
+      model: a :class:`~zjax.models.Decoder` of the checkpoint's architecture
+        (:func:`zjax.models.from_hf_config`).
+      tx: the optax transformation; its state starts at zero, as for a fresh run.
+      rng: the state's key (``jax.random.key(0)`` by default).
+
+    The fp32 master weights are the checkpoint's values exactly (bf16 and fp16 widen losslessly); the
+    compute copy is cast from them. Each process reads only the slices its devices hold.
+
+    Raises:
+      ValueError: an unsupported ``model_type``, a model that does not match ``config.json``, missing or
+        unexpected tensors (listed), a tensor whose shape disagrees with the config.
+      FileNotFoundError: no ``config.json`` or no safetensors weights.
+    """
+    directory = checkpoint_dir(path)
+    rng = jax.random.key(0) if rng is None else rng
+    if not isinstance(model, Decoder):
+        raise TypeError(f"zjax.hf.load: model must be a zjax.models.Decoder, got {type(model).__name__}.")
+    _check_config(directory, model)
+    cfg = model.cfg
+    files = weight_map(directory)
+    specs = list(tensors(cfg))
+    _check_names(directory, files, specs, cfg.layers, cfg.tie_embeddings)
+
+    def init_fn(r):
+        return model.init(r, jnp.zeros((1, min(8, cfg.max_len)), jnp.int32))["params"]
+
+    abstract = plan.abstract_state(init_fn, tx, rng)
+    target = abstract.params if abstract.opt_state.master is None else abstract.opt_state.master
+    by_path = {t.path: t for t in specs}
+    with contextlib.ExitStack() as stack:
+        reader = _Reader(files, stack)
+
+        def make(path: Any, leaf: jax.ShapeDtypeStruct) -> jax.Array:
+            keys = tuple(str(getattr(k, "key", k)) for k in path)
+            return _leaf(reader, by_path[keys], tuple(leaf.shape), leaf.sharding)
+
+        master = jax.tree_util.tree_map_with_path(make, target)
+    return plan._init(init_fn, tx, rng, master, donate=True)
