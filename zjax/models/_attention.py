@@ -39,14 +39,15 @@ def causal_attention(
     (grouped-query when ``kv_heads < heads``): logits and softmax in fp32.
 
     ``segment_ids [batch, seq]`` keeps each token within its own packed sequence; ``window`` lets a token see
-    itself and the ``window - 1`` tokens before it (Mistral's sliding window).
+    itself and the ``window`` tokens before it (Mistral's sliding window, as its reference implementation and
+    flash-attention's ``window_size`` count it).
     """
     implementation = attention_implementation(q.dtype)
     mask = None
     if segment_ids is not None:
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
         implementation = "xla"  # an arbitrary [b, 1, s, s] mask: XLA's path (cuDNN's takes lengths, not masks)
-    local = None if window is None else (window - 1, 0)
+    local = None if window is None else (window, 0)
     if implementation == "xla" and q.dtype == jnp.float16 and mesh_platform() == "cpu":
         # XLA's attention asks for fp16 x fp16 -> fp32 products, which XLA:CPU's dot does not implement
         q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))

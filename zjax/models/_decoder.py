@@ -42,8 +42,8 @@ class DecoderConfig:
 
     ``kv_heads`` (default: ``heads``) < ``heads`` is grouped-query attention; ``rope_theta`` and
     ``rope_scaling`` set the rotary frequencies; ``tie_embeddings`` reads the output head from the
-    embedding table; ``qkv_bias`` adds Qwen2's q/k/v biases; ``sliding_window`` limits each token to the
-    last ``sliding_window`` positions (Mistral). ``scan`` stacks layers with ``nn.scan``; ``remat`` names
+    embedding table; ``qkv_bias`` adds Qwen2's q/k/v biases; ``sliding_window`` limits each token to itself and
+    the ``sliding_window`` positions before it (Mistral). ``scan`` stacks layers with ``nn.scan``; ``remat`` names
     the checkpointing policy of each layer (:data:`zjax.remat.POLICIES`).
     """
 

@@ -79,7 +79,7 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json", **overrides:
             head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
             mlp=int(hf["intermediate_size"]),
             max_len=int(hf.get("max_position_embeddings", 2048)),
-            kv_heads=int(hf.get("num_key_value_heads") or heads),
+            kv_heads=None if int(hf.get("num_key_value_heads") or heads) == heads else int(hf["num_key_value_heads"]),
             rope_theta=float(hf.get("rope_theta", 10000.0)),
             rope_scaling=rope_scaling,
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),

@@ -1,8 +1,11 @@
-"""The language-model loss: next-token cross-entropy over sequence chunks, never whole fp32 logits.
+"""The language-model loss: next-token cross-entropy over vocabulary chunks, never whole fp32 logits.
 
 Full logits ``[B, S, V]`` in fp32 are the largest activation of a large-vocabulary model (Llama-3's
-128,256 entries: 0.5 MB per token). The loss computes them ``chunk`` positions at a time inside a
-rematerialized scan, so one chunk's logits are alive in the forward and backward passes.
+128,256 entries: 0.5 MB per token). The loss computes them a vocabulary chunk at a time inside a
+rematerialized scan (an online log-sum-exp), so one chunk's logits are alive in the forward and backward
+passes. Chunking the vocabulary rather than the sequence keeps ZeRO's traffic: a sequence chunk's head
+gradient would be accumulated across loop iterations, and XLA reduces such a gradient over ``dp`` in
+every iteration (measured: one head reduce-scatter per chunk inside the loop).
 """
 
 from __future__ import annotations
@@ -47,47 +50,70 @@ def read_batch(batch: Any) -> tuple[jax.Array, jax.Array | None, jax.Array | Non
     return tokens, *extra  # type: ignore[return-value]
 
 
-def chunked_cross_entropy(
-    hidden: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array | None, chunk: int
-) -> jax.Array:
-    """Weighted mean of ``-log softmax(hidden @ head)[targets]``, ``chunk`` sequence positions at a time.
-
-    ``hidden [B, S, E]`` and ``head [E, V]`` in the compute dtype; logits are cast to fp32 per chunk.
-    """
+def vocab_chunks(vocab: int, chunk: int | None) -> int:
+    """How many interleaved vocabulary chunks of about ``chunk`` entries: a divisor of ``vocab`` (so a
+    vocabulary split over ``tp`` stays split), 1 when ``chunk`` is None or covers the vocabulary, or when
+    ``vocab`` has no divisor within 4x of the wanted count (then the logits are built whole)."""
+    if chunk is None or chunk >= vocab:
+        return 1
     if chunk < 1:
-        raise ValueError(f"lm_loss: chunk={chunk} must be >= 1 (sequence positions per logits chunk).")
+        raise ValueError(f"lm_loss: vocab_chunk={chunk} must be >= 1 or None (vocabulary entries per logits chunk).")
+    want = -(-vocab // chunk)
+    return next((n for n in range(want, 4 * want + 1) if vocab % n == 0), 1)
+
+
+def chunked_cross_entropy(
+    hidden: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array | None, vocab_chunk: int | None
+) -> jax.Array:
+    """Weighted mean of ``-log softmax(hidden @ head)[targets]`` (fp32), the vocabulary in chunks.
+
+    ``hidden [B, S, E]`` and ``head [E, V]`` in the compute dtype. With ``n`` chunks, chunk ``j`` holds the
+    vocabulary entries ``c * n + j`` (interleaved, so that a ``tp``-split vocabulary stays split); a
+    rematerialized scan keeps a running max, sum of exponentials and target logit per token, so one
+    chunk's fp32 logits ``[B, S, V / n]`` are alive at a time. Each chunk's head gradient is its own slice
+    (nothing accumulates across iterations), so ZeRO reduces the head's gradient once per step.
+    """
     b, s, e = hidden.shape
-    size = min(chunk, s)
-    n = -(-s // size)
+    vocab = head.shape[1]
     w = jnp.ones((b, s), jnp.float32) if weights is None else weights.astype(jnp.float32)
-    if n * size != s:  # pad to whole chunks; padded positions weigh nothing
-        pad = n * size - s
-        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
-        targets = jnp.pad(targets, ((0, 0), (0, pad)))
-        w = jnp.pad(w, ((0, 0), (0, pad)))
-
-    def chunks(x: jax.Array) -> jax.Array:  # [B, n*size, ...] -> [n, B, size, ...]
-        return x.reshape(b, n, size, *x.shape[2:]).swapaxes(0, 1)
-
     head = head.astype(hidden.dtype)
+    n = vocab_chunks(vocab, vocab_chunk)
 
-    @jax.checkpoint
-    def one(total: jax.Array, xs: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, None]:
-        h, t, wt = xs
-        logits = nn.with_logical_constraint((h @ head).astype(jnp.float32), ("batch", "seq", "vocab"))
-        return total + jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, t) * wt), None
+    def logits_of(h_: jax.Array) -> jax.Array:
+        return nn.with_logical_constraint((hidden @ h_).astype(jnp.float32), ("batch", "seq", "vocab"))
 
-    total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), (chunks(hidden), chunks(targets), chunks(w)))
-    return total / jnp.maximum(jnp.sum(w), 1.0)
+    if n == 1:
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits_of(head), targets)
+    else:
+        size = vocab // n
+        heads = jnp.moveaxis(head.reshape(e, size, n), 2, 0)  # [n, E, V/n]: chunk j = columns c*n + j
+        which, column = targets % n, targets // n
+
+        @jax.checkpoint
+        def one(carry, xs):
+            top, total, target = carry
+            j, h_ = xs
+            logits = logits_of(h_)
+            new_top = jnp.maximum(top, jnp.max(logits, axis=-1))
+            total = total * jnp.exp(top - new_top) + jnp.sum(jnp.exp(logits - new_top[..., None]), axis=-1)
+            hit = (jnp.arange(size) == column[..., None]) & (which == j)[..., None]
+            return (new_top, total, target + jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)), None
+
+        zeros = jnp.zeros((b, s), jnp.float32)
+        init = (jnp.full((b, s), -jnp.inf, jnp.float32), zeros, zeros)
+        (top, total, target), _ = jax.lax.scan(one, init, (jnp.arange(n), heads))
+        nll = top + jnp.log(total) - target
+    return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
-def lm_loss(model: Any, params: Any, batch: Any, *, chunk: int = 1024) -> jax.Array:
+def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16384) -> jax.Array:
     """Mean next-token cross-entropy (fp32) of a :class:`~zjax.models.Decoder` on ``batch``.
 
     ``batch`` is int tokens ``[B, S+1]`` (inputs ``[:, :-1]``, targets ``[:, 1:]``) or a dict with ``tokens``
     and optional ``positions``, ``segment_ids`` (packed sequences: attention stays within a segment, and
     a target from another segment than its input is not scored) and ``loss_mask`` (weights of the targets),
-    each ``[B, S+1]`` aligned with ``tokens``. Logits are built ``chunk`` positions at a time.
+    each ``[B, S+1]`` aligned with ``tokens``. Logits are built about ``vocab_chunk`` vocabulary entries at a
+    time (:func:`chunked_cross_entropy`; ``None``: whole).
     """
     from ._decoder import output_head
 
@@ -98,4 +124,4 @@ def lm_loss(model: Any, params: Any, batch: Any, *, chunk: int = 1024) -> jax.Ar
     if segment_ids is not None:
         same = (segment_ids[:, 1:] == segment_ids[:, :-1]).astype(jnp.float32)
         weights = same if weights is None else weights * same
-    return chunked_cross_entropy(hidden, output_head(model.cfg, params), tokens[:, 1:], weights, chunk)
+    return chunked_cross_entropy(hidden, output_head(model.cfg, params), tokens[:, 1:], weights, vocab_chunk)
