@@ -35,7 +35,7 @@ def _logits(directory, tokens, **plan_kw):
     model = from_hf_config(directory)
     plan = zjax.Plan(zjax.make_mesh(**plan_kw.pop("mesh", {"dp": 8})), precision="fp32", **plan_kw)
     state = zjax.hf.load(directory, plan, model, TX)
-    return np.asarray(model.apply({"params": state.params}, jnp.asarray(tokens)))
+    return np.asarray(jax.jit(model.apply)({"params": state.params}, jnp.asarray(tokens)))
 
 
 # -- the model against transformers' -----------------------------------------------------------------
@@ -56,7 +56,7 @@ def test_logits_match_transformers(tmp_path, kind, extra):
         params["lm_head"]["kernel"] = params["model"]["embed_tokens"]["embedding"].T.copy()
     ckpt = write_checkpoint(str(tmp_path / "ckpt"), _hf_dict(cfg, kind), torch_layout(params, tied))
     tokens = _tokens(seq=16)
-    want = np.asarray(hf_model(tokens, params=params).logits)
+    want = np.asarray(jax.jit(lambda p, t: hf_model(t, params=p).logits)(params, tokens))
     got = _logits(ckpt, tokens)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
@@ -73,7 +73,8 @@ def test_qwen2_biases_match_transformers(tmp_path):
     ckpt = write_checkpoint(str(tmp_path / "ckpt"), hf, tensors)
     assert from_hf_config(ckpt).cfg.qkv_bias
     tokens = _tokens(seq=16)
-    np.testing.assert_allclose(_logits(ckpt, tokens), np.asarray(hf_model(tokens, params=params).logits), atol=1e-4)
+    want = jax.jit(lambda p, t: hf_model(t, params=p).logits)(params, tokens)
+    np.testing.assert_allclose(_logits(ckpt, tokens), np.asarray(want), atol=1e-4)
 
 
 def test_rope_frequencies_worked_out_independently():
@@ -197,6 +198,7 @@ def test_import_reads_only_each_devices_slices(bf16_ckpt, monkeypatch):
     assert sharded >= 8  # ZeRO-3 splits every large leaf over dp
 
 
+@pytest.mark.slow  # three layouts compiled: the slow step
 def test_same_loss_on_every_layout(bf16_ckpt):
     model = from_hf_config(bf16_ckpt)
     batch = _tokens(rows=16, seq=17)
@@ -224,12 +226,13 @@ def test_packed_sequences_equal_separate_ones():
         "positions": np.concatenate([np.arange(7), np.arange(10)])[None].repeat(2, 0),
         "segment_ids": np.concatenate([np.full(7, 1), np.full(10, 2)])[None].repeat(2, 0),
     }
-    got = lm_loss(model, params, jax.tree.map(jnp.asarray, packed))
+    loss = jax.jit(lambda batch: lm_loss(model, params, batch))
+    got = loss(jax.tree.map(jnp.asarray, packed))
     # targets: 6 in the first sequence, 9 in the second, none across the boundary
-    want = (6 * lm_loss(model, params, jnp.asarray(a)) + 9 * lm_loss(model, params, jnp.asarray(b))) / 15
+    want = (6 * loss(jnp.asarray(a)) + 9 * loss(jnp.asarray(b))) / 15
     assert float(got) == pytest.approx(float(want), rel=1e-5)
-    masked = lm_loss(model, params, {"tokens": jnp.asarray(b), "loss_mask": jnp.asarray(np.arange(10) < 5)[None].repeat(2, 0)})
-    assert float(masked) == pytest.approx(float(lm_loss(model, params, jnp.asarray(b[:, :5]))), rel=1e-5)
+    masked = loss({"tokens": jnp.asarray(b), "loss_mask": jnp.asarray(np.arange(10) < 5)[None].repeat(2, 0)})
+    assert float(masked) == pytest.approx(float(loss(jnp.asarray(b[:, :5]))), rel=1e-5)
 
 
 def test_vocab_chunks_equal_whole_logits():

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import zjax
 from zjax import planner
 from zjax.planner import count_collectives, zero_bytes
 
@@ -136,7 +137,7 @@ def test_cli_impossible_budget_shows_closest(tmp_path):
 
 def test_cli_errors():
     proc = zjax_plan("--model", "gpt5")
-    assert proc.returncode == 2 and "unknown --model 'gpt5'" in proc.stderr
+    assert proc.returncode == 2 and "unknown model 'gpt5'" in proc.stderr
     proc = zjax_plan("--mesh", "dp=8", "--model", "tiny", "--batch-size", "12")
     assert proc.returncode == 2 and "not divisible by mesh axis 'dp' of size 8" in proc.stderr
     proc = zjax_plan("--mesh", "dp=8,zp=2")
@@ -196,3 +197,17 @@ def test_a_conditional_counts_its_larger_branch_and_narrow_dtypes_have_bytes():
     comm = count_collectives(COND_HLO)
     assert comm.volume["all-reduce"] == 0  # the smaller branch is not counted on top
     assert comm.volume["all-gather"] == 1024 + 512  # fp8: 1 byte, int4: half a byte per element
+
+
+def test_plans_a_hugging_face_config(tmp_path):
+    cfg = zjax.models.DecoderConfig(vocab=96, embed=64, layers=2, heads=4, head_dim=16, mlp=128, max_len=32, kv_heads=1)
+    (tmp_path / "config.json").write_text(json.dumps(zjax.models.config_to_hf(cfg)))
+    est = zjax.planner.estimate(tmp_path, mesh={"dp": 8}, stages=(3,), batch_size=8, seq_len=16)
+    # grouped-query attention: k and v are embed x 1 x 16 per layer, not embed x 4 x 16
+    assert est.params == cfg.num_params == 2 * 96 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 16 + 3 * 64 * 128 + 2 * 64) + 64
+    (row,) = est.rows
+    # the compiled state (params + optimizer) is the formula's for this parameter count
+    want = row.theory["params"] + row.theory["optimizer"]
+    assert row.compiled["state"] == pytest.approx(want, rel=0.01)
+    with pytest.raises(ValueError, match="not a preset"):
+        zjax.planner.estimate(tmp_path / "nothing", mesh={"dp": 8})

@@ -83,7 +83,12 @@ def _plot(est, path: Path) -> None:
 
 def _plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="per-device memory and communication for each ZeRO stage, compiled ahead of time")
-    p.add_argument("--model", default="small", help="preset: tiny, small, medium, llama2-7b")
+    p.add_argument(
+        "--model",
+        default="small",
+        help="a preset (llama3-8b, llama3-70b, qwen2-7b, mistral-7b, llama2-7b, tiny, ...) or a Hugging Face "
+        "config.json or checkpoint directory",
+    )
     p.add_argument("--mesh", type=parse_mesh, default={"dp": 8}, help="dp=64, dp=32,tp=2, replica=8,dp=8 (HSDP)")
     p.add_argument("--stages", type=parse_ints, default=[0, 1, 2, 3])
     p.add_argument("--remat", default="full", help="remat policy (zjax.remat.POLICIES); comma list with --budget")
@@ -121,12 +126,13 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.target is None:
         jax.config.update("jax_num_cpu_devices", devices)
     from . import planner
-    from .models import PRESETS
     from .planner._gpu import budget as make_budget
     from .remat import POLICIES
 
-    if args.model not in PRESETS:
-        print(f"zjax plan: unknown --model {args.model!r}; presets: {sorted(PRESETS)}", file=sys.stderr)
+    try:
+        planner.resolve_model(args.model)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"zjax plan: --model: {e}", file=sys.stderr)
         return 2
     remats = [r for r in args.remat.split(",") if r]
     bad = [r for r in remats if r not in POLICIES]

@@ -124,4 +124,5 @@ def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16
     if segment_ids is not None:
         same = (segment_ids[:, 1:] == segment_ids[:, :-1]).astype(jnp.float32)
         weights = same if weights is None else weights * same
-    return chunked_cross_entropy(hidden, output_head(model.cfg, params), tokens[:, 1:], weights, vocab_chunk)
+    head = output_head(model.cfg, nn.unbox(params))  # params may carry flax's logical-axis boxes
+    return chunked_cross_entropy(hidden, head, tokens[:, 1:], weights, vocab_chunk)

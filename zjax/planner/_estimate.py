@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -13,7 +14,8 @@ import jax.numpy as jnp
 import optax
 
 from .._plan import Plan
-from ..models import PRESETS, Decoder, DecoderConfig, lm_loss
+from ..models import PRESETS, Decoder, DecoderConfig, config_from_hf, lm_loss
+from ..models._hf_config import config_path, read_hf_config
 from ..pipeline import Pipeline
 from ..sharding._mesh import make_mesh
 from ..stages import Stage
@@ -247,12 +249,19 @@ def _data_volume(comm: Communication) -> int:
     return sum(v for axes, v in comm.by_axes.items() if axes and set(axes) <= {"dp", "replica"})
 
 
-def resolve_model(model: str | DecoderConfig) -> tuple[str, DecoderConfig]:
+def resolve_model(model: str | os.PathLike | DecoderConfig) -> tuple[str, DecoderConfig]:
+    """A preset name, a Hugging Face ``config.json`` (or its directory), or a :class:`DecoderConfig`."""
     if isinstance(model, DecoderConfig):
         return "custom", model
-    if model not in PRESETS:
-        raise ValueError(f"planner: unknown model preset {model!r}; valid presets are {sorted(PRESETS)}.")
-    return model, PRESETS[model]
+    if str(model) in PRESETS:
+        return str(model), PRESETS[str(model)]
+    if os.path.exists(model):
+        hf = read_hf_config(model)
+        return str(hf.get("_name_or_path") or model), config_from_hf(hf, config_path(model))
+    raise ValueError(
+        f"planner: unknown model {str(model)!r}: not a preset ({sorted(PRESETS)}) and not a Hugging Face "
+        f"config.json or checkpoint directory."
+    )
 
 
 def estimate(
