@@ -4,6 +4,7 @@
     python examples/train_lm.py --stage 2 --mesh dp=4,tp=2 --precision fp16 --accum 4
     python examples/train_lm.py --stage 3 --mesh replica=2,dp=4 --processes 2   # HSDP, 2 processes x 4 devices
     python examples/train_lm.py --stage 1 --mesh dp=2,pp=4 --microbatches 8 --repeats 2   # circular pipeline
+    python examples/train_lm.py --hf ckpt_dir --stage 3 --save-hf out_dir   # continue a Hugging Face checkpoint
 
 Started by a cluster (srun, mpirun, a Kubernetes Indexed Job, ZJAX_* variables) it joins that job; with
 --processes N and no cluster it launches N local processes itself. With no accelerator the example runs
@@ -60,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="e.g. dp=8, dp=4,tp=2, or replica=2,dp=4 for HSDP (shard over dp, replicate over replica); default dp=all",
     )
     p.add_argument("--preset", default="small", help="model size: tiny, small, medium")
+    p.add_argument(
+        "--hf",
+        type=Path,
+        default=None,
+        help="continue training this Hugging Face checkpoint (Llama/Mistral/Qwen2 config.json + safetensors) "
+        "instead of --preset; its token ids are the text's bytes modulo the vocabulary (not its tokenizer)",
+    )
+    p.add_argument("--save-hf", type=Path, default=None, help="write the trained weights as a Hugging Face checkpoint")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=32, help="global batch (sequences per step)")
     p.add_argument("--seq-len", type=int, default=128)
@@ -156,15 +165,21 @@ def main(argv: list[str] | None = None) -> dict:
     import optax
     from tqdm import tqdm
 
-    from zjax.models import PRESETS, Decoder, lm_loss
+    from zjax.models import PRESETS, Decoder, from_hf_config, lm_loss
     from zjax.remat import POLICIES
 
-    if args.preset not in PRESETS:
-        raise SystemExit(f"--preset {args.preset!r}: choose one of {sorted(PRESETS)}")
-    cfg = PRESETS[args.preset]
     if args.remat not in POLICIES:
         raise SystemExit(f"--remat {args.remat!r}: choose one of {sorted(POLICIES)}")
-    cfg = type(cfg)(**{**cfg.__dict__, "max_len": args.seq_len, "remat": args.remat})
+    if args.save_hf is not None and args.save_hf.exists():
+        raise SystemExit(f"--save-hf {args.save_hf}: exists; pick a new directory")
+    if args.hf is not None:
+        cfg = from_hf_config(args.hf, remat=args.remat).cfg
+    elif args.preset not in PRESETS:
+        raise SystemExit(f"--preset {args.preset!r}: choose one of {sorted(PRESETS)}")
+    else:
+        cfg = type(PRESETS[args.preset])(
+            **{**PRESETS[args.preset].__dict__, "max_len": args.seq_len, "remat": args.remat}
+        )
     model = Decoder(cfg)
 
     sizes = dict(args.mesh)
@@ -178,6 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
     pipeline = None
     if stages > 1 or args.microbatches is not None:
         pipeline = zjax.Pipeline(args.microbatches or 2 * stages, repeats=args.repeats, zero3_gather=args.zero3_gather)
+        if cfg.layers % (stages * args.repeats) and args.hf is not None:
+            raise SystemExit(f"--hf: {cfg.layers} layers do not split into pp={stages} x --repeats {args.repeats}")
         if cfg.layers % (stages * args.repeats):  # deepen the preset so that every stage gets whole layers
             cfg = type(cfg)(
                 **{**cfg.__dict__, "layers": stages * args.repeats * -(-cfg.layers // (stages * args.repeats))}
@@ -195,16 +212,20 @@ def main(argv: list[str] | None = None) -> dict:
     init_fn = lambda r: model.init(r, dummy)["params"]  # noqa: E731
     ckpt = zjax.Checkpointer(args.checkpoint_dir, save_every=args.save_every) if args.checkpoint_dir else None
     start = 0
-    if ckpt is not None and args.resume:
+    if ckpt is not None and args.resume and (args.hf is None or ckpt.steps()):
         state, meta = ckpt.restore_or_init(plan, init_fn, tx, jax.random.key(args.seed))
         start = int(meta["user"]["data_position"]) if meta else 0
         if meta:
             print(f"resumed from step {meta['step']} (saved at stage {meta['stage']}, mesh {meta['mesh']})")
+    elif args.hf is not None:  # the fp32 master weights are the checkpoint's; each process reads its slices
+        state = zjax.hf.load(args.hf, plan, model, tx, jax.random.key(args.seed))
     else:
         state = plan.init(init_fn, tx, jax.random.key(args.seed))
     step = plan.train_step(lambda params, batch: lm_loss(model, params, batch), accum_steps=args.accum)
 
-    data = np.frombuffer(load_text(), dtype=np.uint8)
+    data = np.frombuffer(load_text(), dtype=np.uint8).astype(np.int32) % cfg.vocab
+    if args.hf is not None:
+        print(f"--hf: training on the text's bytes modulo {cfg.vocab} as token ids (not the checkpoint's tokenizer)")
     rng = np.random.default_rng(args.seed)
 
     def next_batch():  # the global batch (the same on every process); each feeds its own rows
@@ -260,6 +281,10 @@ def main(argv: list[str] | None = None) -> dict:
             ckpt.save(state, plan, {"data_position": end})  # the last step, always
         ckpt.close()  # waits for the last write
 
+    if args.save_hf is not None:  # every process takes part; process 0 writes
+        zjax.hf.save(args.save_hf, model, state)
+        log(f"Hugging Face checkpoint written to {args.save_hf}")
+
     result = {
         "stage": args.stage,
         "mesh": {"replica": sizes["replica"], "dp": sizes["dp"], "tp": sizes["tp"], "pp": sizes["pp"]},
@@ -277,7 +302,8 @@ def main(argv: list[str] | None = None) -> dict:
         "accum": args.accum,
         "remat": args.remat,
         "optimizer": args.optimizer,
-        "preset": args.preset,
+        "preset": None if args.hf is not None else args.preset,
+        "hf": None if args.hf is None else str(args.hf),
         "num_params": cfg.num_params,
         "losses": losses,
         "state_bytes_per_device": {"theory": report.state_theory, "compiled": report.state_compiled},

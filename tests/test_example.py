@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,3 +90,22 @@ def test_bad_mesh_flag(tmp_path):
     cmd = [sys.executable, str(ROOT / "examples" / "train_lm.py"), "--mesh", "dp=4,xp=2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2 and "expected entries like dp=4,tp=2" in proc.stderr
+
+
+@pytest.mark.slow  # two runs of the script end to end
+def test_continues_a_hugging_face_checkpoint(tmp_path):
+    from ._hf_models import flax_model, read_checkpoint, torch_layout, write_checkpoint
+
+    _, cfg, params = flax_model("llama", num_hidden_layers=2)
+    tensors = torch_layout(params)
+    tensors["lm_head.weight"][:] = 0  # zero logits: the first loss is log(vocab) exactly, unlike a fresh init's
+    ckpt = write_checkpoint(str(tmp_path / "ckpt"), {**cfg.to_dict(), "model_type": "llama"}, tensors)
+    a = run_example(tmp_path, "a", "--hf", ckpt, "--stage", "3", "--mesh", "dp=4,tp=2", "--save-hf", str(tmp_path / "a"))
+    b = run_example(tmp_path, "b", "--hf", ckpt, "--stage", "1", "--mesh", "dp=4,pp=2", "--precision", "fp32")
+    assert a["hf"] == ckpt and a["num_params"] == sum(x.size for x in read_checkpoint(ckpt).values())
+    # both start from the checkpoint's weights
+    assert a["losses"][0] == pytest.approx(math.log(96), rel=1e-6)
+    assert b["losses"][0] == pytest.approx(math.log(96), rel=1e-6)
+    trained, start = read_checkpoint(str(tmp_path / "a")), read_checkpoint(ckpt)
+    assert sorted(trained) == sorted(start)
+    assert any(not np.allclose(trained[k].astype(np.float32), start[k], atol=1e-6) for k in start)
