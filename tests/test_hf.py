@@ -324,3 +324,19 @@ def test_save_never_leaves_a_half_written_checkpoint(bf16_ckpt, tmp_path, monkey
     zjax.hf.save(out, model, state, overwrite=True)
     assert sorted(os.listdir(tmp_path)) == ["out"]
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.slow  # writes and loads a 100M-parameter checkpoint
+def test_import_host_memory_stays_near_one_leaf(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "io.json"
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "hf_io.py"
+    subprocess.run([sys.executable, str(script), "--layers", "12", "--json", str(out)], check=True, timeout=600)
+    r = json.loads(out.read_text())
+    assert r["params"] > 100e6
+    # beyond the state itself, loading holds about one leaf's blocks (and safetensors' mapped pages)
+    assert 0 < r["load_transient_bytes"] < 3 * r["largest_leaf_fp32_bytes"]
+    # saving holds one output file (max_shard_size; here the whole bf16 model in one file) and one tensor
+    assert r["save_transient_bytes"] < r["file_bytes"] + 2 * r["largest_leaf_fp32_bytes"]
