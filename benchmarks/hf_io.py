@@ -36,8 +36,8 @@ def make_checkpoint(directory: Path, layers: int) -> dict:
     import ml_dtypes
     import numpy as np
 
-    from zjax.models import DecoderConfig, config_to_hf
     from zjax.hf._names import tensors
+    from zjax.models import DecoderConfig, config_to_hf
 
     cfg = DecoderConfig(vocab=32000, embed=768, layers=layers, heads=12, head_dim=64, kv_heads=4, mlp=2048)
     rng = np.random.default_rng(0)
@@ -51,7 +51,11 @@ def make_checkpoint(directory: Path, layers: int) -> dict:
     save_file(out, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config_to_hf(cfg)))
     largest = max(x.size for x in out.values()) * 4
-    return {"params": cfg.num_params, "largest_leaf_fp32_bytes": largest, "file_bytes": sum(x.nbytes for x in out.values())}
+    return {
+        "params": cfg.num_params,
+        "largest_leaf_fp32_bytes": largest,
+        "file_bytes": sum(x.nbytes for x in out.values()),
+    }
 
 
 def phase(ckpt: str, stage: int, out: str | None) -> dict:

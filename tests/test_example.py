@@ -100,7 +100,9 @@ def test_continues_a_hugging_face_checkpoint(tmp_path):
     tensors = torch_layout(params)
     tensors["lm_head.weight"][:] = 0  # zero logits: the first loss is log(vocab) exactly, unlike a fresh init's
     ckpt = write_checkpoint(str(tmp_path / "ckpt"), {**cfg.to_dict(), "model_type": "llama"}, tensors)
-    a = run_example(tmp_path, "a", "--hf", ckpt, "--stage", "3", "--mesh", "dp=4,tp=2", "--save-hf", str(tmp_path / "a"))
+    a = run_example(
+        tmp_path, "a", "--hf", ckpt, "--stage", "3", "--mesh", "dp=4,tp=2", "--save-hf", str(tmp_path / "a")
+    )
     b = run_example(tmp_path, "b", "--hf", ckpt, "--stage", "1", "--mesh", "dp=4,pp=2", "--precision", "fp32")
     assert a["hf"] == ckpt and a["num_params"] == sum(x.size for x in read_checkpoint(ckpt).values())
     # both start from the checkpoint's weights

@@ -327,7 +327,7 @@ def _split_init(out: Any) -> tuple[Any, Any]:
 def _check_given(params: Any, expected: Any) -> None:
     """``params`` has the tree and shapes of the model's parameters ``expected``, or a ValueError names the leaf."""
     got, want = jax.tree.structure(params), jax.tree.structure(expected)
-    if got != want:
+    if cast(Any, got) != want:
         have = {path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
         need = {path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(expected)[0]}
         raise ValueError(

@@ -23,7 +23,9 @@ def weight_map(directory: str) -> dict[str, str]:
             try:
                 names = json.load(f)["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"zjax.hf: {index!r} is not a safetensors index (no valid 'weight_map': {e}).") from None
+                raise ValueError(
+                    f"zjax.hf: {index!r} is not a safetensors index (no valid 'weight_map': {e})."
+                ) from None
         return {name: os.path.join(directory, file) for name, file in names.items()}
     single = os.path.join(directory, SINGLE)
     if os.path.isfile(single):

@@ -57,7 +57,9 @@ class _Reader:
     """Open safetensors files and slice tensors out of them, checking each tensor's shape once."""
 
     def __init__(self, files: dict[str, str], stack: contextlib.ExitStack):
-        self._files, self._stack, self._open, self._checked = files, stack, {}, set()
+        self._files, self._stack = files, stack
+        self._open: dict[str, Any] = {}
+        self._checked: set[str] = set()
 
     def handle(self, name: str) -> Any:
         file = self._files[name]
@@ -95,7 +97,8 @@ class _Reader:
 def _leaf(reader: _Reader, t: Tensor, shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> jax.Array:
     cache: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
 
-    def block(index: tuple[slice, ...]) -> np.ndarray:
+    def block(index: tuple[slice, ...] | None) -> np.ndarray:
+        index = tuple(slice(None) for _ in shape) if index is None else index
         norm = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
         key = tuple((s.start, s.stop) for s in norm)
         if key not in cache:  # replicas of a block share one host copy

@@ -25,7 +25,7 @@ from ..planner._gpu import parse_size
 from ._files import INDEX, SINGLE
 from ._names import Tensor, tensors
 
-_DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
+_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _host_tensor(arr: jax.Array, layer: int | None) -> np.ndarray:
@@ -102,16 +102,20 @@ def save(
         raise TypeError(f"zjax.hf.save: model must be a zjax.models.Decoder, got {type(model).__name__}.")
     if dtype not in _DTYPES:
         raise ValueError(f"zjax.hf.save: dtype={dtype!r}; choose one of {list(_DTYPES)}.")
-    np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else _DTYPES[dtype])
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
     limit = parse_size(max_shard_size) if isinstance(max_shard_size, str) else float(max_shard_size)
     if limit <= 0:
         raise ValueError(f"zjax.hf.save: max_shard_size={max_shard_size!r} must be positive.")
     out = os.path.abspath(os.fspath(out_dir))
     if os.path.exists(out) and not overwrite:
-        raise FileExistsError(f"zjax.hf.save: {out!r} exists; pass overwrite=True to replace it, or pick a new directory.")
+        raise FileExistsError(
+            f"zjax.hf.save: {out!r} exists; pass overwrite=True to replace it, or pick a new directory."
+        )
     cfg = model.cfg
     values = state.params if state.opt_state.master is None else state.opt_state.master
-    leaves = {tuple(str(getattr(k, "key", k)) for k in p): x for p, x in jax.tree_util.tree_flatten_with_path(values)[0]}
+    leaves = {
+        tuple(str(getattr(k, "key", k)) for k in p): x for p, x in jax.tree_util.tree_flatten_with_path(values)[0]
+    }
     entries: list[tuple[Tensor, str, int | None]] = []
     for t in tensors(cfg):
         if t.path not in leaves:
@@ -124,7 +128,11 @@ def save(
             )
         entries += [(t, n, i if t.stacked else None) for i, n in enumerate(t.names(cfg.layers))]
     groups = _file_plan(entries, np_dtype.itemsize, limit)
-    names = [SINGLE] if len(groups) == 1 else [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
+    names = (
+        [SINGLE]
+        if len(groups) == 1
+        else [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
+    )
     writer = jax.process_index() == 0
     tmp = None
     if writer:

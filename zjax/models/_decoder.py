@@ -106,7 +106,10 @@ class DecoderConfig:
 
 
 _LLAMA2_7B = DecoderConfig(vocab=32000, embed=4096, layers=32, heads=32, head_dim=128, mlp=11008, max_len=4096)
-_LLAMA3 = dict(vocab=128256, heads=32, head_dim=128, kv_heads=8, rope_theta=500000.0, norm_eps=1e-5, max_len=8192)
+_LLAMA3_8B = DecoderConfig(
+    vocab=128256, embed=4096, layers=32, heads=32, head_dim=128, kv_heads=8, mlp=14336, max_len=8192,
+    rope_theta=500000.0, norm_eps=1e-5,
+)  # fmt: skip
 
 PRESETS: dict[str, DecoderConfig] = {
     "tiny": DecoderConfig(embed=64, layers=2, heads=2, head_dim=32, mlp=256, max_len=64),
@@ -114,20 +117,32 @@ PRESETS: dict[str, DecoderConfig] = {
     "medium": DecoderConfig(embed=512, layers=8, heads=8, head_dim=64, mlp=2048, max_len=256),
     # the seeds' table: Llama-2-7B's sizes (6.74e9 parameters)
     "llama2-7b": dataclasses.replace(_LLAMA2_7B, norm_eps=1e-5),
-    "llama3-8b": DecoderConfig(embed=4096, layers=32, mlp=14336, **_LLAMA3),  # type: ignore[arg-type]
-    "llama3-70b": DecoderConfig(  # type: ignore[arg-type]
-        embed=8192, layers=80, mlp=28672, **{**_LLAMA3, "heads": 64}
-    ),
-    "llama3.1-8b": DecoderConfig(  # type: ignore[arg-type]
-        embed=4096, layers=32, mlp=14336, rope_scaling=RopeScaling(), **{**_LLAMA3, "max_len": 131072}
-    ),
+    "llama3-8b": _LLAMA3_8B,
+    "llama3-70b": dataclasses.replace(_LLAMA3_8B, embed=8192, layers=80, heads=64, mlp=28672),
+    "llama3.1-8b": dataclasses.replace(_LLAMA3_8B, max_len=131072, rope_scaling=RopeScaling()),
     "mistral-7b": DecoderConfig(
-        vocab=32000, embed=4096, layers=32, heads=32, head_dim=128, kv_heads=8, mlp=14336, max_len=32768,
-        norm_eps=1e-5, sliding_window=4096,
+        vocab=32000,
+        embed=4096,
+        layers=32,
+        heads=32,
+        head_dim=128,
+        kv_heads=8,
+        mlp=14336,
+        max_len=32768,
+        norm_eps=1e-5,
+        sliding_window=4096,
     ),  # fmt: skip
     "qwen2-7b": DecoderConfig(
-        vocab=152064, embed=3584, layers=28, heads=28, head_dim=128, kv_heads=4, mlp=18944, max_len=32768,
-        rope_theta=1000000.0, qkv_bias=True,
+        vocab=152064,
+        embed=3584,
+        layers=28,
+        heads=28,
+        head_dim=128,
+        kv_heads=4,
+        mlp=18944,
+        max_len=32768,
+        rope_theta=1000000.0,
+        qkv_bias=True,
     ),  # fmt: skip
 }
 
@@ -256,12 +271,10 @@ class Decoder(nn.Module):
             for i in range(c.layers):
                 x, _ = block(c, name=f"layer_{i}")(x, positions, segment_ids)
         x = RMSNorm(c.embed, c.norm_eps, name="final_norm")(x)
-        if c.tie_embeddings:
-            head = embedding.T
-        else:
-            head = _param(self, "head", (c.embed, c.vocab), ("embed", "vocab"))
+        head = _param(self, "head", (c.embed, c.vocab), ("embed", "vocab")) if not c.tie_embeddings else None
         if return_hidden:
             return x
+        head = embedding.T if head is None else head
         return nn.with_logical_constraint(x @ head.astype(x.dtype), ("batch", "seq", "vocab"))
 
 

@@ -85,7 +85,9 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json", **overrides:
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2",
-            sliding_window=(int(hf["sliding_window"]) if model_type == "mistral" and hf.get("sliding_window") else None),
+            sliding_window=(
+                int(hf["sliding_window"]) if model_type == "mistral" and hf.get("sliding_window") else None
+            ),
         )
     except KeyError as e:
         raise ValueError(f"zjax.models: {source} has no {e.args[0]!r}, which a {model_type} config needs.") from None

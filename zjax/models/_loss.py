@@ -118,7 +118,7 @@ def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16
     from ._decoder import output_head
 
     tokens, positions, segment_ids, loss_mask = read_batch(batch)
-    cut = (lambda x: None if x is None else x[:, :-1])
+    cut = lambda x: None if x is None else x[:, :-1]
     hidden = model.apply({"params": params}, tokens[:, :-1], cut(positions), cut(segment_ids), return_hidden=True)
     weights = None if loss_mask is None else loss_mask[:, 1:].astype(jnp.float32)
     if segment_ids is not None:
