@@ -340,3 +340,21 @@ def test_import_host_memory_stays_near_one_leaf(tmp_path):
     assert 0 < r["load_transient_bytes"] < 3 * r["largest_leaf_fp32_bytes"]
     # saving holds one output file (max_shard_size; here the whole bf16 model in one file) and one tensor
     assert r["save_transient_bytes"] < r["file_bytes"] + 2 * r["largest_leaf_fp32_bytes"]
+
+
+def test_plan_init_from_given_params():
+    cfg = DecoderConfig(vocab=64, embed=32, layers=2, heads=4, head_dim=8, mlp=64, max_len=16, kv_heads=2)
+    model = zjax.models.Decoder(cfg)
+
+    def init_fn(r):
+        return model.init(r, jnp.zeros((1, 8), jnp.int32))["params"]
+
+    given = jax.tree.map(lambda x: x + 1.0, flax.linen.unbox(init_fn(jax.random.key(5))))
+    plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, precision="bf16")
+    state = plan.init(init_fn, TX, jax.random.key(0), params=given)
+    for a, b in zip(jax.tree.leaves(state.opt_state.master), jax.tree.leaves(given), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert not jax.tree.leaves(given)[0].is_deleted()  # the caller's arrays are not donated
+    bad = {**given, "head": jnp.zeros((32, 65))}
+    with pytest.raises(ValueError, match=r"params leaf 'head' has shape \(32, 65\); .* \(32, 64\)"):
+        plan.init(init_fn, TX, jax.random.key(0), params=bad)
