@@ -111,3 +111,25 @@ def test_continues_a_hugging_face_checkpoint(tmp_path):
     trained, start = read_checkpoint(str(tmp_path / "a")), read_checkpoint(ckpt)
     assert sorted(trained) == sorted(start)
     assert any(not np.allclose(trained[k].astype(np.float32), start[k], atol=1e-6) for k in start)
+
+
+@pytest.mark.slow  # 2 processes x 4 devices and 1 x 8, end to end
+def test_hugging_face_checkpoint_in_two_processes(tmp_path):
+    from ._hf_models import flax_model, read_checkpoint, torch_layout, write_checkpoint
+
+    _, cfg, params = flax_model("llama", num_hidden_layers=2)
+    ckpt = write_checkpoint(str(tmp_path / "ckpt"), {**cfg.to_dict(), "model_type": "llama"}, torch_layout(params))
+    flags = ["--hf", ckpt, "--stage", "3", "--mesh", "dp=8", "--precision", "fp32"]
+    out = tmp_path / "two.json"
+    cmd = [sys.executable, str(ROOT / "examples" / "train_lm.py"), *SMALL, *flags, "--processes", "2"]
+    cmd += ["--save-hf", str(tmp_path / "two"), "--metrics-json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    two = json.loads(out.read_text())
+    one = run_example(tmp_path, "one", *flags, "--save-hf", str(tmp_path / "one"))
+    assert two["processes"] == 2
+    np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-5)
+    a, b = read_checkpoint(str(tmp_path / "two")), read_checkpoint(str(tmp_path / "one"))
+    assert sorted(a) == sorted(b) == sorted(read_checkpoint(ckpt))
+    for name in a:  # each process loaded its own slices; process 0 wrote tensors gathered from both
+        np.testing.assert_allclose(a[name].astype(np.float32), b[name].astype(np.float32), atol=1e-2, err_msg=name)
