@@ -32,10 +32,40 @@ TEXT_FILES = (
 )
 
 
-def load_text() -> bytes:
-    """The training text: a fixed list of standard-library source files, concatenated."""
+def load_texts() -> list[str]:
+    """The default training documents: a fixed list of standard-library source files."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    return b"\n".join((root / name).read_bytes() for name in TEXT_FILES)
+    return [(root / name).read_text(encoding="utf-8") for name in TEXT_FILES]
+
+
+def build_data(args, cfg, pipelined: bool, log):
+    """Training rows and the held-out split (``None`` without ``--eval-every``), packed on grain."""
+    import numpy as np
+
+    import zjax
+
+    tok = zjax.data.load_tokenizer(args.tokenizer)
+    if args.data is None:
+        parts = [np.concatenate([tok.encode(d), [tok.eos_id] if tok.eos_id is not None else []]) for d in load_texts()]
+        stream = np.concatenate(parts).astype(np.int32)
+    else:
+        stream = zjax.data.tokenize(args.data, tok)
+    eos = tok.eos_id
+    if int(stream.max()) >= cfg.vocab:
+        if args.tokenizer is not None:
+            raise SystemExit(
+                f"--tokenizer: its ids reach {int(stream.max())}, beyond the model's vocabulary {cfg.vocab}"
+            )
+        stream, eos = stream % cfg.vocab, None
+        log(f"training on byte ids modulo {cfg.vocab} (not the checkpoint's tokenizer); documents not separated")
+    if pipelined and eos is not None:
+        eos = None  # the pipeline takes unpacked rows (segment ids need pp=1)
+        log("pipeline: packed documents are not separated (segment ids are supported with pp=1)")
+    train, held = zjax.data.train_eval_split(stream, args.eval_fraction if args.eval_every else 0.0)
+    data = zjax.data.LMData(train, args.seq_len, args.batch_size, eos_id=eos, seed=args.seed)
+    if not args.eval_every:
+        return data, None
+    return data, zjax.data.LMData(held, args.seq_len, args.batch_size, eos_id=eos, shuffle=False)
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -69,6 +99,29 @@ def build_parser() -> argparse.ArgumentParser:
         "instead of --preset; its token ids are the text's bytes modulo the vocabulary (not its tokenizer)",
     )
     p.add_argument("--save-hf", type=Path, default=None, help="write the trained weights as a Hugging Face checkpoint")
+    p.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="train on these local files (text, .jsonl, .parquet, a directory, or pre-tokenized .npy); default: "
+        "the source of a few standard-library modules",
+    )
+    p.add_argument(
+        "--tokenizer", type=Path, default=None, help="tokenizer.json or a directory holding one (default: bytes)"
+    )
+    p.add_argument(
+        "--eval-every", type=int, default=0, help="evaluate on the held-out split every N steps and at the end"
+    )
+    p.add_argument(
+        "--eval-fraction", type=float, default=0.05, help="share of the token stream held out for evaluation"
+    )
+    p.add_argument("--eval-batches", type=int, default=4, help="batches per evaluation (at most the held-out split)")
+    p.add_argument("--log-dir", type=Path, default=None, help="write metrics.jsonl here (and TensorBoard, profiles)")
+    p.add_argument("--log-every", type=int, default=10, help="steps between logged records (one host sync each)")
+    p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files (tensorboardX)")
+    p.add_argument("--wandb", default=None, help="also log to this Weights & Biases project")
+    p.add_argument("--profile-steps", default=None, help="A:B: write a jax.profiler trace of steps A..B-1 to --log-dir")
+    p.add_argument("--compilation-cache", type=Path, default=None, help="persistent XLA compilation cache directory")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=32, help="global batch (sequences per step)")
     p.add_argument("--seq-len", type=int, default=128)
@@ -115,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _quiet(*args, **kwargs) -> None:
+    pass
+
+
 def _relaunch(argv: list[str], processes: int, cpu_devices: int) -> int:
     """Run this script as ``processes`` processes (zjax.distributed.launch) and return their status."""
     import os
@@ -153,6 +210,8 @@ def main(argv: list[str] | None = None) -> dict:
         )
     else:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # must precede backend start
+    if args.compilation_cache is not None:  # a resumed job reuses its compiled steps
+        jax.config.update("jax_compilation_cache_dir", str(args.compilation_cache))
     if args.preemptible and cluster.num_processes == 1:
         if args.checkpoint_dir is None:
             raise SystemExit("--preemptible needs --checkpoint-dir")
@@ -177,8 +236,10 @@ def main(argv: list[str] | None = None) -> dict:
     elif args.preset not in PRESETS:
         raise SystemExit(f"--preset {args.preset!r}: choose one of {sorted(PRESETS)}")
     else:
+        # the preset takes the tokenizer's vocabulary, padded to a multiple of 128 (it splits over tp)
+        vocab = -(-zjax.data.load_tokenizer(args.tokenizer).vocab_size // 128) * 128
         cfg = type(PRESETS[args.preset])(
-            **{**PRESETS[args.preset].__dict__, "max_len": args.seq_len, "remat": args.remat}
+            **{**PRESETS[args.preset].__dict__, "max_len": args.seq_len, "remat": args.remat, "vocab": vocab}
         )
     model = Decoder(cfg)
 
@@ -223,24 +284,14 @@ def main(argv: list[str] | None = None) -> dict:
         state = plan.init(init_fn, tx, jax.random.key(args.seed))
     step = plan.train_step(lambda params, batch: lm_loss(model, params, batch), accum_steps=args.accum)
 
-    data = np.frombuffer(load_text(), dtype=np.uint8).astype(np.int32) % cfg.vocab
-    if args.hf is not None:
-        print(f"--hf: training on the text's bytes modulo {cfg.vocab} as token ids (not the checkpoint's tokenizer)")
-    rng = np.random.default_rng(args.seed)
-
-    def next_batch():  # the global batch (the same on every process); each feeds its own rows
-        starts = rng.integers(0, len(data) - args.seq_len - 1, size=args.batch_size)
-        rows = np.stack([data[s : s + args.seq_len + 1] for s in starts]).astype(np.int32)
-        return zjax.sharding.process_rows(rows, mesh)
-
-    for _ in range(start):  # the data position: replay the sampler up to where the checkpoint was
-        next_batch()
-    batch = plan.shard_batch(next_batch())
+    data, held_out = build_data(args, cfg, pipeline is not None, log=print if jax.process_index() == 0 else _quiet)
+    batch = plan.shard_batch(data.batch(start, mesh))  # each process reads only its own rows
     report = step.memory_report(state, batch)
     sizes = {k: int(v) for k, v in mesh.shape.items()}
     log = print if main_process else (lambda *a, **k: None)
     log(
-        f"zjax example: remat policy {args.remat!r}, {cfg.num_params:,} params, {len(data):,} bytes of text, "
+        f"zjax example: remat policy {args.remat!r}, {cfg.num_params:,} params, {data.num_rows:,} rows of "
+        f"{args.seq_len + 1} tokens, "
         f"devices: {jax.devices()[0].platform} x {jax.device_count()} in {jax.process_count()} process(es), "
         f"mesh {sizes}"
     )
@@ -252,29 +303,83 @@ def main(argv: list[str] | None = None) -> dict:
             f"{pipeline.bubble(stages):.1%}"
         )
 
-    losses: list[float] = []
-    skipped = 0
+    losses: list = []  # device scalars, fetched at logged steps: one host sync per --log-every steps
+    skipped_flags: list = []
     tokens_per_step = args.batch_size * args.seq_len
     end = args.steps if args.stop_at is None else min(args.steps, args.stop_at)
     quiet = args.no_progress or not main_process
     bar = tqdm(range(start, end), desc=f"zero{args.stage}", disable=quiet, file=sys.stdout)
+    evaluate = plan.eval_step(lambda params, b: lm_loss(model, params, b)) if held_out is not None else None
+    writer = None
+    if args.log_dir is not None:
+        wandb = {"project": args.wandb, "config": vars(args) | {"log_dir": str(args.log_dir)}} if args.wandb else None
+        writer = zjax.metrics.MetricsWriter(args.log_dir, tensorboard=args.tensorboard, wandb=wandb)
+    profile = None
+    if args.profile_steps:
+        a, b = (int(x) for x in args.profile_steps.split(":"))
+        profile = (a, b)
+    device_kind, eval_loss, mfu = jax.devices()[0].device_kind, None, None
+
+    def run_eval() -> float:
+        batches = [b for b, _ in zip(held_out.epoch_batches(mesh), range(args.eval_batches), strict=False)]
+        if not batches:
+            raise SystemExit(f"--eval-every: the held-out split has fewer than {args.batch_size} rows")
+        return float(np.mean([float(evaluate(state, plan.shard_batch(b))) for b in batches]))  # type: ignore[misc]
+
     t0 = time.perf_counter()
+    t_last, i_last = t0, start
     for i in bar:
+        if profile is not None and i == profile[0]:
+            jax.profiler.start_trace(str((args.log_dir or Path("runs")) / "profile"))
         state, metrics = step(state, batch)
-        batch = plan.shard_batch(next_batch())  # overlaps with the step running asynchronously
-        loss = float(metrics["loss"])
-        losses.append(loss)
-        skipped += int(metrics["skipped"])
+        if i + 1 < end:
+            batch = plan.shard_batch(data.batch(i + 1, mesh))  # overlaps with the step running asynchronously
+        losses.append(metrics["loss"])
+        skipped_flags.append(metrics["skipped"])
+        if profile is not None and i + 1 == min(profile[1], end):
+            jax.block_until_ready(state)
+            jax.profiler.stop_trace()
         if ckpt is not None:
             ckpt.maybe_save(state, plan, {"data_position": i + 1})
             if ckpt.preempted:
                 print(f"preempted: saved step {i + 1}, exiting", flush=True)  # on every process
                 end = i + 1
                 break
-        rate = tokens_per_step * (i + 1 - start) / (time.perf_counter() - t0)
-        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:,.0f}", scale=float(metrics["loss_scale"]))
-        if args.no_progress and (i % 10 == 0 or i == end - 1):
-            log(f"step {i:5d}  loss {loss:.4f}  tokens/s {rate:,.0f}")
+        due_eval = evaluate is not None and ((i + 1) % args.eval_every == 0 or i == end - 1)
+        if (i + 1 - start) % args.log_every and i != end - 1 and not due_eval:
+            continue
+        loss = float(metrics["loss"])  # the host sync of this interval
+        now = time.perf_counter()
+        rate = tokens_per_step * (i + 1 - i_last) / (now - t_last)
+        mfu = zjax.metrics.mfu(rate, cfg, args.seq_len, device_kind, jax.device_count())
+        record = {
+            "loss": loss,
+            "grad_norm": float(metrics["grad_norm"]),
+            "learning_rate": float(schedule(i)),
+            "loss_scale": float(metrics["loss_scale"]),
+            "skipped": int(sum(int(x) for x in jax.device_get(skipped_flags))),
+            "step_time": (now - t_last) / (i + 1 - i_last),
+            "tokens_per_second": rate,
+            "mfu": mfu,
+        }
+        stats = jax.local_devices()[0].memory_stats() or {}
+        if "peak_bytes_in_use" in stats:  # GPUs: the allocator's peak beside the plan's
+            record |= {"device_peak_bytes": stats["peak_bytes_in_use"], "planned_peak_bytes": report.peak_bytes}
+        if due_eval:
+            eval_loss = record["eval_loss"] = run_eval()
+        if writer is not None:
+            writer.write(i + 1, record)
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:,.0f}", scale=record["loss_scale"])
+        if args.no_progress:
+            log(
+                f"step {i:5d}  loss {loss:.4f}  tokens/s {rate:,.0f}"
+                + ("" if eval_loss is None else f"  eval {eval_loss:.4f}")
+            )
+        t_last, i_last = time.perf_counter(), i + 1
+    if writer is not None:
+        writer.close()
+    losses = [float(x) for x in jax.device_get(losses)]
+    skipped = int(sum(int(x) for x in jax.device_get(skipped_flags)))
     elapsed = time.perf_counter() - t0
     if ckpt is not None:
         if end > start and end % args.save_every and not ckpt.preempted:
@@ -313,6 +418,8 @@ def main(argv: list[str] | None = None) -> dict:
         "resumed_from": start if args.resume else None,
         "final_step": int(state.step),
         "skipped_steps": skipped,
+        "eval_loss": eval_loss,
+        "mfu": mfu,
         "final_loss_scale": float(state.loss_scale.scale),
     }
     if args.metrics_json is not None and main_process:

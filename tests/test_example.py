@@ -133,3 +133,33 @@ def test_hugging_face_checkpoint_in_two_processes(tmp_path):
     assert sorted(a) == sorted(b) == sorted(read_checkpoint(ckpt))
     for name in a:  # each process loaded its own slices; process 0 wrote tensors gathered from both
         np.testing.assert_allclose(a[name].astype(np.float32), b[name].astype(np.float32), atol=1e-2, err_msg=name)
+
+
+def test_logs_evaluates_and_profiles(tmp_path):
+    logs = tmp_path / "logs"
+    flags = ["--eval-every", "2", "--log-every", "2", "--log-dir", str(logs), "--tensorboard", "--profile-steps", "1:3"]
+    m = run_example(tmp_path, "m", "--stage", "2", *flags)
+    records = [json.loads(x) for x in (logs / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4]  # every --log-every steps: one host sync each
+    keys = {"loss", "eval_loss", "grad_norm", "learning_rate", "loss_scale", "skipped", "step_time"}
+    assert all(keys | {"tokens_per_second", "mfu"} <= set(r) for r in records)
+    assert all(r["mfu"] is None for r in records)  # a CPU has no peak FLOPs: never a made-up number
+    assert records[-1]["loss"] == pytest.approx(m["losses"][-1]) and m["eval_loss"] == records[-1]["eval_loss"]
+    assert list((logs / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((logs / "profile").rglob("*.xplane.pb"))
+
+
+@pytest.mark.slow  # four runs of the script end to end
+def test_resume_on_another_mesh_and_process_count_sees_the_same_batches(tmp_path):
+    flags = ["--precision", "fp32", "--stage", "3", "--steps", "6", "--save-every", "3"]
+    straight = run_example(tmp_path, "straight", *flags)
+    ckpt = str(tmp_path / "ckpt")
+    run_example(tmp_path, "first", *flags, "--stop-at", "3", "--checkpoint-dir", ckpt)
+    resumed = run_example(tmp_path, "resumed", *flags, "--mesh", "dp=4,tp=2", "--checkpoint-dir", ckpt, "--resume")
+    np.testing.assert_allclose(resumed["losses"], straight["losses"][3:], rtol=1e-5)
+    # 2 processes x 4 devices read disjoint rows of the same global batches: the same losses as 1 x 8
+    out = tmp_path / "two.json"
+    cmd = [sys.executable, str(ROOT / "examples" / "train_lm.py"), *SMALL, *flags, "--processes", "2"]
+    proc = subprocess.run([*cmd, "--metrics-json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    np.testing.assert_allclose(json.loads(out.read_text())["losses"], straight["losses"], rtol=1e-5)

@@ -1,8 +1,10 @@
 """zjax: train large models with JAX/XLA without running out of accelerator memory."""
 
 from . import checkpoint as checkpoint
+from . import data as data
 from . import distributed as distributed
 from . import hf as hf
+from . import metrics as metrics
 from . import pallas as pallas
 from . import pipeline as pipeline
 from . import planner as planner

@@ -14,6 +14,7 @@ from ._batch import batch_shardings as batch_shardings
 from ._batch import batch_spec as batch_spec
 from ._batch import check_batch as check_batch
 from ._batch import local_batch_parts as local_batch_parts
+from ._batch import process_row_range as process_row_range
 from ._batch import process_rows as process_rows
 from ._batch import shard_batch as shard_batch
 from ._mesh import axis_size as axis_size

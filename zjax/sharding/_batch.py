@@ -78,6 +78,28 @@ def _local_parts(mesh: Mesh) -> list[int]:
     return sorted(parts)
 
 
+def process_row_range(rows: int, mesh: Mesh) -> tuple[int, int]:
+    """``(start, stop)``: the rows of a global batch of ``rows`` that this process feeds to :func:`shard_batch`
+    (a data loader reads only these).
+
+    Raises:
+      ValueError: if ``rows`` does not split over the data axes, or this process's parts are not
+        contiguous (a mesh not built by :func:`zjax.make_mesh`).
+    """
+    parts, n = _local_parts(mesh), data_size(mesh)
+    if rows % n:
+        raise ValueError(
+            f"process_row_range: a global batch of {rows} rows does not split over the data axes "
+            f"({_axes_text(mesh)}, {n} parts); use a multiple of {n}."
+        )
+    if parts != list(range(parts[0], parts[0] + len(parts))):
+        raise ValueError(
+            f"process_rows: process {jax.process_index()} holds data-parallel parts {parts} of {n}, which are not "
+            "contiguous; build the mesh with zjax.make_mesh, which keeps each process's devices together."
+        )
+    return rows // n * parts[0], rows // n * (parts[-1] + 1)
+
+
 def process_rows(batch: Any, mesh: Mesh) -> Any:
     """The rows of a global batch (the same on every process) that this process feeds to :func:`shard_batch`.
 
@@ -86,13 +108,8 @@ def process_rows(batch: Any, mesh: Mesh) -> Any:
         contiguous (a mesh not built by :func:`zjax.make_mesh`).
     """
     check_batch(batch, mesh, what="process_rows: batch")
-    parts, n = _local_parts(mesh), data_size(mesh)
-    if parts != list(range(parts[0], parts[0] + len(parts))):
-        raise ValueError(
-            f"process_rows: process {jax.process_index()} holds data-parallel parts {parts} of {n}, which are not "
-            "contiguous; build the mesh with zjax.make_mesh, which keeps each process's devices together."
-        )
-    return jax.tree.map(lambda x: x[len(x) // n * parts[0] : len(x) // n * (parts[-1] + 1)], batch)
+    start, stop = process_row_range(len(jax.tree.leaves(batch)[0]), mesh)
+    return jax.tree.map(lambda x: x[start:stop], batch)
 
 
 def shard_batch(batch: Any, mesh: Mesh) -> Any:

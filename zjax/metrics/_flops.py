@@ -1,0 +1,32 @@
+"""Model FLOPs per token and MFU: the analytic count (PaLM's convention) against the device's peak."""
+
+from __future__ import annotations
+
+from ..models import DecoderConfig
+from ..planner._targets import peak_flops
+
+
+def matmul_params(cfg: DecoderConfig) -> int:
+    """Parameters that take part in a matmul per token: every layer's projections and the output head
+    (the embedding lookup is a gather; norms and biases are negligible and left out)."""
+    kv = cfg.num_kv_heads * cfg.head_dim
+    per_layer = 2 * cfg.embed * cfg.heads * cfg.head_dim + 2 * cfg.embed * kv + 3 * cfg.embed * cfg.mlp
+    return cfg.layers * per_layer + cfg.embed * cfg.vocab
+
+
+def flops_per_token(cfg: DecoderConfig, seq_len: int) -> float:
+    """Training FLOPs per token: ``6 * matmul_params + 12 * layers * heads * head_dim * seq_len``.
+
+    Forward 2 FLOPs per matmul parameter, backward twice that; attention's two ``[S, S]`` products count
+    ``4 * heads * head_dim * S`` per token forward (the full square, as PaLM's MFU does, not the causal half).
+    Rematerialization is not counted: MFU measures the model's work, not the recomputation.
+    """
+    return 6.0 * matmul_params(cfg) + 12.0 * cfg.layers * cfg.heads * cfg.head_dim * seq_len
+
+
+def mfu(tokens_per_second: float, cfg: DecoderConfig, seq_len: int, device_kind: str, devices: int) -> float | None:
+    """Model FLOPs utilization, or ``None`` when the device's peak is unknown (a CPU): never a made-up number."""
+    peak = peak_flops(device_kind)
+    if peak is None or devices < 1:
+        return None
+    return tokens_per_second * flops_per_token(cfg, seq_len) / (peak * devices)

@@ -1,0 +1,79 @@
+"""Metrics writers: JSON lines built in, TensorBoard (tensorboardX) and Weights & Biases as extras.
+
+Only process 0 writes. ``write(step, metrics)`` takes host numbers (the caller decides when to fetch
+device values, so logging every N steps costs one host sync per N steps).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import jax
+
+
+class MetricsWriter:
+    """``MetricsWriter(log_dir, tensorboard=False, wandb=None)``: ``metrics.jsonl`` in ``log_dir`` (one record
+    per call, appended and flushed, readable while training), TensorBoard event files with
+    ``tensorboard=True`` (``pip install tensorboardX``), a Weights & Biases run with ``wandb={"project": ...}``."""
+
+    def __init__(self, log_dir: str | os.PathLike, *, tensorboard: bool = False, wandb: dict[str, Any] | None = None):
+        self.log_dir = os.fspath(log_dir)
+        self._active = jax.process_index() == 0
+        self._jsonl = None
+        self._tb = None
+        self._wandb = None
+        if not self._active:
+            return
+        os.makedirs(self.log_dir, exist_ok=True)
+        self._jsonl = open(os.path.join(self.log_dir, "metrics.jsonl"), "a")  # noqa: SIM115 (closed in close())
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(self.log_dir, "tensorboard"))
+        if wandb is not None:
+            import wandb as _wandb
+
+            self._wandb = _wandb.init(dir=self.log_dir, **wandb)
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        if self._jsonl is None:
+            return
+        record = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        numbers = {k: v for k, v in record.items() if isinstance(v, int | float) and k != "step"}
+        if self._tb is not None:
+            for key, value in numbers.items():
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(numbers, step=step)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _plain(value: Any) -> Any:
+    """A JSON value: numbers as Python floats/ints (NaN and infinities as None), everything else as is."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
