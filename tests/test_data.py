@@ -53,6 +53,7 @@ def test_batches_are_a_function_of_the_step():
         LMData(stream, 16, 6).batch(0, mesh)
 
 
+@pytest.mark.slow  # compiles the loss three times; test_hf checks packing at the model level in the fast suite
 def test_packed_batch_loss_equals_documents_apart():
     tok = ByteTokenizer()
     docs = ["first document, a short one", "the second is a little longer than that"]

@@ -135,6 +135,7 @@ def test_hugging_face_checkpoint_in_two_processes(tmp_path):
         np.testing.assert_allclose(a[name].astype(np.float32), b[name].astype(np.float32), atol=1e-2, err_msg=name)
 
 
+@pytest.mark.slow  # the script end to end; zjax.data and zjax.metrics are tested in-process in test_data.py
 def test_logs_evaluates_and_profiles(tmp_path):
     logs = tmp_path / "logs"
     flags = ["--eval-every", "2", "--log-every", "2", "--log-dir", str(logs), "--tensorboard", "--profile-steps", "1:3"]

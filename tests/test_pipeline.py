@@ -288,6 +288,7 @@ def gather_modes():
     }
 
 
+@pytest.mark.slow  # two circular-schedule compiles (the fixture): the slow step
 def test_per_use_gathering_cuts_temp_memory(gather_modes):
     """Gathering per use inside the loop: temp < 0.6 x gathering once per step, the same state."""
     step, layer = (gather_modes[g][4].memory_analysis() for g in ("step", "layer"))
@@ -301,6 +302,7 @@ def loop_collectives(plan, hlo):
     return [(c, spanned_axes(c.groups, shape)) for c in collectives(hlo) if c.in_loop]
 
 
+@pytest.mark.slow
 def test_per_use_gathering_hlo(gather_modes):
     """Gathering once per step puts no gather and no dp reduction in the loop; gathering per use puts
     both there, over dp only. Both keep the loop's permutes over pp and never gather over pp."""

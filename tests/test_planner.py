@@ -101,7 +101,7 @@ def test_compiled_state_matches_theory(small_estimate):
 def test_mesh_larger_than_devices_is_a_clear_error():
     with pytest.raises(ValueError, match=r"needs 64 devices but this process has 8.*jax_num_cpu_devices', 64"):
         planner.estimate("tiny", mesh={"dp": 64})
-    with pytest.raises(ValueError, match="unknown model preset 'gpt5'"):
+    with pytest.raises(ValueError, match="unknown model 'gpt5': not a preset"):
         planner.estimate("gpt5", mesh={"dp": 8})
 
 
