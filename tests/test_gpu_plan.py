@@ -56,10 +56,10 @@ def test_budget_is_the_allocator_share_less_a_stated_reserve():
         budget("80%")
 
 
-def _compiled(stage: int, tx=None, rows: int = 16):
+def _compiled(stage: int, tx=None, rows: int = 16, **plan_kw):
     mesh = zjax.make_mesh(dp=8, devices=gpu_devices("h100", 8))
     model = Decoder(CFG)
-    plan = zjax.Plan(mesh, stage=stage, precision="bf16")
+    plan = zjax.Plan(mesh, stage=stage, precision="bf16", **plan_kw)
     tx = optax.adamw(1e-3) if tx is None else tx
     state = plan.abstract_state(
         lambda r: model.init(r, jnp.zeros((1, CFG.max_len), jnp.int32))["params"], tx, jax.random.key(0)
@@ -88,6 +88,25 @@ def test_zero3_on_the_gpu_target_reduce_scatters_and_gathers_bf16_over_dp(gpu_st
     comm = count_collectives(text, dict(plan.mesh.shape))
     assert set(comm.by_axes) == {("dp",)}
     assert 0 < comm.overlapped_volume <= comm.total_volume  # the scheduler hid some of it behind compute
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_reduce_dtype_float32_reduces_gradients_in_f32_on_the_gpu_target(stage, gpu_steps):
+    starts = r"= \(*(\w+)\[[^\n]*? (?:reduce-scatter|all-reduce)-start\("
+    compiled, report, _ = _compiled(stage, reduce_dtype="float32")
+    kinds = set(re.findall(starts, compiled.as_text()))
+    assert kinds == {"f32"}, kinds
+    default = gpu_steps[0][0] if stage == 0 else _compiled(stage)[0]
+    assert "bf16" in set(re.findall(starts, default.as_text()))  # as today: gradients reduce in bf16
+    # twice the bytes on the wire for the gradient reduction, counted by the planner's HLO reader
+    kind = "all-reduce" if stage == 0 else "reduce-scatter"
+    wide = count_collectives(compiled.as_text(), {"dp": 8}).volume.get(kind, 0)
+    narrow = count_collectives(default.as_text(), {"dp": 8}).volume.get(kind, 0)
+    assert wide == pytest.approx(2 * narrow, rel=0.05), (wide, narrow)
+    with pytest.raises(ValueError, match="reduce_dtype='int8' must be a float dtype"):
+        zjax.Plan(zjax.make_mesh(dp=8), reduce_dtype="int8")
+    with pytest.raises(ValueError, match="supported at stages 0-2 without a pipeline"):
+        zjax.Plan(zjax.make_mesh(dp=8), stage=3, reduce_dtype="float32")
 
 
 def test_gpu_state_bytes_match_the_zero_formula(gpu_steps):

@@ -18,7 +18,7 @@ from ._layout import StateLayout
 from ._memory import MemoryReport, memory_report
 from ._state import MixedPrecisionState, TrainState
 from .sharding._batch import check_batch
-from .sharding._mesh import data_axes, data_size, use_mesh_platform
+from .sharding._mesh import data_axes, data_size, manual_data_axes, use_mesh_platform
 from .sharding._rules import Rules
 
 if TYPE_CHECKING:
@@ -301,7 +301,8 @@ class TrainStep(_CompiledFn):
         )
 
     def _grads_per_rank(self, layout: StateLayout, params: Any, batch: Any, scale: jax.Array, rng: jax.Array):
-        """Accumulation without a reduction per microbatch (stages 0 and 1, like DDP's ``no_sync``).
+        """Accumulation without a reduction per microbatch (stages 0 and 1, like DDP's ``no_sync``); also the
+        path of ``Plan(reduce_dtype=...)``, whose one reduction runs in that dtype.
 
         A ``shard_map`` manual over the data axes (tp stays with GSPMD) gives every data-parallel rank its
         own rows; it sums its microbatch gradients, unreduced, into its fp32 accumulator; after the loop
@@ -328,7 +329,7 @@ class TrainStep(_CompiledFn):
 
             zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p)
             # each rank sees only its own rows: activation rules must not split them over the data axes again
-            with nn.logical_axis_rules(rules):
+            with nn.logical_axis_rules(rules), manual_data_axes():
                 acc, (losses, auxes) = jax.lax.scan(body, zeros, (jnp.arange(k), _split_microbatches(rows, k)))
             aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
             lead = lambda x: jnp.asarray(x)[None]  # noqa: E731 - one entry per rank, split over the data axes
@@ -345,7 +346,8 @@ class TrainStep(_CompiledFn):
         )(params, batch, rng)
         # the one reduction of the step, in the gradients' own dtype as without accumulation (bf16 moves half
         # the bytes of the fp32 partial sums)
-        grads = jax.tree.map(lambda a, p: _sum_leading(a.astype(p.dtype)), acc, params)
+        reduce_in = self.plan.reduce_dtype  # Plan(reduce_dtype=...): the ranks' sums widened before the reduction
+        grads = jax.tree.map(lambda a, p: _sum_leading(a.astype(reduce_in or p.dtype)), acc, params)
         aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
         return jnp.mean(losses), aux, _constrain(grads, layout.master_specs, mesh)
 
@@ -354,7 +356,12 @@ class TrainStep(_CompiledFn):
         precision = plan.precision
         scale = state.loss_scale.scale
         next_rng, step_rng = jax.random.split(state.rng)
-        if self._defers_reduction(layout, state.model_state):
+        if plan.reduce_dtype is not None and jax.tree.leaves(state.model_state):
+            raise ValueError(
+                "Plan(reduce_dtype=...) does not support models with model state (batch statistics) yet; "
+                "use reduce_dtype=None."
+            )
+        if self._defers_reduction(layout, state.model_state) or plan.reduce_dtype is not None:
             loss, aux, grads = self._grads_per_rank(layout, state.params, batch, scale, step_rng)
             model_state = state.model_state
         else:

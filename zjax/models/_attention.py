@@ -13,14 +13,15 @@ import jax
 import jax.numpy as jnp
 
 from .. import pipeline
-from ..sharding._mesh import mesh_platform
+from ..sharding._mesh import in_manual_data_axes, mesh_platform
 
 
 def attention_implementation(dtype) -> Literal["cudnn", "xla"]:
     """``"cudnn"`` for bf16/fp16 attention on a mesh of GPUs, ``"xla"`` otherwise (cuDNN has no fp32 kernel)."""
-    if pipeline.current() is not None:
-        # inside the pipeline's vmap over pp, cuDNN attention's custom partitioner fails to partition
-        # (measured: an INTERNAL custom_partitioner error compiling for H100 with pp=2): XLA's there
+    if pipeline.current() is not None or in_manual_data_axes():
+        # inside the pipeline's vmap over pp, or a shard_map manual over the data axes (per-rank gradients),
+        # cuDNN attention's custom partitioner fails to partition (measured: an INTERNAL custom_partitioner
+        # error compiling for H100): XLA's attention there
         return "xla"
     platform = mesh_platform()
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

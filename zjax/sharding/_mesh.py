@@ -180,3 +180,21 @@ def use_mesh_platform(mesh: Mesh) -> Iterator[None]:
 def mesh_platform() -> str:
     """The platform of the devices the traced step runs on (:func:`use_mesh_platform`), else JAX's default."""
     return _PLATFORM.get() or jax.default_backend()
+
+
+_MANUAL: contextvars.ContextVar[bool] = contextvars.ContextVar("zjax_manual_data_axes", default=False)
+
+
+@contextlib.contextmanager
+def manual_data_axes() -> Iterator[None]:
+    """Mark code traced inside a ``shard_map`` that is manual over the data axes (the pipeline, per-rank
+    gradients): custom partitioners such as cuDNN attention's cannot partition there."""
+    token = _MANUAL.set(True)
+    try:
+        yield
+    finally:
+        _MANUAL.reset(token)
+
+
+def in_manual_data_axes() -> bool:
+    return _MANUAL.get()
