@@ -22,6 +22,7 @@ def run_example(tmp_path: Path, name: str, *flags: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # two runs of the script; the slow step runs it end to end many more times
 def test_metrics_schema_and_determinism(tmp_path):
     a = run_example(tmp_path, "a", "--stage", "3", "--mesh", "dp=8", "--seed", "1")
     b = run_example(tmp_path, "b", "--stage", "3", "--mesh", "dp=8", "--seed", "1")

@@ -90,7 +90,7 @@ def test_zero3_on_the_gpu_target_reduce_scatters_and_gathers_bf16_over_dp(gpu_st
     assert 0 < comm.overlapped_volume <= comm.total_volume  # the scheduler hid some of it behind compute
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 2])
 def test_reduce_dtype_float32_reduces_gradients_in_f32_on_the_gpu_target(stage, gpu_steps):
     starts = r"= \(*(\w+)\[[^\n]*? (?:reduce-scatter|all-reduce)-start\("
     compiled, report, _ = _compiled(stage, reduce_dtype="float32")

@@ -45,8 +45,8 @@ def _logits(directory, tokens, **plan_kw):
     "kind, extra",
     [
         ("llama", {}),  # grouped-query attention (4 heads, 2 kv heads), untied head
-        ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
-        ("mistral", {"sliding_window": 5}),  # a window shorter than the sequence
+        pytest.param("llama", {"tie_word_embeddings": True, "num_key_value_heads": 1}, marks=pytest.mark.slow),
+        pytest.param("mistral", {"sliding_window": 5}, marks=pytest.mark.slow),  # a window shorter than the sequence
     ],
 )
 def test_logits_match_transformers(tmp_path, kind, extra):
@@ -342,6 +342,7 @@ def test_import_host_memory_stays_near_one_leaf(tmp_path):
     assert r["save_transient_bytes"] < r["file_bytes"] + 2 * r["largest_leaf_fp32_bytes"]
 
 
+@pytest.mark.slow  # zjax.hf.load covers Plan.init(params=) in the fast suite
 def test_plan_init_from_given_params():
     cfg = DecoderConfig(vocab=64, embed=32, layers=2, heads=4, head_dim=8, mlp=64, max_len=16, kv_heads=2)
     model = zjax.models.Decoder(cfg)
