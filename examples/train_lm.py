@@ -312,7 +312,8 @@ def main(argv: list[str] | None = None) -> dict:
     evaluate = plan.eval_step(lambda params, b: lm_loss(model, params, b)) if held_out is not None else None
     writer = None
     if args.log_dir is not None:
-        wandb = {"project": args.wandb, "config": vars(args) | {"log_dir": str(args.log_dir)}} if args.wandb else None
+        config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}  # JSON-able run config
+        wandb = {"project": args.wandb, "config": config} if args.wandb else None
         writer = zjax.metrics.MetricsWriter(args.log_dir, tensorboard=args.tensorboard, wandb=wandb)
     profile = None
     if args.profile_steps:
