@@ -38,13 +38,12 @@ def load_texts() -> list[str]:
     return [(root / name).read_text(encoding="utf-8") for name in TEXT_FILES]
 
 
-def build_data(args, cfg, pipelined: bool, log):
+def build_data(args, cfg, tok, pipelined: bool, log):
     """Training rows and the held-out split (``None`` without ``--eval-every``), packed on grain."""
     import numpy as np
 
     import zjax
 
-    tok = zjax.data.load_tokenizer(args.tokenizer)
     if args.data is None:
         parts = [np.concatenate([tok.encode(d), [tok.eos_id] if tok.eos_id is not None else []]) for d in load_texts()]
         stream = np.concatenate(parts).astype(np.int32)
@@ -231,13 +230,14 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--remat {args.remat!r}: choose one of {sorted(POLICIES)}")
     if args.save_hf is not None and args.save_hf.exists():
         raise SystemExit(f"--save-hf {args.save_hf}: exists; pick a new directory")
+    tok = zjax.data.load_tokenizer(args.tokenizer)
     if args.hf is not None:
         cfg = from_hf_config(args.hf, remat=args.remat).cfg
     elif args.preset not in PRESETS:
         raise SystemExit(f"--preset {args.preset!r}: choose one of {sorted(PRESETS)}")
     else:
         # the preset takes the tokenizer's vocabulary, padded to a multiple of 128 (it splits over tp)
-        vocab = -(-zjax.data.load_tokenizer(args.tokenizer).vocab_size // 128) * 128
+        vocab = -(-tok.vocab_size // 128) * 128
         cfg = type(PRESETS[args.preset])(
             **{**PRESETS[args.preset].__dict__, "max_len": args.seq_len, "remat": args.remat, "vocab": vocab}
         )
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
         state = plan.init(init_fn, tx, jax.random.key(args.seed))
     step = plan.train_step(lambda params, batch: lm_loss(model, params, batch), accum_steps=args.accum)
 
-    data, held_out = build_data(args, cfg, pipeline is not None, log=print if jax.process_index() == 0 else _quiet)
+    data, held_out = build_data(args, cfg, tok, pipeline is not None, log=print if jax.process_index() == 0 else _quiet)
     batch = plan.shard_batch(data.batch(start, mesh))  # each process reads only its own rows
     report = step.memory_report(state, batch)
     sizes = {k: int(v) for k, v in mesh.shape.items()}

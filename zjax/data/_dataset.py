@@ -23,7 +23,8 @@ from ._tokenize import Tokenizer
 
 
 class PackedRows:
-    """Random access to fixed-length rows ``{"tokens", "segment_ids", "positions"}`` of ``S + 1`` entries."""
+    """Random access to fixed-length rows ``{"tokens", "segment_ids", "positions"}`` of ``S + 1`` entries
+    (``{"tokens"}`` alone without an ``eos_id``)."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, eos_id: int | None):
         if seq_len < 1:
@@ -42,7 +43,9 @@ class PackedRows:
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         start = int(i) * self.seq_len
         window = np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int32)
-        is_end = np.zeros(len(window), bool) if self.eos_id is None else window == self.eos_id
+        if self.eos_id is None:  # one stream: nothing packed
+            return {"tokens": window}
+        is_end = window == self.eos_id
         # a token after an end-of-document id starts a new document
         segment = 1 + np.concatenate([[0], np.cumsum(is_end[:-1])]).astype(np.int32)
         before = np.searchsorted(self._ends, start)  # documents ended before the window
@@ -91,8 +94,7 @@ class LMData:
         lo, hi = (0, self.batch_size) if mesh is None else process_row_range(self.batch_size, mesh)
         base = step * self.batch_size
         rows = [self._order[base + r] for r in range(lo, hi)]
-        keys = ("tokens", "segment_ids", "positions") if self.rows.eos_id is not None else ("tokens",)
-        return {k: np.stack([row[k] for row in rows]) for k in keys}
+        return {k: np.stack([row[k] for row in rows]) for k in rows[0]}
 
     def epoch_batches(self, mesh: Any = None) -> Iterator[dict[str, np.ndarray]]:
         """Every whole batch of one pass in order (evaluation): ``num_rows // batch_size`` batches."""

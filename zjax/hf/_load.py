@@ -30,8 +30,11 @@ _COMPARED = ("vocab", "embed", "layers", "heads", "num_kv_heads", "head_dim", "m
 def _check_config(path: str, model: Decoder) -> None:
     file = config_path(path)
     found = config_from_hf(read_hf_config(path), file)
-    diff = [f"{k}: model {getattr(model.cfg, k)}, checkpoint {getattr(found, k)}" for k in _COMPARED]
-    diff = [d for d, k in zip(diff, _COMPARED, strict=True) if getattr(model.cfg, k) != getattr(found, k)]
+    diff = [
+        f"{k}: model {getattr(model.cfg, k)}, checkpoint {getattr(found, k)}"
+        for k in _COMPARED
+        if getattr(model.cfg, k) != getattr(found, k)
+    ]
     if diff:
         raise ValueError(
             f"zjax.hf.load: the model does not match {file}: {'; '.join(diff)}. Build the model with "

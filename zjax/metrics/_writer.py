@@ -21,11 +21,10 @@ class MetricsWriter:
 
     def __init__(self, log_dir: str | os.PathLike, *, tensorboard: bool = False, wandb: dict[str, Any] | None = None):
         self.log_dir = os.fspath(log_dir)
-        self._active = jax.process_index() == 0
         self._jsonl = None
         self._tb = None
         self._wandb = None
-        if not self._active:
+        if jax.process_index() != 0:
             return
         os.makedirs(self.log_dir, exist_ok=True)
         self._jsonl = open(os.path.join(self.log_dir, "metrics.jsonl"), "a")  # noqa: SIM115 (closed in close())

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ._decoder import output_head
+
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
 
 
@@ -115,8 +117,6 @@ def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16
     each ``[B, S+1]`` aligned with ``tokens``. Logits are built about ``vocab_chunk`` vocabulary entries at a
     time (:func:`chunked_cross_entropy`; ``None``: whole).
     """
-    from ._decoder import output_head
-
     tokens, positions, segment_ids, loss_mask = read_batch(batch)
     cut = lambda x: None if x is None else x[:, :-1]
     hidden = model.apply({"params": params}, tokens[:, :-1], cut(positions), cut(segment_ids), return_hidden=True)
