@@ -5,6 +5,7 @@ from . import data as data
 from . import distributed as distributed
 from . import hf as hf
 from . import metrics as metrics
+from . import offload as offload
 from . import pallas as pallas
 from . import pipeline as pipeline
 from . import planner as planner
@@ -25,6 +26,7 @@ from ._state import Variables as Variables
 from ._step import EvalStep as EvalStep
 from ._step import TrainStep as TrainStep
 from .checkpoint import Checkpointer as Checkpointer
+from .offload import Offload as Offload
 from .pipeline import Pipeline as Pipeline
 from .sharding import Rules as Rules
 from .sharding import make_mesh as make_mesh

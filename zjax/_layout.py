@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._loss_scale import LossScaleState
 from ._state import MixedPrecisionState, TrainState
+from .offload._config import HOST, Offload
 from .sharding._annotations import Leaf, path_str
 from .sharding._batch import batch_shardings
 from .stages._layout import Layout, Unsharded
@@ -38,6 +39,9 @@ class StateLayout:
       opt_treedef / opt_specs: the optax state's structure and the spec of each of its leaves.
       model_leaves / model_treedef / model_specs: the non-trainable model state (batch statistics,
         nnx RNG state), its structure and the spec of each leaf (replicated unless a rule says otherwise).
+      offload: which pieces live in host memory (:class:`zjax.Offload`); their shardings carry
+        ``memory_kind="pinned_host"``.
+      opt_owners: for each optimizer-state leaf, the index of the parameter it mirrors, or ``None``.
 
     It is hashable and compared by value, so two states laid out alike share one compiled step.
     """
@@ -49,13 +53,18 @@ class StateLayout:
     model_treedef: Any
     model_leaves: tuple[Leaf, ...]
     model_specs: tuple[PartitionSpec, ...]
+    offload: Offload = Offload()
+    opt_owners: tuple[int | None, ...] = ()
 
     def __hash__(self) -> int:
         return self._hash
 
     @functools.cached_property
     def _hash(self) -> int:
-        return hash((self.params, self.master, self.opt_treedef, self.opt_specs, self.model_treedef, self.model_specs))
+        return hash(
+            (self.params, self.master, self.opt_treedef, self.opt_specs, self.model_treedef, self.model_specs,
+             self.offload, self.opt_owners)
+        )  # fmt: skip
 
     # -- what the plan recorded -----------------------------------------------------------------
 
@@ -108,8 +117,22 @@ class StateLayout:
         )
 
     def state_shardings(self, tx: Any) -> TrainState:
-        """Like :meth:`state_specs`, with ``NamedSharding`` leaves on the layout's mesh."""
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.state_specs(tx), is_leaf=_is_spec)
+        """Like :meth:`state_specs`, with ``NamedSharding`` leaves on the layout's mesh (``pinned_host``
+        memory for the pieces the layout offloads)."""
+        specs = self.state_specs(tx)
+
+        def place(tree: Any, memory_kind: str | None = None) -> Any:
+            return jax.tree.map(lambda s: NamedSharding(self.mesh, s, memory_kind=memory_kind), tree, is_leaf=_is_spec)
+
+        out = place(specs)
+        host = HOST if self.offload.optimizer else None
+        return out.replace(
+            params=place(specs.params, HOST if self.offload.params else None),
+            opt_state=MixedPrecisionState(
+                None if specs.opt_state.master is None else place(specs.opt_state.master, host),
+                place(specs.opt_state.inner, host),
+            ),
+        )
 
     def batch_shardings(self, batch: Any) -> Any:
         """The batch's shardings: its leading (example) dimension over the data axes."""

@@ -17,6 +17,8 @@ from ._loss_scale import DynamicLossScale
 from ._precision import Precision
 from ._state import MixedPrecisionState, TrainState, Variables
 from ._step import EvalStep, LossFn, TrainStep
+from .offload._config import Offload
+from .offload._update import check_streamable
 from .pipeline import Pipeline
 from .sharding._annotations import Leaf, path_str, read_leaves, unbox
 from .sharding._axes import DP, MESH_AXES, PP
@@ -64,6 +66,11 @@ class Plan:
         / all-reduce of the step, so a ring over many ranks does not round at every hop; 2x the gradient
         bytes on the wire). Stages 0-2 without a pipeline; each rank then holds its whole fp32 gradient
         sum until the reduction.
+      offload: ZeRO-Offload (:class:`zjax.Offload` or a name): ``"none"`` (default); ``"optimizer"``
+        keeps the fp32 master weights and the optimizer state in pinned host memory (stages 1-3) and
+        streams them through the device in bounded chunks for the update; ``"optimizer+params"`` also
+        keeps each device's shard of the compute parameters there (stage 3). Needs an elementwise
+        optimizer (adamw, lion, sgd, ``zjax.pallas.fused_adamw``; clip with ``clip_norm``).
 
     Example:
       >>> plan = zjax.Plan(zjax.make_mesh(dp=-1, tp=2), stage=3, precision="bf16")
@@ -80,6 +87,7 @@ class Plan:
     loss_scale: DynamicLossScale = DynamicLossScale()
     pipeline: Pipeline | None = None
     reduce_dtype: Any = None
+    offload: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):
@@ -131,6 +139,8 @@ class Plan:
                     f"stage 3 and pipelines reduce gradients inside their layer loops in the compute dtype. Use "
                     f"stage 2, or reduce_dtype=None."
                 )
+        object.__setattr__(self, "offload", Offload.from_value(self.offload))
+        cast(Offload, self.offload).check(self.stage)
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ValueError(f"Plan: clip_norm={self.clip_norm} must be > 0 or None.")
 
@@ -165,6 +175,11 @@ class Plan:
                 f"{opt_treedef} does not mirror the state {jax.tree.structure(opt_inner)}."
             )
         model_specs = cast(Rules, self.rules).compute_specs(model_leaves, self.mesh)
+        offload = cast(Offload, self.offload)
+        if offload.enabled:
+            master = [jax.ShapeDtypeStruct(leaf.shape, jnp.float32) for leaf in param_leaves]
+            master_tree = jax.tree_util.tree_unflatten(param_treedef, master)
+            check_streamable(tx, master_tree, opt_inner, master_tree)
         return StateLayout(
             params=params,
             master=self.precision.master_weights,
@@ -173,6 +188,8 @@ class Plan:
             model_treedef=model_treedef,
             model_leaves=tuple(model_leaves),
             model_specs=tuple(model_specs),
+            offload=offload,
+            opt_owners=params.optimizer_owners(tx, opt_inner),
         )
 
     # -- state ----------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from . import pipeline
 from ._layout import StateLayout
 from ._memory import MemoryReport, memory_report
 from ._state import MixedPrecisionState, TrainState
+from .offload._update import streamed_update
 from .sharding._batch import check_batch
 from .sharding._mesh import data_axes, data_size, manual_data_axes, use_mesh_platform
 from .sharding._rules import Rules
@@ -76,6 +77,11 @@ def _without_axes(rules: Any, drop: set[str]) -> tuple[tuple[str, Any], ...]:
     return tuple(out)
 
 
+def _on_device(layout: StateLayout, params: Any) -> Any:
+    """The compute parameters in device memory (a copy in when the layout offloads them)."""
+    return jax.device_put(params, jax.memory.Space.Device) if layout.offload.params else params
+
+
 def _tree_where(pred: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.where(pred, n, o), new, old)
 
@@ -90,11 +96,12 @@ def _layout_of(plan: Plan, state: TrainState, what: str) -> StateLayout:
             f"{what}: this TrainState has no layout; build it with plan.init, plan.abstract_state or a checkpoint "
             "restore, or place it with state = plan.reshard(state)."
         )
-    if layout.mesh != plan.mesh or layout.stage != plan.stage:
+    if layout.mesh != plan.mesh or layout.stage != plan.stage or layout.offload != plan.offload:
         raise ValueError(
-            f"{what}: the state is laid out for ZeRO stage {layout.stage.level} on mesh {dict(layout.mesh.shape)}, "
-            f"but this step's plan is stage {plan.stage.level} on mesh {dict(plan.mesh.shape)}; call "
-            "state = plan.reshard(state) to move it into this plan's layout."
+            f"{what}: the state is laid out for ZeRO stage {layout.stage.level} on mesh {dict(layout.mesh.shape)} "
+            f"with offload {layout.offload.name!r}, but this step's plan is stage {plan.stage.level} on mesh "
+            f"{dict(plan.mesh.shape)} with offload {plan.offload.name!r}; call state = plan.reshard(state) to "
+            "move it into this plan's layout."
         )
     layout.check_structure(state)
     return layout
@@ -174,9 +181,10 @@ class EvalStep(_CompiledFn):
 
     def _build(self, layout: StateLayout, state: TrainState, batch: Any) -> Any:
         def evaluate(s: TrainState, b: Any) -> Any:
+            params = _on_device(layout, s.params)
             if self._takes_model_state:
-                return self.fn(s.params, b, model_state=s.model_state)
-            return self.fn(s.params, b)
+                return self.fn(params, b, model_state=s.model_state)
+            return self.fn(params, b)
 
         # the whole state goes in (jit drops the arguments it does not use); nothing is donated
         return jax.jit(evaluate, in_shardings=(layout.state_shardings(state.tx), layout.batch_shardings(batch)))
@@ -361,11 +369,14 @@ class TrainStep(_CompiledFn):
                 "Plan(reduce_dtype=...) does not support models with model state (batch statistics) yet; "
                 "use reduce_dtype=None."
             )
+        compute_params = _on_device(layout, state.params)
         if self._defers_reduction(layout, state.model_state) or plan.reduce_dtype is not None:
-            loss, aux, grads = self._grads_per_rank(layout, state.params, batch, scale, step_rng)
+            loss, aux, grads = self._grads_per_rank(layout, compute_params, batch, scale, step_rng)
             model_state = state.model_state
         else:
-            loss, aux, grads, model_state = self._grads(layout, state.params, state.model_state, batch, scale, step_rng)
+            loss, aux, grads, model_state = self._grads(
+                layout, compute_params, state.model_state, batch, scale, step_rng
+            )
 
         grads = _constrain(grads, layout.master_specs, mesh)
         inv = 1.0 / (scale * self.accum_steps)
@@ -378,36 +389,47 @@ class TrainStep(_CompiledFn):
 
         master = state.master_params
         fused = getattr(state.tx, "fused_apply", None)
-        if fused is not None:
-            # One pass per device over its shard: unscale, clip, skip, update, cast (zjax.pallas).
-            new_master, inner, cast = fused(
-                grads, state.opt_state.inner, master, compute_dtype=precision.compute_dtype,
-                inv_scale=inv * factor, apply=finite if skip_nonfinite else jnp.float32(1.0),
-                mesh=mesh, specs=layout.master_specs,
+        if layout.offload.enabled:
+            # Host-resident optimizer state streamed through the device in bounded chunks; skipping a
+            # non-finite step happens chunk by chunk too.
+            new_master, inner, cast = streamed_update(
+                layout, state.tx, grads, state.opt_state.inner, master, inv_scale=inv * factor,
+                finite=finite if skip_nonfinite else None, compute_dtype=precision.compute_dtype,
             )  # fmt: skip
-            skip_nonfinite = False  # done inside
+            params = new_master if cast is None else cast
+            opt_state = MixedPrecisionState(new_master if precision.master_weights else None, inner)
+            skip_nonfinite = False
         else:
-            # fp32, unscaled, averaged over microbatches, in the master weights' layout: the optimizer
-            # runs on each device's shard.
-            grads = jax.tree.map(lambda g: g.astype(jnp.float32) * (inv * factor), grads)
-            updates, inner = state.tx.update(grads, state.opt_state.inner, master)
-            new_master = optax.apply_updates(master, updates)
-            cast = jax.tree.map(lambda m: m.astype(precision.compute_dtype), new_master)
-        new_master = _constrain(new_master, layout.master_specs, mesh)
-        if precision.master_weights:
-            # Cast on the shard, then gather: XLA would otherwise all-gather the fp32 master (2x bytes).
-            params = _constrain(_constrain(cast, layout.master_specs, mesh), layout.param_specs, mesh)
-            opt_state = MixedPrecisionState(new_master, inner)
-        else:
-            params = _constrain(new_master, layout.param_specs, mesh)
-            opt_state = MixedPrecisionState(None, inner)
+            if fused is not None:
+                # One pass per device over its shard: unscale, clip, skip, update, cast (zjax.pallas).
+                new_master, inner, cast = fused(
+                    grads, state.opt_state.inner, master, compute_dtype=precision.compute_dtype,
+                    inv_scale=inv * factor, apply=finite if skip_nonfinite else jnp.float32(1.0),
+                    mesh=mesh, specs=layout.master_specs,
+                )  # fmt: skip
+                skip_nonfinite = False  # done inside
+            else:
+                # fp32, unscaled, averaged over microbatches, in the master weights' layout: the optimizer
+                # runs on each device's shard.
+                grads = jax.tree.map(lambda g: g.astype(jnp.float32) * (inv * factor), grads)
+                updates, inner = state.tx.update(grads, state.opt_state.inner, master)
+                new_master = optax.apply_updates(master, updates)
+                cast = jax.tree.map(lambda m: m.astype(precision.compute_dtype), new_master)
+            new_master = _constrain(new_master, layout.master_specs, mesh)
+            if precision.master_weights:
+                # Cast on the shard, then gather: XLA would otherwise all-gather the fp32 master (2x bytes).
+                params = _constrain(_constrain(cast, layout.master_specs, mesh), layout.param_specs, mesh)
+                opt_state = MixedPrecisionState(new_master, inner)
+            else:
+                params = _constrain(new_master, layout.param_specs, mesh)
+                opt_state = MixedPrecisionState(None, inner)
 
         loss_scale = state.loss_scale
         if skip_nonfinite:  # a skipped step changes nothing but the loss scale (and the step count)
             params = _tree_where(finite, params, state.params)
             opt_state = _tree_where(finite, opt_state, state.opt_state)
-            model_state = _tree_where(finite, model_state, state.model_state)
         if precision.loss_scaling:
+            model_state = _tree_where(finite, model_state, state.model_state)
             loss_scale = plan.loss_scale.update(loss_scale, finite)
             skipped = ~finite
         else:

@@ -39,6 +39,7 @@ def plan_metadata(plan: Plan) -> dict[str, Any]:
     return {
         "stage": plan.stage.level,
         "precision": plan.precision.name,
+        "offload": plan.offload.name,
         "mesh": {k: int(v) for k, v in plan.mesh.shape.items()},
         "processes": jax.process_count(),
         "rules": repr(plan.rules),

@@ -96,14 +96,27 @@ class Layout:
             shape = tuple(getattr(x, "shape", ()))
             return add_axis(PartitionSpec(), shape, DP, sizes)[0] if shard else PartitionSpec()
 
-        def inherit(x: Any, spec: Any) -> Any:
+        return self._map_optimizer_state(tx, state, lambda x, master: master.spec, own)
+
+    def optimizer_owners(self, tx: optax.GradientTransformation, state: Any) -> tuple[int | None, ...]:
+        """For each leaf of the optax state (flattened), the index of the parameter it mirrors element for
+        element (Adam's moments), or ``None`` (step counts, factored statistics)."""
+        owners = self._map_optimizer_state(tx, state, lambda x, master: _Owner(master.index), lambda x: _Owner(None))
+        return tuple(o.index for o in jax.tree.leaves(owners, is_leaf=lambda x: isinstance(x, _Owner)))
+
+    def _map_optimizer_state(self, tx: Any, state: Any, inherit_fn, own) -> Any:
+        """``inherit_fn(leaf, master)`` on the state leaves that are shaped like their parameter (``master``
+        a :class:`_SpecLeaf`), ``own(leaf)`` on every other leaf."""
+        shard = self.stage.shard_optimizer
+
+        def inherit(x: Any, master: Any) -> Any:
             if isinstance(x, optax.MaskedNode) or x is None:
                 return x
-            if tuple(getattr(x, "shape", ())) == tuple(spec.shape):
-                return spec.spec
+            if tuple(getattr(x, "shape", ())) == tuple(master.shape):
+                return inherit_fn(x, master)
             return own(x)
 
-        masters = self._tree(lambda p: _SpecLeaf(p.leaf.shape, p.sharded if shard else p.compute))
+        masters = self._tree_indexed(lambda p: p.sharded if shard else p.compute)
         is_leaf = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
         try:
             return optax.tree_map_params(
@@ -117,6 +130,17 @@ class Layout:
         except Exception:  # noqa: BLE001 - transforms whose init rejects optax's placeholder
             return _map_by_structure(state, masters, inherit, own)
 
+    def _tree_indexed(self, pick) -> Any:
+        leaves = [_SpecLeaf(p.leaf.shape, pick(p), i) for i, p in enumerate(self.placements)]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Owner:
+    """A pytree leaf naming the parameter an optimizer-state leaf mirrors (``None``: none)."""
+
+    index: int | None
+
 
 @dataclasses.dataclass(frozen=True)
 class _SpecLeaf:
@@ -124,6 +148,7 @@ class _SpecLeaf:
 
     shape: tuple[int, ...]
     spec: PartitionSpec
+    index: int = -1  # the parameter's position in the flattened tree
 
 
 def _map_by_structure(state: Any, masters: Any, inherit, own) -> Any:

@@ -141,6 +141,9 @@ class FusedAdamW:
             outs: list[Any] = [None] * len(p)
             groups: dict[float, list[list[int]]] = {}
             for i, pi in enumerate(p):
+                if pi.size == 0:  # a parameter left out of this call (a streamed update's other leaves)
+                    outs[i] = (pi, m[i], v[i], pi.astype(compute_dtype))
+                    continue
                 if pi.size * 4 >= config.group_bytes:  # a big leaf: its own launch, no copy
                     o = launch(scal[i], g[i].reshape(-1), pi.reshape(-1), m[i].reshape(-1), v[i].reshape(-1))
                     outs[i] = tuple(x.reshape(pi.shape) for x in o)
