@@ -128,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remat", default="full", help="activation checkpointing policy (zjax.remat.POLICIES)")
     p.add_argument("--accum", type=int, default=1, help="gradient-accumulation microbatches per step")
     p.add_argument(
+        "--offload",
+        choices=("none", "optimizer", "optimizer+params"),  # zjax.Offload.NAMES
+        default="none",
+        help="ZeRO-Offload: optimizer state (and at stage 3 the parameters) in pinned host memory",
+    )
+    p.add_argument(
         "--microbatches", type=int, default=None, help="pipeline microbatches per step (pp > 1; default 2 x pp)"
     )
     p.add_argument("--repeats", type=int, default=1, help="pipeline repeats: 1 = GPipe, > 1 = circular schedule")
@@ -261,7 +267,10 @@ def main(argv: list[str] | None = None) -> dict:
                 **{**cfg.__dict__, "layers": stages * args.repeats * -(-cfg.layers // (stages * args.repeats))}
             )
             model = Decoder(cfg)
-    plan = zjax.Plan(mesh, stage=args.stage, precision=args.precision, clip_norm=args.clip_norm, pipeline=pipeline)
+    plan = zjax.Plan(
+        mesh, stage=args.stage, precision=args.precision, clip_norm=args.clip_norm, pipeline=pipeline,
+        offload=args.offload,
+    )  # fmt: skip
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), max(2, args.steps))
     if args.optimizer == "fused_adamw":
         tx = zjax.pallas.fused_adamw(schedule, b2=0.95, weight_decay=0.1)
@@ -405,6 +414,7 @@ def main(argv: list[str] | None = None) -> dict:
             "bubble": pipeline.bubble(stages),
         },
         "precision": args.precision,
+        "offload": args.offload,
         "accum": args.accum,
         "remat": args.remat,
         "optimizer": args.optimizer,

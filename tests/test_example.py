@@ -32,6 +32,9 @@ def test_metrics_schema_and_determinism(tmp_path):
     assert a["state_bytes_per_device"]["compiled"] == pytest.approx(a["state_bytes_per_device"]["theory"], rel=0.01)
     assert isinstance(a["temp_bytes_per_device"], int) and a["temp_bytes_per_device"] > 0
     assert a["losses"] == b["losses"]
+    c = run_example(tmp_path, "c", "--stage", "3", "--mesh", "dp=8", "--seed", "1", "--offload", "optimizer+params")
+    assert c["offload"] == "optimizer+params" and a["offload"] == "none"
+    assert c["losses"] == a["losses"]  # every parameter of the small preset fits in one chunk: the same bits
 
 
 @pytest.mark.slow  # the same paths run in-process elsewhere; this is the script end to end

@@ -208,3 +208,15 @@ def test_a_pipeline_plans_on_the_gpu_target():
     """Inside the pipeline (vmap over pp) attention takes XLA's path: cuDNN's partitioner fails there."""
     est = zjax.planner.estimate("tiny", mesh={"dp": 4, "pp": 2}, stages=(1,), batch_size=16, target="h100")
     assert est.backend == "gpu" and est.rows[0].compiled["state"] > 0
+
+
+def test_offload_on_the_gpu_target_moves_the_optimizer_state_to_host_memory(gpu_steps):
+    """XLA:GPU honours the layout's pinned_host placements in a deviceless compile: the offloaded state
+    leaves the device arguments for host memory, and the device peak drops by about its size."""
+    on_device = gpu_steps[3][1]
+    compiled, report, plan = _compiled(3, offload="optimizer")
+    assert report.offloaded_bytes == pytest.approx(on_device.theory["master"] + on_device.theory["optimizer"], rel=0.01)
+    assert report.host_bytes >= report.offloaded_bytes  # compiled: host arguments (and outputs)
+    assert report.state_compiled == pytest.approx(on_device.state_compiled - report.offloaded_bytes, rel=0.01)
+    assert report.device_peak_bytes < on_device.peak_bytes - report.offloaded_bytes / 2
+    assert "S(5)" in compiled.as_text()  # host memory space in the compiled program's layouts

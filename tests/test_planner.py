@@ -124,6 +124,23 @@ def test_cli_budget_picks_a_config_that_fits(tmp_path):
     assert "fits: stage 0, remat full" in proc.stdout
 
 
+def test_cli_budget_offloads_only_when_nothing_else_fits(tmp_path):
+    out = tmp_path / "offload.json"
+    args = ["--model", "tiny", "--mesh", "dp=8", "--stages", "3", "--remat", "full", "--batch-size", "16"]
+    proc = zjax_plan(*args, "--budget", "1.9MB", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    first, fit = data["rows"][0], data["fits"]
+    assert first["offload"]["name"] == "none" and first["compiled"]["total"] > 1.9e6  # tried first, too big
+    assert fit["offload"]["name"] == "optimizer" and fit["compiled"]["total"] <= 1.9e6
+    # the master weights and Adam moments per device (12 bytes per parameter / dp) leave the device
+    off = fit["offload"]["host_bytes_per_device"]
+    assert off == pytest.approx(fit["theory"]["optimizer"], rel=0.01)
+    assert fit["offload"]["pcie_to_device_bytes_per_step"] == off
+    assert fit["compiled"]["total"] == pytest.approx(first["compiled"]["total"] - off, rel=0.01)
+    assert "offload optimizer" in proc.stdout
+
+
 @pytest.mark.slow
 def test_cli_impossible_budget_shows_closest(tmp_path):
     out = tmp_path / "none.json"

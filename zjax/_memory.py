@@ -79,6 +79,7 @@ class MemoryReport:
     flops: float | None = None  # per device, from cost_analysis (a scanned layer's body counted once)
     params_per_group: float = 0.0  # parameters per model-parallel (tp x pp) group: psi / tp for tp-split leaves
     host_bytes: int = 0  # host memory the program uses per device (host_* of memory_analysis: offloaded buffers)
+    offloaded_bytes: int = 0  # state the layout keeps in pinned host memory, per device (from its placements)
 
     @property
     def state_theory(self) -> int:
@@ -94,6 +95,13 @@ class MemoryReport:
     def peak_bytes(self) -> int:
         """``argument + output - alias + temp`` (``peak_memory_in_bytes`` ignores temps on CPU)."""
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @property
+    def device_peak_bytes(self) -> int:
+        """The peak in device memory. A deviceless GPU compile and XLA:CPU drop memory kinds and count
+        host-placed state as device arguments (``host_*`` is then 0): those bytes, computed from the
+        layout's placements, come off; a compile that honours memory kinds already leaves them out."""
+        return self.peak_bytes - (self.offloaded_bytes if not self.host_bytes else 0)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -112,6 +120,8 @@ class MemoryReport:
             "peak_bytes": self.peak_bytes,
             "flops": self.flops,
             "host_bytes": self.host_bytes,
+            "offloaded_bytes": self.offloaded_bytes,
+            "device_peak_bytes": self.device_peak_bytes,
             "dp_replicated": [dataclasses.asdict(u) for u in self.unsharded],
         }
 
@@ -131,6 +141,11 @@ class MemoryReport:
             f"  {'temporaries':<22}{'':>14}{_fmt(self.temp_bytes):>14}",
             f"  {'peak (arg+out-alias+temp)':<36}{_fmt(self.peak_bytes):>14}",
         ]
+        if self.offloaded_bytes:
+            lines += [
+                f"  {'in pinned host memory (computed)':<36}{_fmt(self.offloaded_bytes):>14}",
+                f"  {'device peak':<36}{_fmt(self.device_peak_bytes):>14}",
+            ]
         if self.flops is not None:
             lines.append(f"  {'step FLOPs (scan body once)':<36}{self.flops:>14.3e}")
         if self.unsharded:
@@ -194,6 +209,11 @@ def memory_report(plan: Plan, state: TrainState, batch: Any, step: TrainStep, co
         for x, s in zip(jax.tree.leaves(batch), jax.tree.leaves(batch_shardings(batch, plan.mesh)), strict=True)
     )
     psi, psi_mp, theory = _theory(plan, state, step.accum_steps)
+    # host-placed state per device, from the layout (a deviceless mesh reports no memory kinds)
+    placed, offload = state.layout.state_shardings(state.tx), state.layout.offload
+    host_parts = [(state.opt_state, placed.opt_state)] if offload.optimizer else []
+    host_parts += [(state.params, placed.params)] if offload.params else []
+    offloaded = sum(category(tree, shardings) for tree, shardings in host_parts)
     return MemoryReport(
         stage=plan.stage.level,
         precision=plan.precision.name,
@@ -216,6 +236,7 @@ def memory_report(plan: Plan, state: TrainState, batch: Any, step: TrainStep, co
             - getattr(analysis, "host_alias_size_in_bytes", 0)
             + getattr(analysis, "host_temp_size_in_bytes", 0)
         ),
+        offloaded_bytes=offloaded,
     )
 
 

@@ -109,6 +109,12 @@ def _plan_parser(sub) -> None:
         help="compile with XLA:GPU for this GPU (h100, h200, b200, a100, or a GpuTargetConfigProto .txtpb file), "
         'no GPU needed (pip install "zjax[plan-gpu]"); default: XLA:CPU on simulated devices',
     )
+    p.add_argument(
+        "--offload",
+        default="none",
+        help="ZeRO-Offload: none, optimizer (master + optimizer state in host memory) or optimizer+params "
+        "(stage 3); with --budget a comma list of those allowed (default: all, tried after every on-device plan)",
+    )
     p.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches when pp > 1 (default 2 x pp)")
     p.add_argument("--repeats", type=int, default=1, help="pipeline repeats (1 = GPipe, > 1 = circular)")
     p.add_argument(
@@ -139,6 +145,16 @@ def _run_plan(args: argparse.Namespace) -> int:
     if bad:
         print(f"zjax plan: unknown --remat {bad}; valid: {sorted(POLICIES)}", file=sys.stderr)
         return 2
+    from .offload import Offload
+
+    offloads = [o for o in args.offload.split(",") if o]
+    if args.budget is not None and args.offload == "none":
+        offloads = list(Offload.NAMES)  # offload is tried only when nothing fits on the device
+    bad = [o for o in offloads if o not in Offload.NAMES]
+    if bad or not offloads or (args.budget is None and len(offloads) > 1):
+        print(f"zjax plan: --offload {args.offload}: one of {list(Offload.NAMES)} (a comma list with --budget)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     pp = args.mesh.get("pp", 1)
     pipeline = None
     if pp > 1 or args.microbatches is not None:
@@ -163,6 +179,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                     accum=accum,
                     pipeline=pipeline,
                     target=args.target,
+                    offload=offloads[0],
                 )  # fmt: skip
                 for accum in args.accum  # every value is planned
             ]
@@ -174,14 +191,17 @@ def _run_plan(args: argparse.Namespace) -> int:
             row, closest, tried = planner.fit(
                 limit.usable, args.model, mesh=args.mesh, stages=args.stages, remats=remats, accums=args.accum,
                 precision=args.precision, batch_size=batch, seq_len=args.seq_len, target=args.target,
+                offloads=offloads,
             )  # fmt: skip
             est = type(tried[0])(**{**tried[0].__dict__, "rows": tuple(r for e in tried for r in e.rows)})
             print(est)
             print(f"\nbudget: {limit.describe()}")
             if row is not None:
                 print(
-                    f"fits: stage {row.stage}, remat {row.remat}, "
-                    f"{row.accum} microbatch(es): {row.compiled['total'] / 1e9:.3f} GB per device"
+                    f"fits: stage {row.stage}, remat {row.remat}, {row.accum} microbatch(es)"
+                    + (f", offload {row.offload}" if row.offloaded else "")
+                    + f": {row.compiled['total'] / 1e9:.3f} GB per device"
+                    + (f" (+{row.offloaded / 1e9:.3f} GB in host memory)" if row.offloaded else "")
                 )
             else:
                 print(

@@ -16,6 +16,7 @@ import optax
 from .._plan import Plan
 from ..models import PRESETS, Decoder, DecoderConfig, config_from_hf, lm_loss
 from ..models._hf_config import config_path, read_hf_config
+from ..offload import Offload
 from ..pipeline import Pipeline
 from ..sharding._mesh import make_mesh
 from ..stages import Stage
@@ -39,6 +40,14 @@ class Row:
     device_kind: str = "cpu"
     flops: float | None = None  # per device per step, XLA's cost analysis of the compiled program
     bytes_accessed: float | None = None
+    offload: str = "none"
+    offloaded: int = 0  # state bytes per device in pinned host memory (computed from the plan's placements)
+
+    @property
+    def pcie_bytes(self) -> int:
+        """Host <-> device bytes per device per step, each direction: the offloaded state comes in for the
+        update and goes back (computed; a deviceless compile drops memory kinds)."""
+        return self.offloaded
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -60,6 +69,14 @@ class Row:
             "device_kind": self.device_kind,
             "flops": self.flops,
             "bytes_accessed": self.bytes_accessed,
+            "offload": {
+                "name": self.offload,
+                "host_bytes_per_device": self.offloaded,
+                "pcie_to_device_bytes_per_step": self.pcie_bytes,
+                "pcie_to_host_bytes_per_step": self.pcie_bytes,
+                "source": "computed from the plan's placements; compiled.total is device memory (on XLA:CPU, "
+                "which counts host arguments as device ones, the compile's peak less these)",
+            },
         }
 
 
@@ -112,10 +129,18 @@ class Estimate:
         )
         if self.backend == "gpu":
             head += "; exposed = comm the scheduler did not overlap with compute"
+        offloaded = any(r.offloaded for r in self.rows)
+        if offloaded:
+            head += (
+                "; offload rows: total = device memory, host = state in pinned host memory and pcie = its "
+                "bytes each way per step (both from the plan's placements)"
+            )
         cols = f"{'stage':>5} {'remat':<16}{'acc':>4} | {'params':>9}{'optim':>9}{'grads':>9}{'theory':>9} | "
         cols += f"{'state':>9}{'temp':>9}{'total':>9} | {'comm':>9}{'x psi':>7}{'wire':>9}"
         gpu = self.backend == "gpu"
         cols += (f"{'exposed':>9}" if gpu else "") + f"{'compile':>9}"
+        if offloaded:
+            cols += f" {'offload':<17}{'host':>9}{'pcie':>9}"
         hsdp = self.mesh.get("replica", 1) > 1
         if hsdp:
             cols += f"{'x-replica':>10}"
@@ -131,6 +156,7 @@ class Estimate:
                 + (f"{f(r.comm.exposed_volume):>9}" if gpu else "")
                 + f"{r.compile_seconds:>8.1f}s"
                 + (f"{f(r.comm.volume_across('replica')):>10}" if hsdp else "")
+                + (f" {r.offload:<17}{f(r.offloaded):>9}{f(r.pcie_bytes):>9}" if offloaded else "")
             )
         return "\n".join(lines)
 
@@ -173,6 +199,7 @@ def estimate_fn(
     remat: str = "-",
     pipeline: Pipeline | None = None,
     target: str | None = None,
+    offload: str | Offload = "none",
 ) -> Estimate:
     """Estimate a user's model: ``init_fn``/``loss_fn`` as for :meth:`zjax.Plan.init`, ``batch`` a tree of
     ``ShapeDtypeStruct`` (global shapes). Nothing is allocated; every stage is compiled ahead of time.
@@ -180,7 +207,10 @@ def estimate_fn(
 
     ``target`` (``"h100"``, ``"h200"``, ``"b200"``, ``"a100"`` or a ``.txtpb`` path) compiles with XLA:GPU
     for that many GPUs that are not there (``pip install "zjax[plan-gpu]"``); without it, XLA:CPU on
-    simulated devices. Every row says which compiler produced it."""
+    simulated devices. Every row says which compiler produced it. ``offload`` (``"optimizer"``,
+    ``"optimizer+params"``) estimates ZeRO-Offload plans: rows then show device memory, and the host
+    bytes and PCIe traffic computed from the placements."""
+    offload = Offload.from_value(offload)
     devices = _devices(mesh, target)
     device_mesh = make_mesh(
         dp=(mesh.get("replica", 1), mesh.get("dp", 1)), tp=mesh.get("tp", 1), pp=mesh.get("pp", 1), devices=devices
@@ -195,7 +225,7 @@ def estimate_fn(
         schedule = pipeline if pipeline is not None or stages_pp == 1 else Pipeline(2 * stages_pp)
         if schedule is not None and not Stage.from_value(stage).shard_parameters:  # per-use gathering: stage 3 only
             schedule = dataclasses.replace(schedule, zero3_gather="step")
-        plan = Plan(device_mesh, stage=stage, precision=precision, pipeline=schedule)
+        plan = Plan(device_mesh, stage=stage, precision=precision, pipeline=schedule, offload=offload)
         state = plan.abstract_state(init_fn, tx, jax.random.key(0))
         step = plan.train_step(loss_fn, accum_steps=accum)
         if target is not None:  # the scheduled GPU program: async collectives, real reduce-scatters, bf16
@@ -216,9 +246,10 @@ def estimate_fn(
         }
         theory["total"] = sum(theory.values())
         compiled_bytes = {
-            "state": report.state_compiled,
+            # device-resident state (XLA:CPU counts host-placed arguments as device ones)
+            "state": report.state_compiled - (report.offloaded_bytes if not report.host_bytes else 0),
             "temp": report.temp_bytes,
-            "total": report.peak_bytes,
+            "total": report.device_peak_bytes,
             "host": report.host_bytes,  # host_* of memory_analysis (0 on a deviceless compile: memory kinds drop)
         }
         rows.append(
@@ -237,6 +268,8 @@ def estimate_fn(
                 device_kind=device_kind,
                 flops=cost.get("flops"),
                 bytes_accessed=cost.get("bytes accessed"),
+                offload=offload.name,
+                offloaded=report.offloaded_bytes,
             )
         )
     sizes = {k: int(v) for k, v in device_mesh.shape.items()}
@@ -276,6 +309,7 @@ def estimate(
     accum: int = 1,
     pipeline: Pipeline | None = None,
     target: str | None = None,
+    offload: str | Offload = "none",
 ) -> Estimate:
     """Estimate a decoder preset (``zjax.models.PRESETS``, e.g. ``"llama2-7b"``) or a ``DecoderConfig``.
 
@@ -300,6 +334,7 @@ def estimate(
         remat=remat,
         pipeline=pipeline,
         target=target,
+        offload=offload,
     )
 
 
@@ -319,30 +354,41 @@ def fit(
     batch_size: int = 8,
     seq_len: int | None = None,
     target: str | None = None,
+    offloads: Sequence[str] = ("none", "optimizer", "optimizer+params"),
 ) -> tuple[Row | None, Row, list[Estimate]]:
-    """The cheapest (stage, remat, microbatches) whose compiled per-device total fits in ``budget`` bytes.
+    """The cheapest (stage, remat, microbatches, offload) whose compiled per-device total fits in ``budget``.
 
-    Candidates are tried cheapest first: lower stage (less communication), then less recomputation, then
-    fewer microbatches. Returns ``(fitting row or None, closest row, every estimate compiled)``.
+    Candidates are tried cheapest first: no offload before offload (PCIe traffic every step), then lower
+    stage (less communication), then less recomputation, then fewer microbatches. Returns
+    ``(fitting row or None, closest row, every estimate compiled)``.
     """
     order = sorted(remats, key=lambda r: REMAT_COST.index(r) if r in REMAT_COST else len(REMAT_COST))
     tried: list[Estimate] = []
     closest: Row | None = None
-    for stage in sorted(stages):
-        for remat in order:
-            for accum in sorted(accums):
-                if batch_size % (accum * mesh.get("dp", 1) * mesh.get("replica", 1)):
-                    continue
-                est = estimate(
-                    model, mesh=mesh, stages=(stage,), remat=remat, precision=precision,
-                    batch_size=batch_size, seq_len=seq_len, accum=accum, target=target,
-                )  # fmt: skip
-                tried.append(est)
-                row = est.rows[0]
-                if closest is None or row.compiled["total"] < closest.compiled["total"]:
-                    closest = row
-                if row.compiled["total"] <= budget:
-                    return row, row, tried
+    candidates = [
+        (off, stage, remat, accum)
+        for off in [o for o in Offload.NAMES if o in offloads]
+        for stage in sorted(stages)
+        for remat in order
+        for accum in sorted(accums)
+    ]
+    for off, stage, remat, accum in candidates:
+        if batch_size % (accum * mesh.get("dp", 1) * mesh.get("replica", 1)):
+            continue
+        try:
+            Offload.from_value(off).check(Stage.from_value(stage))
+        except ValueError:
+            continue  # e.g. offload at stage 0, parameters offloaded below stage 3
+        est = estimate(
+            model, mesh=mesh, stages=(stage,), remat=remat, precision=precision,
+            batch_size=batch_size, seq_len=seq_len, accum=accum, target=target, offload=off,
+        )  # fmt: skip
+        tried.append(est)
+        row = est.rows[0]
+        if closest is None or row.compiled["total"] < closest.compiled["total"]:
+            closest = row
+        if row.compiled["total"] <= budget:
+            return row, row, tried
     if closest is None:
         raise ValueError(f"planner: no candidate: batch_size={batch_size} does not divide over dp x accum.")
     return None, closest, tried
