@@ -247,3 +247,23 @@ def test_bad_offload_choices_are_refused():
     state = zjax.Plan(mesh, stage=2).init(init_fn, optax.adamw(1e-3), jax.random.key(0))
     with pytest.raises(ValueError, match="offload 'none'.*reshard"):
         plan.train_step(loss_fn)(state, plan.shard_batch(batch()))
+
+
+def test_hugging_face_weights_load_into_and_save_from_an_offloaded_plan(tmp_path):
+    from zjax.models import Decoder
+
+    from ._models import TINY
+
+    model = Decoder(TINY)
+    mesh = zjax.make_mesh(dp=8)
+    on_device, offloaded = zjax.Plan(mesh, stage=3), zjax.Plan(mesh, stage=3, offload="optimizer+params")
+    init = on_device.init(lambda r: model.init(r, jnp.zeros((1, 16), jnp.int32))["params"], optax.adamw(1e-3),
+                          jax.random.key(0))  # fmt: skip
+    zjax.hf.save(tmp_path / "a", model, init)
+    want = zjax.hf.load(tmp_path / "a", on_device, model, optax.adamw(1e-3), jax.random.key(0))
+    got = zjax.hf.load(tmp_path / "a", offloaded, model, optax.adamw(1e-3), jax.random.key(0))
+    assert kinds(got.opt_state) == {"pinned_host"} and kinds(got.params) == {"pinned_host"}
+    assert_bitwise(got.opt_state, want.opt_state)
+    zjax.hf.save(tmp_path / "b", model, got)  # read back from host memory
+    again = zjax.hf.load(tmp_path / "b", on_device, model, optax.adamw(1e-3), jax.random.key(0))
+    assert_bitwise(again.opt_state, want.opt_state)
