@@ -82,8 +82,8 @@ TXS = {
 }
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-@pytest.mark.parametrize("tx", ["adamw", "fused_adamw"])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("tx", ["adamw", pytest.param("fused_adamw", marks=pytest.mark.slow)])
 def test_offloaded_training_is_bitwise_equal(stage, tx):
     """Each parameter one chunk: the same bits as training on the device."""
     mesh = zjax.make_mesh(dp=8)
@@ -99,7 +99,7 @@ def test_offloaded_training_is_bitwise_equal(stage, tx):
     assert kinds(ref.opt_state) == {"device"}
 
 
-@pytest.mark.parametrize("tx", ["lion", "sgd"])
+@pytest.mark.parametrize("tx", ["lion", pytest.param("sgd", marks=pytest.mark.slow)])
 def test_streamed_chunks_are_bitwise_equal(tx):
     """The stacked weight streamed one layer per chunk: bitwise for updates without a division."""
     make = {"lion": lambda: optax.lion(1e-3, weight_decay=0.1), "sgd": lambda: optax.sgd(1e-2, momentum=0.9)}[tx]
@@ -110,6 +110,7 @@ def test_streamed_chunks_are_bitwise_equal(tx):
     assert_bitwise(got, ref)
 
 
+@pytest.mark.slow
 def test_streamed_adam_chunks_match_closely():
     """Adam on a chunked leaf: the moments are bitwise equal; the parameter update differs slightly
     (measured: at most 6e-6 of the update, on 9% of the elements, after one step), because XLA:CPU
@@ -190,6 +191,7 @@ def test_chunk_rows():
     assert chunk_rows((8, 64, 64), jax.P(None, "dp", "tp"), {"dp": 4, "tp": 2}, 2048) == 1
 
 
+@pytest.mark.slow
 def test_eval_step_with_offloaded_params():
     mesh = zjax.make_mesh(dp=8)
     plan = zjax.Plan(mesh, stage=3, offload="optimizer+params")
@@ -201,6 +203,7 @@ def test_eval_step_with_offloaded_params():
     assert float(got) == float(want)
 
 
+@pytest.mark.slow
 def test_reshard_and_checkpoint_round_trip(tmp_path):
     mesh = zjax.make_mesh(dp=8)
     tx = optax.adamw(1e-2)
@@ -249,6 +252,7 @@ def test_bad_offload_choices_are_refused():
         plan.train_step(loss_fn)(state, plan.shard_batch(batch()))
 
 
+@pytest.mark.slow
 def test_hugging_face_weights_load_into_and_save_from_an_offloaded_plan(tmp_path):
     from zjax.models import Decoder
 

@@ -100,6 +100,11 @@ class StateLayout:
     def unsharded(self) -> list[Unsharded]:
         return self.params.unsharded
 
+    def _repr_html_(self) -> str:
+        from .notebook._html import layout_html
+
+        return layout_html(self)
+
     # -- spec trees -------------------------------------------------------------------------------
 
     def state_specs(self, tx: Any) -> TrainState:

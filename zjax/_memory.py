@@ -98,10 +98,15 @@ class MemoryReport:
 
     @property
     def device_peak_bytes(self) -> int:
-        """The peak in device memory. A deviceless GPU compile and XLA:CPU drop memory kinds and count
-        host-placed state as device arguments (``host_*`` is then 0): those bytes, computed from the
-        layout's placements, come off; a compile that honours memory kinds already leaves them out."""
+        """The peak in device memory. XLA:CPU drops memory kinds and counts host-placed state as device
+        arguments (``host_*`` is then 0): those bytes, computed from the layout's placements, come off.
+        XLA:GPU (deviceless too) honours them and already leaves them out (``host_*`` > 0)."""
         return self.peak_bytes - (self.offloaded_bytes if not self.host_bytes else 0)
+
+    def _repr_html_(self) -> str:
+        from .notebook._html import memory_report_html
+
+        return memory_report_html(self)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -79,6 +79,14 @@ class TrainState(struct.PyTreeNode):
     model_state: Any = None
     layout: Any = struct.field(pytree_node=False, default=None)
 
+    def _repr_html_(self) -> str:
+        """In Jupyter: every parameter's placement and bytes per device (its layout, with its dtypes)."""
+        if self.layout is None:
+            return f"<pre>TrainState without a layout (step {self.step})</pre>"
+        from .notebook._html import layout_html
+
+        return layout_html(self.layout, self)
+
     @property
     def master_params(self) -> Any:
         """The fp32 parameters the optimizer updates (the compute params themselves in fp32)."""

@@ -109,6 +109,11 @@ class Estimate:
             "rows": [r.to_dict() for r in self.rows],
         }
 
+    def _repr_html_(self) -> str:
+        from ..notebook._html import estimate_html
+
+        return estimate_html(self)
+
     def __str__(self) -> str:
         mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items())
         largest = max([r.theory["total"] for r in self.rows] + [r.compiled["total"] for r in self.rows] + [1])
@@ -250,7 +255,7 @@ def estimate_fn(
             "state": report.state_compiled - (report.offloaded_bytes if not report.host_bytes else 0),
             "temp": report.temp_bytes,
             "total": report.device_peak_bytes,
-            "host": report.host_bytes,  # host_* of memory_analysis (0 on a deviceless compile: memory kinds drop)
+            "host": report.host_bytes,  # host_* of memory_analysis (XLA:GPU: the offloaded state; XLA:CPU: 0)
         }
         rows.append(
             Row(
