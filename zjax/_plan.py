@@ -66,6 +66,10 @@ class Plan:
         / all-reduce of the step, so a ring over many ranks does not round at every hop; 2x the gradient
         bytes on the wire). Stages 0-2 without a pipeline; each rank then holds its whole fp32 gradient
         sum until the reduction.
+      gpu_overlap: apply zjax's XLA:GPU compiler options for the stage (:data:`zjax._overlap.GPU_OVERLAP`;
+        at stage 3 pipelined all-gathers and reduce-scatters, so that each layer's weight gather and
+        gradient reduction run under the neighbouring layer's compute); ``False`` keeps XLA's defaults.
+        Only compiles for GPUs are affected.
       offload: ZeRO-Offload (:class:`zjax.Offload` or a name): ``"none"`` (default); ``"optimizer"``
         keeps the fp32 master weights and the optimizer state in pinned host memory (stages 1-3) and
         streams them through the device in bounded chunks for the update; ``"optimizer+params"`` also
@@ -88,6 +92,7 @@ class Plan:
     pipeline: Pipeline | None = None
     reduce_dtype: Any = None
     offload: Any = None
+    gpu_overlap: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):

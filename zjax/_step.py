@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from . import pipeline
 from ._layout import StateLayout
 from ._memory import MemoryReport, memory_report
+from ._overlap import compiler_options
 from ._state import MixedPrecisionState, TrainState
 from .offload._update import streamed_update
 from .sharding._batch import check_batch
@@ -135,6 +136,11 @@ class _CompiledFn:
     def _build(self, layout: StateLayout, state: TrainState, batch: Any) -> Any:
         raise NotImplementedError
 
+    def _compiler_options(self) -> dict[str, Any] | None:
+        plan = self.plan
+        platform = str(plan.mesh.devices.flat[0].platform)
+        return compiler_options(plan.stage.level, platform, plan.pipeline, plan.gpu_overlap)
+
     def _jit(self, state: TrainState, batch: Any):
         key = (jax.tree.structure(state), jax.tree.structure(batch))
         fn = self._jitted.get(key)
@@ -187,7 +193,11 @@ class EvalStep(_CompiledFn):
             return self.fn(params, b)
 
         # the whole state goes in (jit drops the arguments it does not use); nothing is donated
-        return jax.jit(evaluate, in_shardings=(layout.state_shardings(state.tx), layout.batch_shardings(batch)))
+        return jax.jit(
+            evaluate,
+            in_shardings=(layout.state_shardings(state.tx), layout.batch_shardings(batch)),
+            compiler_options=self._compiler_options(),
+        )
 
     def _check(self, state: TrainState, batch: Any) -> None:
         check_batch(batch, self.plan.mesh)
@@ -232,6 +242,7 @@ class TrainStep(_CompiledFn):
             in_shardings=(state_shardings, layout.batch_shardings(batch)),
             out_shardings=(state_shardings, None),
             donate_argnums=0,
+            compiler_options=self._compiler_options(),
         )
 
     def _check(self, state: TrainState, batch: Any) -> None:
