@@ -114,10 +114,10 @@ def plot_mesh(state: Any, path: str | None = None, which: str = "master", ax: An
     mesh = state.layout.mesh
     index_map = NamedSharding(mesh, spec).devices_indices_map(shape)
     shards: dict[Any, int] = {}
-    ids = {}
+    ids: dict[int, int] = {}
     for device, index in index_map.items():
         key = tuple((s.start, s.stop) for s in index)
-        ids[device.id] = shards.setdefault(key, len(shards))
+        ids[int(getattr(device, "id"))] = shards.setdefault(key, len(shards))  # noqa: B009 - typed as Device?
     sizes = dict(mesh.shape)
     cols = sizes.get("tp", 1)
     grid = mesh.devices.reshape(-1, cols)
