@@ -28,7 +28,11 @@ def loss_fn(params, batch):
     return lm_loss(MODEL, params, batch)
 
 
-@pytest.fixture(scope="module", params=[{"dp": 8}, {"dp": 4, "tp": 2}], ids=["dp8", "dp4_tp2"])
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param({"dp": 8}, marks=pytest.mark.slow), {"dp": 4, "tp": 2}],
+    ids=["dp8", "dp4_tp2"],
+)
 def planned(request):
     plan = zjax.Plan(zjax.make_mesh(**request.param), stage=3)
     state = plan.abstract_state(init_fn, optax.adamw(1e-3), jax.random.key(0))

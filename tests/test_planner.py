@@ -124,6 +124,7 @@ def test_cli_budget_picks_a_config_that_fits(tmp_path):
     assert "fits: stage 0, remat full" in proc.stdout
 
 
+@pytest.mark.slow  # three compiles; the GPU target's offload test runs in the fast suite
 def test_cli_budget_offloads_only_when_nothing_else_fits(tmp_path):
     out = tmp_path / "offload.json"
     args = ["--model", "tiny", "--mesh", "dp=8", "--stages", "3", "--remat", "full", "--batch-size", "16"]
