@@ -15,6 +15,8 @@ from zjax.offload import chunk_rows
 from zjax.pallas import fused_adamw
 from zjax.pallas.adamw import FusedAdamWConfig
 
+from .test_checkpoint import _raw, assert_bitwise
+
 LAYERS, WIDTH = 8, 64
 # one layer of the stacked weight per chunk at dp=8 (its dp-sharded rows: 64 * 64 * 4 / 8 bytes)
 SMALL_CHUNK = WIDTH * WIDTH * 4 // 8
@@ -58,18 +60,6 @@ def train(plan, tx, steps=5, state=None):
 
 def kinds(tree):
     return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
-
-
-def _numbers(tree):
-    is_key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # noqa: E731
-    return jax.device_get(jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree))
-
-
-def assert_bitwise(a, b):
-    la, lb = jax.tree.leaves(_numbers(a)), jax.tree.leaves(_numbers(b))
-    assert len(la) == len(lb)
-    for x, y in zip(la, lb, strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 TXS = {
@@ -123,7 +113,7 @@ def test_streamed_adam_chunks_match_closely():
     ref, _ = train(zjax.Plan(mesh, stage=1, precision="fp32"), optax.adamw(1e-2), steps=1)
     got, _ = train(plan, optax.adamw(1e-2), steps=1)
     assert_bitwise(got.opt_state.inner, ref.opt_state.inner)
-    for a, b, c in zip(*(jax.tree.leaves(_numbers(s.params)) for s in (got, ref, start)), strict=True):
+    for a, b, c in zip(*(jax.tree.leaves(_raw(s.params)) for s in (got, ref, start)), strict=True):
         np.testing.assert_allclose(np.asarray(a) - c, np.asarray(b) - c, rtol=2e-5, atol=0)
 
 
