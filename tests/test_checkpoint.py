@@ -18,6 +18,7 @@ import zjax
 from zjax.distributed import free_port
 
 from ._models import linen_mlp_task, regression_batch
+from ._procs import run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = {"dp8": {"dp": 8}, "dp4_tp2": {"dp": 4, "tp": 2}}
@@ -356,19 +357,11 @@ def test_sigterm_saves_the_agreed_step_and_exits_cleanly(tmp_path):
 
 def _two_processes(directory: Path, mode: str) -> list[str]:
     port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests._mp_checkpoint_worker", str(pid), port, str(directory), mode],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=ROOT,
-        )
-        for pid in (0, 1)
-    ]
-    outs = [p.communicate(timeout=180)[0] for p in procs]
-    for pid, (p, out) in enumerate(zip(procs, outs, strict=True)):
-        assert p.returncode == 0 and f"OK {pid} 2 8" in out, out[-3000:]
+    cmd = [sys.executable, "-m", "tests._mp_checkpoint_worker"]
+    runs = run_workers([[*cmd, str(pid), port, str(directory), mode] for pid in (0, 1)], timeout=240)
+    outs = [out for _, out in runs]
+    for pid, (rc, out) in enumerate(runs):
+        assert rc == 0 and f"OK {pid} 2 8" in out, out[-3000:]
     return outs
 
 

@@ -61,9 +61,12 @@ def test_joins_a_slurm_job_it_did_not_launch(tmp_path):
 
     from zjax.distributed import free_port
 
+    from ._procs import run_workers
+
     port = str(free_port())
     out = tmp_path / "slurm.json"
-    procs = []
+    cmd = [sys.executable, str(ROOT / "examples" / "train_lm.py"), *SMALL, "--stage", "3", "--mesh", "dp=8"]
+    envs = []
     for rank in range(2):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "ZJAX_", "OMPI_"))}
         env |= {
@@ -71,20 +74,10 @@ def test_joins_a_slurm_job_it_did_not_launch(tmp_path):
             "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_STEP_TASKS_PER_NODE": "2",
             "ZJAX_COORDINATOR_PORT": port,
         }  # fmt: skip
-        cmd = [sys.executable, str(ROOT / "examples" / "train_lm.py"), *SMALL, "--stage", "3", "--mesh", "dp=8"]
-        procs.append(
-            subprocess.Popen(
-                [*cmd, "--metrics-json", str(out)],
-                env=env,
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )  # fmt: skip
-        )
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    for rank, (p, text) in enumerate(zip(procs, outs, strict=True)):
-        assert p.returncode == 0, text[-3000:]
+        envs.append(env)
+    runs = run_workers([[*cmd, "--metrics-json", str(out)]] * 2, timeout=300, envs=envs)
+    for rank, (rc, text) in enumerate(runs):
+        assert rc == 0, text[-3000:]
         assert f"joined a 2-process job (slurm) as process {rank}" in text, text[-3000:]
     m = json.loads(out.read_text())
     assert m["processes"] == 2 and m["mesh"]["dp"] == 8 and len(m["losses"]) == 4

@@ -25,6 +25,7 @@ from ._models import MP_ROWS as ROWS
 from ._models import MP_STEPS as STEPS
 from ._models import MP_TX as TX
 from ._models import linen_mlp_task, regression_batch
+from ._procs import run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 HEARTBEAT, SHUTDOWN = 5, 5
@@ -32,7 +33,7 @@ HEARTBEAT, SHUTDOWN = 5, 5
 pytestmark = pytest.mark.slow
 
 
-def _start(mode: str, *args: str) -> list[subprocess.Popen]:
+def _envs() -> list[dict[str, str]]:
     env = {
         **os.environ,
         "ZJAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
@@ -43,24 +44,27 @@ def _start(mode: str, *args: str) -> list[subprocess.Popen]:
         "ZJAX_INIT_TIMEOUT_S": "60",
         "PYTHONUNBUFFERED": "1",
     }
+    return [{**env, "ZJAX_PROCESS_ID": str(rank)} for rank in (0, 1)]
+
+
+def _start(mode: str, *args: str) -> list[subprocess.Popen]:
     return [
         subprocess.Popen(
             [sys.executable, "-m", "tests._mp_worker", mode, *args],
-            env={**env, "ZJAX_PROCESS_ID": str(rank)},
+            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             cwd=ROOT,
         )
-        for rank in (0, 1)
+        for env in _envs()
     ]
 
 
 def _train_job(out: Path) -> list[dict[str, np.ndarray]]:
-    procs = _start("train", str(out))
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    for rank, (p, text) in enumerate(zip(procs, outs, strict=True)):
-        assert p.returncode == 0 and f"OK {rank} 2 8" in text, text[-3000:]
+    runs = run_workers([[sys.executable, "-m", "tests._mp_worker", "train", str(out)]] * 2, timeout=300, envs=_envs())
+    for rank, (rc, text) in enumerate(runs):
+        assert rc == 0 and f"OK {rank} 2 8" in text, text[-3000:]
         assert "BAD ROWS: shard_batch on process" in text and "holds 4 of the 8 data-parallel parts" in text
         assert "SPANS (2, 4) 1 ['replica']" in text and "SPANS 4 2 ['dp']" in text
     return [dict(np.load(f"{out}.{rank}.npz")) for rank in (0, 1)]
