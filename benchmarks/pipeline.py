@@ -3,15 +3,18 @@
     python benchmarks/pipeline.py [--json runs/pipeline.json]
 
 Compiles the train step of a small decoder (8 layers) for GPipe and the circular schedule on
-dp=2 x pp=4 (ZeRO-1, and ZeRO-3 gathering once per step or per use) and on dp=8 without a pipeline,
-and reads the compiled program: ``memory_analysis()`` for argument and temp bytes, the partitioned HLO
-for the collective-permutes inside the loop and the bytes all-gathered and reduced over dp per step.
+dp=2 x pp=4 (ZeRO-1, ZeRO-2 and ZeRO-3, gathering once per step or per use) and on dp=8 without a
+pipeline, and reads the compiled program: ``memory_analysis()`` for argument, temp and peak bytes, the
+partitioned HLO for the collective-permutes inside the loop and the bytes all-gathered and reduced over
+dp per step. A weight-heavy variant (short sequences) and the model's remat policy ("full" vs "none")
+show where each gathering mode pays.
 CPU numbers: they show structure and memory, not speed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
@@ -31,21 +34,27 @@ ROWS = 64
 
 
 def measure(
-    mesh_kw: dict[str, int], stage: int, pipeline: zjax.Pipeline | None, rows: int = ROWS, seq: int = CFG.max_len
+    mesh_kw: dict[str, int],
+    stage: int,
+    pipeline: zjax.Pipeline | None,
+    rows: int = ROWS,
+    seq: int = CFG.max_len,
+    remat: str = CFG.remat,
 ) -> dict:
-    model = Decoder(CFG)
+    model = Decoder(dataclasses.replace(CFG, remat=remat))
     plan = zjax.Plan(zjax.make_mesh(**mesh_kw), stage=stage, precision="bf16", pipeline=pipeline)
     state = plan.abstract_state(
         lambda r: model.init(r, jnp.zeros((1, CFG.max_len), jnp.int32))["params"], optax.adamw(1e-3), jax.random.key(0)
     )
-    lowered = plan.train_step(lambda p, b: lm_loss(model, p, b)).lower(
-        state, jax.ShapeDtypeStruct((rows, seq + 1), jnp.int32)
-    )
+    step = plan.train_step(lambda p, b: lm_loss(model, p, b))
+    lowered = step.lower(state, jax.ShapeDtypeStruct((rows, seq + 1), jnp.int32))
     start = time.perf_counter()
     compiled, hlo = partitioned_hlo(lowered)
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
+    report = step.memory_report(state, jax.ShapeDtypeStruct((rows, seq + 1), jnp.int32), compiled=compiled)
     ops = collectives(hlo)
+    pipeline = plan.pipeline  # its gathering mode settled for the stage
     permutes = [c for c in ops if c.kind == "collective-permute" and c.in_loop]
     stages = mesh_kw.get("pp", 1)
     shape = dict(plan.mesh.shape)
@@ -60,12 +69,14 @@ def measure(
         "schedule": "none"
         if pipeline is None
         else ("gpipe" if pipeline.repeats == 1 else f"circular R={pipeline.repeats}") + f" M={pipeline.microbatches}",
-        "zero3_gather": pipeline.zero3_gather if pipeline is not None and stage == 3 else None,
+        "zero3_gather": pipeline.zero3_gather if pipeline is not None else None,
+        "remat": remat,
         "bubble": 0.0 if pipeline is None else round(pipeline.bubble(stages), 4),
         "iterations": None if pipeline is None else pipeline.iterations(stages),
         "loop_permutes_fwd_plus_bwd": len(permutes),
         "argument_bytes": memory.argument_size_in_bytes,
         "temp_bytes": memory.temp_size_in_bytes,
+        "peak_bytes": report.peak_bytes,
         "dp_gather_bytes": dp_bytes(("all-gather",)),
         "dp_reduce_bytes": dp_bytes(("all-reduce", "reduce-scatter")),
         # weights (and their gradients) exchanged over pp, outside the loop's stage-to-stage permutes: the
@@ -82,24 +93,29 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     rows = [measure({"dp": 8}, 1, None), measure({"dp": 8}, 3, None)]
-    for stage, gather in ((1, "step"), (3, "step"), (3, "layer")):
+    for stage, gather in ((1, None), (2, None), (3, "step"), (3, None)):  # None: the plan's default for the stage
         for m, r in ((4, 1), (8, 1), (32, 1), (4, 2), (8, 2)):
             rows.append(measure({"dp": 2, "pp": 4}, stage, zjax.Pipeline(m, repeats=r, zero3_gather=gather)))
     # weights outweigh activations (short sequences): where gathering per use pays off
-    for gather in ("step", "layer"):
-        for m, r in ((8, 1), (8, 2)):
-            rows.append(measure({"dp": 2, "pp": 4}, 3, zjax.Pipeline(m, repeats=r, zero3_gather=gather), 32, 8))
+    for stage, gather in ((1, None), (2, None), (3, "step"), (3, None)):
+        for m, r in ((4, 1), (8, 2)):
+            rows.append(measure({"dp": 2, "pp": 4}, stage, zjax.Pipeline(m, repeats=r, zero3_gather=gather), 32, 8))
+    # the model's remat policy applies to each stage's layer scan, as without a pipeline
+    for remat in ("none", "full"):
+        rows.append(measure({"dp": 8}, 3, None, remat=remat))
+        rows.append(measure({"dp": 2, "pp": 4}, 3, zjax.Pipeline(4), remat=remat))
     print(f"decoder {CFG.layers} layers, {CFG.num_params:,} params, bf16 + AdamW")
-    head = f"{'batch':<7}{'mesh':<12}{'zero':>7}  {'schedule':<18}{'bubble':>7}{'permutes':>9}"
-    head += f"{'args KiB':>10}{'temp KiB':>10}{'AG dp KiB':>10}{'RED dp KiB':>11}{'pp xchg KiB':>12}"
+    head = f"{'batch':<7}{'mesh':<12}{'zero':>7}{'remat':>6}  {'schedule':<18}{'bubble':>7}{'permutes':>9}"
+    head += f"{'args KiB':>10}{'temp KiB':>10}{'peak KiB':>10}{'AG dp KiB':>10}{'RED dp KiB':>11}{'pp xchg KiB':>12}"
     print(head + f"{'compile':>9}")
     for r in rows:
         mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items())
         zero = f"{r['zero_stage']}" + (f"/{r['zero3_gather']}" if r["zero3_gather"] else "")
         print(
-            f"{'x'.join(map(str, r['batch'])):<7}{mesh:<12}{zero:>7}  {r['schedule']:<18}{r['bubble']:>7.3f}"
+            f"{'x'.join(map(str, r['batch'])):<7}{mesh:<12}{zero:>7}{r['remat']:>6}  {r['schedule']:<18}"
+            f"{r['bubble']:>7.3f}"
             f"{r['loop_permutes_fwd_plus_bwd']:>9}"
-            f"{r['argument_bytes'] / 1024:>10.1f}{r['temp_bytes'] / 1024:>10.1f}"
+            f"{r['argument_bytes'] / 1024:>10.1f}{r['temp_bytes'] / 1024:>10.1f}{r['peak_bytes'] / 1024:>10.1f}"
             f"{r['dp_gather_bytes'] / 1024:>10.1f}{r['dp_reduce_bytes'] / 1024:>11.1f}"
             f"{r['pp_exchange_bytes'] / 1024:>12.1f}{r['compile_seconds']:>8.1f}s"
         )

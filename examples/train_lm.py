@@ -140,8 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--zero3-gather",
         choices=("step", "layer"),  # zjax.pipeline.GATHER_MODES (parsed before jax starts)
-        default="step",
-        help="stage 3 with a pipeline: gather weights once per step, or per use inside the loop (lean)",
+        default=None,
+        help="pipeline at stages 2-3: weights and gradients whole once per step, or split over dp through the loop "
+        "(per use, lean; the default at stages 2-3)",
     )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument(
@@ -271,6 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
         mesh, stage=args.stage, precision=args.precision, clip_norm=args.clip_norm, pipeline=pipeline,
         offload=args.offload,
     )  # fmt: skip
+    pipeline = plan.pipeline  # with its gathering mode settled for the stage
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), max(2, args.steps))
     if args.optimizer == "fused_adamw":
         tx = zjax.pallas.fused_adamw(schedule, b2=0.95, weight_decay=0.1)

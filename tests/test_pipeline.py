@@ -252,7 +252,9 @@ def compiled_step(mesh_kw, stage, cfg, rows=32, precision="bf16", model=CFG):
      pytest.param(1, "circular_m_2s", marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_hlo_structure(stage, schedule):
-    plan, state, _, _, _, hlo = compiled_step(MESHES["dp2_pp4"], stage, schedules(4)[schedule])
+    """Gathering once per step (``zero3_gather="step"``): no dp collective inside the loop."""
+    cfg = dataclasses.replace(schedules(4)[schedule], zero3_gather="step")
+    plan, state, _, _, _, hlo = compiled_step(MESHES["dp2_pp4"], stage, cfg)
     shape = dict(plan.mesh.shape)
     ops = [(c, spanned_axes(c.groups, shape)) for c in collectives(hlo)]
     permutes = [(c, axes) for c, axes in ops if c.kind == "collective-permute"]
@@ -295,6 +297,54 @@ def test_per_use_gathering_cuts_temp_memory(gather_modes):
     print(f"temp: step {step.temp_size_in_bytes / 2**20:.2f} MiB, layer {layer.temp_size_in_bytes / 2**20:.2f} MiB")
     assert layer.temp_size_in_bytes < 0.6 * step.temp_size_in_bytes
     assert layer.argument_size_in_bytes == step.argument_size_in_bytes
+
+
+def peak(mesh_kw, stage, cfg, model=WIDE):
+    _, state, batch, step, compiled, _ = compiled_step(mesh_kw, stage, cfg, model=model)
+    return step.memory_report(state, batch, compiled=compiled).peak_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "circular_m_2s"])
+def test_default_mode_stage_3_and_2_peak_below_stage_1(schedule):
+    """With a pipeline, the default mode at stages 2 and 3 keeps weights and gradients split over dp
+    through the loop: each stage's peak is below the one before on a weight-heavy decoder."""
+    cfg = schedules(4)[schedule]
+    peaks = {stage: peak(MESHES["dp2_pp4"], stage, cfg) for stage in (1, 2, 3)}
+    print({k: f"{v / 2**20:.2f} MiB" for k, v in peaks.items()})
+    assert peaks[3] < peaks[2] < peaks[1]
+
+
+@pytest.mark.slow
+def test_remat_policy_changes_pipeline_temps_as_without_a_pipeline():
+    """The stage's layers run as a scan rematerialized by the model's policy: saving everything ("none")
+    costs more temp than saving layer inputs only ("full"), with a pipeline as without one."""
+    temps = {}
+    for remat in ("none", "full"):
+        model = dataclasses.replace(WIDE, remat=remat)
+        for name, mesh_kw, cfg in (("pp", MESHES["dp2_pp4"], Pipeline(4)), ("no pp", {"dp": 8}, None)):
+            compiled = compiled_step(mesh_kw, 3, cfg, model=model)[4]
+            temps[name, remat] = compiled.memory_analysis().temp_size_in_bytes
+    print({k: f"{v / 2**20:.2f} MiB" for k, v in temps.items()})
+    for name in ("pp", "no pp"):
+        assert temps[name, "none"] > 1.2 * temps[name, "full"]
+
+
+@pytest.mark.slow
+def test_program_flat_in_layers_per_stage():
+    """4x the layers per stage: the same HLO size (one scan per stage), so compile time does not grow with it."""
+    lines = []
+    for layers in (8, 32):
+        model = dataclasses.replace(WIDE, layers=layers)
+        hlo = compiled_step(MESHES["dp2_pp4"], 3, Pipeline(4), model=model)[5]
+        lines.append(len(hlo.splitlines()))
+    assert lines[1] <= 1.02 * lines[0], lines
+
+
+def test_partitioned_remat_is_refused_under_a_pipeline():
+    model = dataclasses.replace(CFG, remat="full+partitioned")
+    with pytest.raises(ValueError, match=r"remat='full\+partitioned' under pipeline parallelism.*Use remat='full'"):
+        compiled_step(MESHES["dp2_tp2_pp2"], 3, Pipeline(2), model=model)
 
 
 def loop_collectives(plan, hlo):
@@ -395,9 +445,12 @@ def test_config_errors():
         Pipeline(4, repeats=0)
     with pytest.raises(ValueError, match=r"zero3_gather='all' is not a gathering mode; use one of \('step', 'layer'\)"):
         Pipeline(4, zero3_gather="all")
-    for stage in (0, 1, 2):
-        with pytest.raises(ValueError, match=rf"zero3_gather='layer' .* stage={stage} keeps the compute weights whole"):
+    for stage in (0, 1):
+        with pytest.raises(ValueError, match=rf"zero3_gather='layer' .* stage={stage} keeps whole gradients"):
             zjax.Plan(mesh, stage=stage, pipeline=Pipeline(4, zero3_gather="layer"))
+    # the default gathering mode is settled by the plan: per use where gradients are split over dp
+    modes = {stage: zjax.Plan(mesh, stage=stage, pipeline=Pipeline(4)).pipeline.zero3_gather for stage in range(4)}
+    assert modes == {0: "step", 1: "step", 2: "layer", 3: "layer"}
     with pytest.raises(TypeError, match="pipeline must be a zjax.Pipeline"):
         zjax.Plan(mesh, stage=1, pipeline=4)
 
@@ -471,9 +524,9 @@ def test_example_trains_with_a_pipeline(tmp_path, mesh, gather):
 
 
 @pytest.mark.slow
-def test_planner_takes_per_use_gathering_for_stage_3_only():
-    """The planner compiles every stage with one schedule: per-use gathering applies at stage 3 (more dp
-    traffic than gathering once), the lower stages gather once."""
+def test_planner_takes_per_use_gathering_for_stages_2_and_3_only():
+    """The planner compiles every stage with one schedule: per-use gathering applies at stages 2 and 3
+    (more dp traffic than gathering once), the lower stages gather once."""
     schedule = Pipeline(8, repeats=2, zero3_gather="layer")
     kw = {"mesh": {"dp": 2, "pp": 4}, "batch_size": 32, "seq_len": 16}
     lean = zjax.planner.estimate(WIDE, stages=(1, 3), pipeline=schedule, **kw)

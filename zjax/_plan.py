@@ -117,12 +117,8 @@ class Plan:
         if self.pipeline is not None:
             self.pipeline.check(stages)
         object.__setattr__(self, "stage", Stage.from_value(self.stage))
-        if self.pipeline is not None and self.pipeline.zero3_gather == "layer" and not self.stage.shard_parameters:
-            raise ValueError(
-                f"Plan: pipeline zero3_gather='layer' gathers ZeRO-3 weights per use, but stage={self.stage.level} "
-                f"keeps the compute weights whole on every dp rank: their gradients would then be reduced over "
-                f"{DP} inside the pipeline loop, once per iteration. Use stage=3, or zero3_gather='step'."
-            )
+        if self.pipeline is not None:
+            object.__setattr__(self, "pipeline", self.pipeline.for_stage(self.stage))
         object.__setattr__(self, "precision", Precision.from_value(self.precision))
         object.__setattr__(self, "rules", Rules() if self.rules is None else self.rules)
         if not isinstance(self.rules, Rules):

@@ -118,7 +118,10 @@ def _plan_parser(sub) -> None:
     p.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches when pp > 1 (default 2 x pp)")
     p.add_argument("--repeats", type=int, default=1, help="pipeline repeats (1 = GPipe, > 1 = circular)")
     p.add_argument(
-        "--zero3-gather", choices=("step", "layer"), default="step", help="stage 3 pipeline: once per step or per use"
+        "--zero3-gather",
+        choices=("step", "layer"),
+        default=None,
+        help="pipeline at stages 2-3: weights gathered once per step, or per use (default: layer at 2-3, step below)",
     )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None, help="PNG bar chart of memory by category")

@@ -255,14 +255,15 @@ class Decoder(nn.Module):
                     "Decoder: packed sequences (positions / segment_ids) are not supported under pipeline "
                     "parallelism yet; train with pp=1, or pass unpacked sequences (tokens only)."
                 )
-            # the pipeline rematerializes whole iterations: the layers inside run without their own remat
-            one = Block(dataclasses.replace(c, remat="none"))
-
-            def stage_fn(stage_layers, h):
-                for j in range(jax.tree.leaves(stage_layers)[0].shape[0]):
-                    h, _ = one.apply({"params": jax.tree.map(lambda w: w[j], stage_layers)}, h)  # noqa: B023
-                return h
-
+            if policy.partition:
+                raise ValueError(
+                    f"Decoder: remat={c.remat!r} under pipeline parallelism: ZeRO-R partitioned checkpoints "
+                    "split over tp with a shard_map, which cannot run inside the pipeline's per-stage vmap. Use "
+                    f"remat={policy.name.removesuffix('+partitioned')!r} with a pipeline."
+                )
+            # each stage scans its layers, rematerialized per layer by the model's policy
+            one = Block(c)
+            stage_fn = pipeline.scan_layers(lambda w, h: one.apply({"params": w}, h)[0], policy)
             x = pipeline.apply(stage_fn, self.variables["params"]["layers"], x, schedule)
         elif c.scan:
             x, _ = linen_scan(Block, c.layers, policy, broadcast=True)(c, name="layers")(x, positions, segment_ids)

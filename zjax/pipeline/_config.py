@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 GATHER_MODES = ("step", "layer")
-"""ZeRO-3 weight gathering inside the pipeline: once per step, or per use inside the loop (see ``Pipeline``)."""
+"""How dp-split weights meet the pipeline: once per step, or per use inside the loop (see ``Pipeline``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,14 +23,17 @@ class Pipeline:
       repeats: R. 1 is GPipe; R > 1 is the circular (interleaved) schedule: each stage holds R
         chunks of layers and every microbatch loops R times around the stages, which divides the
         bubble by R.
-      zero3_gather: how ZeRO-3 weights (split over ``dp``) reach the stages. ``"step"``: every
-        stage's weights are gathered once per step, before the loop, and stay whole until the
-        backward pass is done (least communication). ``"layer"``: each iteration gathers only the
-        layers it applies (the current repeat's chunk), the backward pass gathers them again, and
-        their gradients are reduce-scattered per iteration; whole weights then live for one
-        iteration only (least memory: about half the temp memory when weights dominate, at 5-22x
-        the bytes gathered over dp in ``benchmarks/pipeline.py``). Only for ZeRO stage 3 (the plan
-        refuses it otherwise).
+      zero3_gather: how weights and gradients split over ``dp`` (stages 2 and 3) meet the stages.
+        ``"step"``: every stage's weights are gathered once per step, before the loop, and stay whole,
+        with whole gradients, until the backward pass is done; the gradients are reduced over ``dp``
+        once, at the loop's boundary (least communication; the memory of stage 1). ``"layer"``: they
+        stay split over ``dp`` through the loop. The stage's layer scan gathers each layer just
+        before applying it, the backward pass gathers it again, and its gradient is reduce-scattered
+        into a ``dp``-split accumulator, per iteration (stage 2's weights are whole: only the gradient
+        reduction moves into the loop). Whole weights then live for one layer, and the memory
+        promise of stages 2 and 3 holds under a pipeline, at ``dp`` traffic that grows with the
+        iterations (``benchmarks/pipeline.py``). ``None`` (the default): the plan picks ``"layer"``
+        at stages 2 and 3, ``"step"`` below; ``"layer"`` is refused at stages 0 and 1.
       remat: rematerialize each iteration in the backward pass, saving only its input.
       unroll: unroll the loop (for FLOP accounting: compiled cost analysis counts a loop body once;
         unrolled programs grow with M, so never for training).
@@ -37,7 +41,7 @@ class Pipeline:
 
     microbatches: int
     repeats: int = 1
-    zero3_gather: str = "step"
+    zero3_gather: str | None = None
     remat: bool = True
     unroll: bool = False
 
@@ -46,10 +50,31 @@ class Pipeline:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Pipeline: {name}={value!r} must be a positive int.")
-        if self.zero3_gather not in GATHER_MODES:
+        if self.zero3_gather is not None and self.zero3_gather not in GATHER_MODES:
             raise ValueError(
                 f"Pipeline: zero3_gather={self.zero3_gather!r} is not a gathering mode; use one of {GATHER_MODES}."
             )
+
+    def for_stage(self, stage: Any) -> Pipeline:
+        """This schedule with its gathering mode settled for ZeRO ``stage`` (a :class:`zjax.Stage`).
+
+        The default (``zero3_gather=None``) is ``"layer"`` at stages 2 and 3, the mode whose weights and
+        gradients stay split over ``dp`` through the loop, and ``"step"`` below (stages 0 and 1 keep
+        whole weights and gradients on every rank anyway).
+
+        Raises:
+          ValueError: ``"layer"`` at stage 0 or 1.
+        """
+        if self.zero3_gather is None:
+            return dataclasses.replace(self, zero3_gather="layer" if stage.shard_gradients else "step")
+        if self.zero3_gather == "layer" and not stage.shard_gradients:
+            raise ValueError(
+                f"Pipeline: zero3_gather='layer' keeps weights and gradients split over dp through the loop, "
+                f"but stage={stage.level} keeps whole gradients on every dp rank: the gradients would only be "
+                f"reduced over dp inside the loop, once per iteration, and saved nowhere. Use stage 2 or 3, or "
+                f"zero3_gather='step'."
+            )
+        return self
 
     def iterations(self, stages: int) -> int:
         """Scan iterations per step: ``M x R + S - 1``."""

@@ -14,8 +14,9 @@ Design (measured on CPU, see the README's pipeline section):
   the weights per data-parallel rank: their gradient is reduced over data parallelism once, at the
   region's boundary, instead of once per layer per iteration inside the loop (XLA cannot hoist
   collectives out of a loop). ZeRO-3 weights are all-gathered at that boundary, once per step;
-  with ``zero3_gather="layer"`` they stay split over ``dp`` (the region then covers the other data
-  axes only) and GSPMD gathers each iteration's layers inside the loop.
+  with ``zero3_gather="layer"`` (the plan's default at stages 2 and 3) weights and gradients stay
+  split over ``dp`` (the region then covers the other data axes only): a stage that scans its layers
+  (:func:`scan_layers`) gathers one layer at a time inside the loop and reduce-scatters its gradient.
 - Stream io: the local batch ``[B, ...]`` is split over ``pp`` and read as ``[S, K, mb, ...]``
   (K = M / S); stage 0 takes microbatch ``t`` from column ``t % K``, which is shifted one stage
   left each visit while the last stage writes its outputs there. No collective at the boundary.
@@ -39,6 +40,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from ..remat import RematPolicy
 from ..sharding._axes import DATA_AXES, DP, PP
 from ._config import Pipeline
 
@@ -141,6 +143,31 @@ def _pipeline(
     return jnp.roll(state_io, -(((r_ - 1) * m_ + s_ - 1) % k_), axis=1)
 
 
+def scan_layers(
+    layer_fn: Callable[[Any, jax.Array], jax.Array], remat: str | RematPolicy = "none"
+) -> Callable[[Any, jax.Array], jax.Array]:
+    """A ``stage_fn`` for :func:`apply` that runs a stage's layers as one ``lax.scan`` of ``layer_fn``.
+
+    ``layer_fn(layer, h) -> h`` applies one layer (leaves without the leading layers dim); each layer is
+    rematerialized by ``remat`` (a :class:`zjax.remat.RematPolicy` or its name), as the model's scanned
+    layers are without a pipeline. The program does not grow with the layers per stage, and with
+    ``zero3_gather="layer"`` only the layer being applied is gathered over ``dp``.
+    """
+    policy = RematPolicy.from_str(remat)
+
+    def body(h: jax.Array, layer: Any) -> tuple[jax.Array, None]:
+        return layer_fn(layer, h), None
+
+    if policy.remat:
+        body = jax.checkpoint(body, policy=policy.jax_policy(), prevent_cse=False)
+
+    def stage_fn(stage_layers: Any, h: jax.Array) -> jax.Array:
+        h, _ = jax.lax.scan(body, h, stage_layers)
+        return h
+
+    return stage_fn
+
+
 def apply(
     stage_fn: Callable[[Any, jax.Array], jax.Array],
     layers: Any,
@@ -203,7 +230,7 @@ def apply(
     s_, k_, rest = stages, cfg.microbatches // stages, x.shape[1:]
     # The data axes over which the weights are whole on every rank get the manual region below; with
     # zero3_gather="layer" the ZeRO-3 weights stay split over dp, which GSPMD then runs inside the loop.
-    region = tuple(a for a in data if cfg.zero3_gather == "step" or a != DP)
+    region = tuple(a for a in data if cfg.zero3_gather != "layer" or a != DP)
     inner = tuple(a for a in data if a not in region)
     n = math.prod(sizes[a] for a in inner)
 

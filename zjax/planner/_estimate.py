@@ -228,8 +228,8 @@ def estimate_fn(
         start = time.perf_counter()
         stages_pp = mesh.get("pp", 1)
         schedule = pipeline if pipeline is not None or stages_pp == 1 else Pipeline(2 * stages_pp)
-        if schedule is not None and not Stage.from_value(stage).shard_parameters:  # per-use gathering: stage 3 only
-            schedule = dataclasses.replace(schedule, zero3_gather="step")
+        if schedule is not None and schedule.zero3_gather == "layer" and not Stage.from_value(stage).shard_gradients:
+            schedule = dataclasses.replace(schedule, zero3_gather="step")  # per-use gathering: stages 2 and 3 only
         plan = Plan(device_mesh, stage=stage, precision=precision, pipeline=schedule, offload=offload)
         state = plan.abstract_state(init_fn, tx, jax.random.key(0))
         step = plan.train_step(loss_fn, accum_steps=accum)
