@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -88,7 +89,13 @@ def test_sources_and_tokenizers(tmp_path):
         json.dumps({"text": "hello world"}) + "\n\n" + json.dumps({"text": "world again x"}) + "\n"
     )
     (tmp_path / "corpus" / "b.txt").write_text("again hello")
-    np.testing.assert_array_equal(tokenize(tmp_path / "corpus", tok), [2, 3, 1, 3, 4, 0, 1, 4, 2, 1])
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    rows = {"id": [7, 8, 9], "text": ["hello", "world hello", "x again"]}
+    pq.write_table(pa.table(rows), tmp_path / "corpus" / "c.parquet", row_group_size=2)  # two row groups
+    want = [2, 3, 1, 3, 4, 0, 1, 4, 2, 1] + [2, 1, 3, 2, 1, 0, 4, 1]  # a.jsonl, b.txt, then c.parquet's rows
+    np.testing.assert_array_equal(tokenize(tmp_path / "corpus", tok), want)
+    with pytest.raises(ValueError, match=r"c.parquet has no 'body' column \(columns: \['id', 'text'\]\)"):
+        tokenize(tmp_path / "corpus" / "c.parquet", tok, text_key="body")
     np.save(tmp_path / "tokens.npy", np.arange(20, dtype=np.int32))
     np.testing.assert_array_equal(tokenize(tmp_path / "tokens.npy", tok), np.arange(20))
     train, held = train_eval_split(np.arange(100), 0.1)
@@ -123,3 +130,34 @@ def test_metrics_writer(tmp_path):
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2]
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_metrics_writer_drives_a_wandb_run(tmp_path, monkeypatch):
+    """The W&B glue (the package itself is an optional extra, not installed in CI): one run in the log
+    directory, the numeric metrics of each record at its step, finished on close."""
+    import types
+
+    calls = []
+
+    class Run:
+        def log(self, data, step):
+            calls.append(("log", data, step))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    def init(**kw):
+        calls.append(("init", kw))
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    with zjax.metrics.MetricsWriter(tmp_path, wandb={"project": "p", "name": "r"}) as w:
+        w.write(3, {"loss": jnp.float32(2.5), "mfu": None, "note": "x"})
+    assert calls == [
+        ("init", {"dir": str(tmp_path), "project": "p", "name": "r"}),
+        ("log", {"loss": 2.5}, 3),
+        ("finish",),
+    ]
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed: the error says what to install
+    with pytest.raises(ImportError, match=r'pip install "zjax\[wandb\]"'):
+        zjax.metrics.MetricsWriter(tmp_path, wandb={"project": "p"})

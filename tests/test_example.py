@@ -147,17 +147,23 @@ def test_logs_evaluates_and_profiles(tmp_path):
     assert list((logs / "profile").rglob("*.xplane.pb"))
 
 
-@pytest.mark.slow  # four runs of the script end to end
+@pytest.mark.slow  # five runs of the script end to end
 def test_resume_on_another_mesh_and_process_count_sees_the_same_batches(tmp_path):
+    """Stopped at step 3 and resumed on dp=4 x tp=2, and stopped in 2 processes and resumed in 1: the
+    same batches and losses as the straight run (fp32)."""
     flags = ["--precision", "fp32", "--stage", "3", "--steps", "6", "--save-every", "3"]
     straight = run_example(tmp_path, "straight", *flags)
     ckpt = str(tmp_path / "ckpt")
     run_example(tmp_path, "first", *flags, "--stop-at", "3", "--checkpoint-dir", ckpt)
     resumed = run_example(tmp_path, "resumed", *flags, "--mesh", "dp=4,tp=2", "--checkpoint-dir", ckpt, "--resume")
     np.testing.assert_allclose(resumed["losses"], straight["losses"][3:], rtol=1e-5)
-    # 2 processes x 4 devices read disjoint rows of the same global batches: the same losses as 1 x 8
-    out = tmp_path / "two.json"
+    # 2 processes x 4 devices read disjoint rows of the same global batches: the same losses as 1 x 8; their
+    # checkpoint (with each process's data position) resumes in 1 process on the batches the straight run saw
+    out, ckpt2 = tmp_path / "two.json", str(tmp_path / "ckpt2")
     cmd = [sys.executable, str(ROOT / "examples" / "train_lm.py"), *SMALL, *flags, "--processes", "2"]
-    proc = subprocess.run([*cmd, "--metrics-json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    cmd += ["--stop-at", "3", "--checkpoint-dir", ckpt2, "--metrics-json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    np.testing.assert_allclose(json.loads(out.read_text())["losses"], straight["losses"], rtol=1e-5)
+    np.testing.assert_allclose(json.loads(out.read_text())["losses"], straight["losses"][:3], rtol=1e-5)
+    alone = run_example(tmp_path, "alone", *flags, "--checkpoint-dir", ckpt2, "--resume")
+    np.testing.assert_allclose(alone["losses"], straight["losses"][3:], rtol=1e-5)

@@ -36,14 +36,27 @@ def read_documents(path: str | os.PathLike, text_key: str = "text") -> Iterator[
                         raise ValueError(f"zjax.data: {file}:{n} has no {text_key!r} field (pass text_key=...).")
                     yield str(record[text_key])
         elif file.endswith(".parquet"):
-            import pyarrow.parquet as pq
-
-            yield from (str(t) for t in pq.read_table(file, columns=[text_key]).column(text_key).to_pylist())
+            yield from _parquet_documents(file, text_key)
         elif file.endswith((".npy", ".bin")):
             continue  # token arrays are read by read_tokens
         else:
             with open(file, encoding="utf-8", errors="replace") as f:
                 yield f.read()
+
+
+def _parquet_documents(file: str, text_key: str) -> Iterator[str]:
+    """One document per row of ``file``'s ``text_key`` column, read a record batch at a time."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError(f'zjax.data: reading {file!r} needs pyarrow: pip install "zjax[parquet]".') from e
+    parquet = pq.ParquetFile(file)
+    if text_key not in parquet.schema_arrow.names:
+        raise ValueError(
+            f"zjax.data: {file} has no {text_key!r} column (columns: {parquet.schema_arrow.names}); pass text_key=..."
+        )
+    for batch in parquet.iter_batches(columns=[text_key], batch_size=1024):
+        yield from (str(t) for t in batch.column(0).to_pylist())
 
 
 def read_tokens(path: str | os.PathLike) -> np.ndarray:

@@ -26,16 +26,25 @@ class MetricsWriter:
         self._wandb = None
         if jax.process_index() != 0:
             return
-        os.makedirs(self.log_dir, exist_ok=True)
-        self._jsonl = open(os.path.join(self.log_dir, "metrics.jsonl"), "a")  # noqa: SIM115 (closed in close())
-        if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(os.path.join(self.log_dir, "tensorboard"))
-        if wandb is not None:
-            import wandb as _wandb
-
-            self._wandb = _wandb.init(dir=self.log_dir, **wandb)
+        # the optional writers first: one that cannot start leaves nothing open and no file behind
+        try:
+            if tensorboard:
+                try:
+                    from tensorboardX import SummaryWriter
+                except ImportError as e:
+                    raise ImportError('MetricsWriter(tensorboard=True) needs: pip install "zjax[tensorboard]".') from e
+                self._tb = SummaryWriter(os.path.join(self.log_dir, "tensorboard"))
+            if wandb is not None:
+                try:
+                    import wandb as _wandb
+                except ImportError as e:
+                    raise ImportError('MetricsWriter(wandb=...) needs: pip install "zjax[wandb]".') from e
+                self._wandb = _wandb.init(dir=self.log_dir, **wandb)
+            os.makedirs(self.log_dir, exist_ok=True)
+            self._jsonl = open(os.path.join(self.log_dir, "metrics.jsonl"), "a")  # noqa: SIM115 (closed in close())
+        except BaseException:
+            self.close()
+            raise
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         if self._jsonl is None:
