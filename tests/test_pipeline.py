@@ -308,11 +308,14 @@ def peak(mesh_kw, stage, cfg, model=WIDE):
 @pytest.mark.parametrize("schedule", ["gpipe", "circular_m_2s"])
 def test_default_mode_stage_3_and_2_peak_below_stage_1(schedule):
     """With a pipeline, the default mode at stages 2 and 3 keeps weights and gradients split over dp
-    through the loop: each stage's peak is below the one before on a weight-heavy decoder."""
+    through the loop: on a weight-heavy decoder stage 3 peaks well below stages 1 and 2, and with GPipe
+    stage 2 below stage 1 (with the circular schedule stage 2 saves about nothing: see the README)."""
     cfg = schedules(4)[schedule]
     peaks = {stage: peak(MESHES["dp2_pp4"], stage, cfg) for stage in (1, 2, 3)}
     print({k: f"{v / 2**20:.2f} MiB" for k, v in peaks.items()})
-    assert peaks[3] < peaks[2] < peaks[1]
+    assert peaks[3] < 0.85 * min(peaks[1], peaks[2])
+    if cfg.repeats == 1:
+        assert peaks[2] < peaks[1]
 
 
 @pytest.mark.slow

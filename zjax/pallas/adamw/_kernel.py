@@ -19,7 +19,7 @@ from ._config import FusedAdamWConfig
 from ._reference import adamw_math
 
 NUM_SCALARS = 16
-_MAX_OFFSET = 2**31 - 1  # program_id * block_size and the element index are int32 inside the kernel
+_MAX_OFFSET = 2**31 - 1  # program_id * block_size and the element index are int32 inside one launch
 
 
 def _kernel(s_ref, g_ref, p_ref, m_ref, v_ref, p_out, m_out, v_out, c_out, *, n: int, block: int):
@@ -39,15 +39,27 @@ def _kernel(s_ref, g_ref, p_ref, m_ref, v_ref, p_out, m_out, v_out, c_out, *, n:
 
 
 def adamw_kernel(scalars, grad, master, m, v, compute_dtype, config: FusedAdamWConfig, interpret: bool = False):
-    """Run the kernel on flat arrays: ``(new_master, new_m, new_v, new_compute)``."""
+    """Run the kernel on flat arrays: ``(new_master, new_m, new_v, new_compute)``.
+
+    The kernel's offsets are int32. A shard longer than that runs as consecutive pieces, one launch each,
+    whose outputs are concatenated: correct at any length, at the price of copying that leaf's state once
+    more (slices in, concatenation out); shard such a leaf further where memory is tight.
+    """
     n = master.shape[0]
     block = config.block_size
-    if n + block > _MAX_OFFSET:
-        raise ValueError(
-            f"fused_adamw: a local shard of {n:,} elements is too long for the Pallas kernel, whose offsets are "
-            f"int32 (at most {_MAX_OFFSET - block:,} with block_size={block}). Shard the leaf further (a higher "
-            "ZeRO stage, more dp or tp) or use implementation='xla'."
-        )
+    piece = (_MAX_OFFSET - block) // block * block  # the longest run whose offsets stay int32
+    if n <= piece:
+        return _launch(scalars, grad, master, m, v, compute_dtype, config, interpret)
+    outs = [
+        _launch(scalars, *(x[start : start + piece] for x in (grad, master, m, v)), compute_dtype, config, interpret)
+        for start in range(0, n, piece)
+    ]
+    return tuple(jnp.concatenate(parts) for parts in zip(*outs, strict=True))
+
+
+def _launch(scalars, grad, master, m, v, compute_dtype, config: FusedAdamWConfig, interpret: bool):
+    n = master.shape[0]
+    block = config.block_size
     f32 = jax.ShapeDtypeStruct((n,), jnp.float32)
     call = pl.pallas_call(
         functools.partial(_kernel, n=n, block=block),
