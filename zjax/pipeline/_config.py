@@ -70,8 +70,8 @@ class Pipeline:
         if self.zero3_gather == "layer" and not stage.shard_gradients:
             raise ValueError(
                 f"Pipeline: zero3_gather='layer' keeps weights and gradients split over dp through the loop, "
-                f"but stage={stage.level} keeps whole gradients on every dp rank: the gradients would only be "
-                f"reduced over dp inside the loop, once per iteration, and saved nowhere. Use stage 2 or 3, or "
+                f"but stage={stage.level} keeps whole gradients on every dp rank: their reduction over dp would "
+                f"only move inside the loop, once per iteration, and save no memory. Use stage 2 or 3, or "
                 f"zero3_gather='step'."
             )
         return self
