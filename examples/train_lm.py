@@ -218,6 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # must precede backend start
     if args.compilation_cache is not None:  # a resumed job reuses its compiled steps
         jax.config.update("jax_compilation_cache_dir", str(args.compilation_cache))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every step, however fast it compiled
     if args.preemptible and cluster.num_processes == 1:
         if args.checkpoint_dir is None:
             raise SystemExit("--preemptible needs --checkpoint-dir")

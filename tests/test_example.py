@@ -167,3 +167,16 @@ def test_resume_on_another_mesh_and_process_count_sees_the_same_batches(tmp_path
     np.testing.assert_allclose(json.loads(out.read_text())["losses"], straight["losses"][:3], rtol=1e-5)
     alone = run_example(tmp_path, "alone", *flags, "--checkpoint-dir", ckpt2, "--resume")
     np.testing.assert_allclose(alone["losses"], straight["losses"][3:], rtol=1e-5)
+
+
+@pytest.mark.slow  # two runs of the script
+def test_compilation_cache_serves_a_restarted_run(tmp_path):
+    """``--compilation-cache DIR``: the first run writes its compiled programs there; a second run of the same
+    job finds every one of them (it adds no entry) and trains to the same losses."""
+    cache = tmp_path / "xla_cache"
+    first = run_example(tmp_path, "first", "--compilation-cache", str(cache))
+    entries = sorted(p.name for p in cache.iterdir())
+    assert entries
+    second = run_example(tmp_path, "second", "--compilation-cache", str(cache))
+    assert sorted(p.name for p in cache.iterdir()) == entries
+    assert second["losses"] == first["losses"]
