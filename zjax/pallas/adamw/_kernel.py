@@ -50,10 +50,10 @@ def adamw_kernel(scalars, grad, master, m, v, compute_dtype, config: FusedAdamWC
     piece = (_MAX_OFFSET - block) // block * block  # the longest run whose offsets stay int32
     if n <= piece:
         return _launch(scalars, grad, master, m, v, compute_dtype, config, interpret)
-    outs = [
-        _launch(scalars, *(x[start : start + piece] for x in (grad, master, m, v)), compute_dtype, config, interpret)
-        for start in range(0, n, piece)
-    ]
+    outs = []
+    for start in range(0, n, piece):
+        g_, p_, m_, v_ = (x[start : start + piece] for x in (grad, master, m, v))
+        outs.append(_launch(scalars, g_, p_, m_, v_, compute_dtype, config, interpret))
     return tuple(jnp.concatenate(parts) for parts in zip(*outs, strict=True))
 
 
