@@ -47,12 +47,13 @@ def measure(
         lambda r: model.init(r, jnp.zeros((1, CFG.max_len), jnp.int32))["params"], optax.adamw(1e-3), jax.random.key(0)
     )
     step = plan.train_step(lambda p, b: lm_loss(model, p, b))
-    lowered = step.lower(state, jax.ShapeDtypeStruct((rows, seq + 1), jnp.int32))
+    batch = jax.ShapeDtypeStruct((rows, seq + 1), jnp.int32)
+    lowered = step.lower(state, batch)
     start = time.perf_counter()
     compiled, hlo = partitioned_hlo(lowered)
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
-    report = step.memory_report(state, jax.ShapeDtypeStruct((rows, seq + 1), jnp.int32), compiled=compiled)
+    report = step.memory_report(state, batch, compiled=compiled)
     ops = collectives(hlo)
     pipeline = plan.pipeline  # its gathering mode settled for the stage
     permutes = [c for c in ops if c.kind == "collective-permute" and c.in_loop]
