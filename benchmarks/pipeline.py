@@ -1,6 +1,6 @@
 """Pipeline schedules on 8 simulated CPU devices: bubble, permutes per iteration, bytes per device, compile time.
 
-    python benchmarks/pipeline.py [--json runs/pipeline.json]
+    python benchmarks/pipeline.py [--json runs/pipeline.json] [--gpu-target h100]
 
 Compiles the train step of a small decoder (8 layers) for GPipe and the circular schedule on
 dp=2 x pp=4 (ZeRO-1, ZeRO-2 and ZeRO-3, gathering once per step or per use) and on dp=8 without a
@@ -9,6 +9,10 @@ partitioned HLO for the collective-permutes inside the loop and the bytes all-ga
 dp per step. A weight-heavy variant (short sequences) and the model's remat policy ("full" vs "none")
 show where each gathering mode pays.
 CPU numbers: they show structure and memory, not speed.
+
+With ``--gpu-target`` the same comparison runs on the GPU compiler (deviceless XLA:GPU, through the
+planner) for a larger decoder (16 layers, width 512): per device state, temporaries and peak, and the bytes
+gathered and reduced over dp per step with the share the scheduler left exposed.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from zjax.planner._hlo import collectives, partitioned_hlo, spanned_axes  # noqa
 
 CFG = DecoderConfig(vocab=256, embed=128, layers=8, heads=4, head_dim=32, mlp=512, max_len=64)
 ROWS = 64
+GPU_CFG = DecoderConfig(vocab=256, embed=512, layers=16, heads=8, head_dim=64, mlp=2048, max_len=64)
 
 
 def measure(
@@ -89,9 +94,57 @@ def measure(
     }
 
 
+def measure_gpu(target: str, stage: int, pipeline: zjax.Pipeline, rows: int = 32, seq: int = 8) -> dict:
+    """One row on the GPU compiler: the planner's deviceless XLA:GPU compile of the train step."""
+    (row,) = zjax.planner.estimate(
+        GPU_CFG,
+        mesh={"dp": 2, "pp": 4},
+        stages=(stage,),
+        batch_size=rows,
+        seq_len=seq,
+        pipeline=pipeline,
+        target=target,
+    ).rows
+    dp = {axes: v for axes, v in row.comm.by_axes.items() if axes == ("dp",)}
+    exposed = sum(v - row.comm.overlapped_by_axes.get(axes, 0) for axes, v in dp.items())
+    mode = pipeline.for_stage(zjax.Stage.from_value(stage)).zero3_gather
+    return {
+        "target": target,
+        "batch": [rows, seq],
+        "zero_stage": stage,
+        "zero3_gather": mode,
+        "schedule": ("gpipe" if pipeline.repeats == 1 else f"circular R={pipeline.repeats}")
+        + f" M={pipeline.microbatches}",
+        "state_bytes": row.compiled["state"],
+        "temp_bytes": row.compiled["temp"],
+        "peak_bytes": row.compiled["total"],
+        "dp_bytes": sum(dp.values()),
+        "dp_exposed_bytes": exposed,
+    }
+
+
+def gpu_table(target: str) -> list[dict]:
+    out = []
+    head = f"decoder {GPU_CFG.layers} layers, {GPU_CFG.num_params:,} params, dp=2 x pp=4, bf16 + AdamW"
+    print(f"\nXLA:GPU for {target} (deviceless): {head}")
+    print(f"{'schedule':<18}{'zero':>8}{'state MiB':>11}{'temp MiB':>10}{'peak MiB':>10}{'dp MiB':>9}{'exposed':>9}")
+    for m, r in ((4, 1), (8, 4)):
+        for stage, gather in ((1, None), (3, "step"), (3, None)):
+            row = measure_gpu(target, stage, zjax.Pipeline(m, repeats=r, zero3_gather=gather))
+            out.append(row)
+            print(
+                f"{row['schedule']:<18}{row['zero_stage']:>3}/{row['zero3_gather']:<5}"
+                f"{row['state_bytes'] / 2**20:>10.1f}{row['temp_bytes'] / 2**20:>10.1f}"
+                f"{row['peak_bytes'] / 2**20:>10.1f}"
+                f"{row['dp_bytes'] / 2**20:>9.1f}{row['dp_exposed_bytes'] / 2**20:>9.1f}"
+            )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--gpu-target", default=None, help="also compile for this GPU target (e.g. h100)")
     args = parser.parse_args()
     rows = [measure({"dp": 8}, 1, None), measure({"dp": 8}, 3, None)]
     for stage, gather in ((1, None), (2, None), (3, "step"), (3, None)):  # None: the plan's default for the stage
@@ -120,8 +173,11 @@ def main() -> None:
             f"{r['dp_gather_bytes'] / 1024:>10.1f}{r['dp_reduce_bytes'] / 1024:>11.1f}"
             f"{r['pp_exchange_bytes'] / 1024:>12.1f}{r['compile_seconds']:>8.1f}s"
         )
+    gpu_rows = gpu_table(args.gpu_target) if args.gpu_target else []
     if args.json is not None:
-        zjax.write_json_atomic(args.json, {"model": CFG.__dict__, "rows": rows})
+        zjax.write_json_atomic(
+            args.json, {"model": CFG.__dict__, "rows": rows, "gpu_model": GPU_CFG.__dict__, "gpu_rows": gpu_rows}
+        )
         print(f"written to {args.json}")
 
 

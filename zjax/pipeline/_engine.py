@@ -86,6 +86,20 @@ def _permute(x: jax.Array, pairs: list[tuple[int, int]]) -> jax.Array:
     )(x)
 
 
+def _pick(w: jax.Array, index: jax.Array) -> jax.Array:
+    """``w[index[s], s]`` for every stage ``s`` (dim 1 of ``w`` split over ``pp``): one dynamic slice per stage,
+    in a region manual over ``pp``. (A ``vmap`` of ``dynamic_index_in_dim`` over the stages is a gather
+    whose transpose, a scatter, XLA:GPU rejects once the weights are also split over ``dp``: "Repeated
+    dimensions not allowed in scatter_dims_to_operand_dims", jax 0.10.2.)"""
+
+    def local(w: jax.Array, index: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_index_in_dim(w, index[0], 0, keepdims=False)
+
+    return jax.shard_map(local, in_specs=(P(None, PP), P(PP)), out_specs=P(PP), axis_names={PP}, check_vma=False)(
+        w, index
+    )
+
+
 def _where_stage(mask: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), a, b)
 
@@ -109,10 +123,7 @@ def _pipeline(
         if r_ == 1:
             return jax.tree.map(lambda w: w[0], stacked)
         repeat = jnp.clip((t - stage) // m_, 0, r_ - 1)
-        pick = jax.vmap(
-            lambda w, r: jax.lax.dynamic_index_in_dim(w, r, 0, keepdims=False), in_axes=(1, 0), spmd_axis_name=PP
-        )
-        return jax.tree.map(lambda w: pick(w, repeat), stacked)
+        return jax.tree.map(lambda w: _pick(w, repeat), stacked)
 
     def iteration(carry, t):
         shift, state_io, circ = carry
