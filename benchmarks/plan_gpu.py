@@ -60,9 +60,13 @@ def dtypes_by_kind(target: str | None) -> dict[str, dict[str, int]]:
     state = plan.abstract_state(
         lambda r: model.init(r, jnp.zeros((1, cfg.max_len), jnp.int32))["params"], optax.adamw(1e-4), jax.random.key(0)
     )
-    lowered = plan.train_step(lambda p, b: lm_loss(model, p, b)).lower(
-        state, jax.ShapeDtypeStruct((64, 2049), jnp.int32)
-    )
+    step = plan.train_step(lambda p, b: lm_loss(model, p, b))
+    batch = jax.ShapeDtypeStruct((64, 2049), jnp.int32)
+    if target:  # cuDNN attention is checked against the target, not this CPU (as the planner does)
+        with zjax.planner._gpu.cudnn_for_target(target):
+            lowered = step.lower(state, batch)
+    else:
+        lowered = step.lower(state, batch)
     text = lowered.compile().as_text() if target else partitioned_hlo(lowered)[1]
     pattern = r"= \(*(\w+)\[[^\n]*? (all-gather|reduce-scatter|all-reduce)(?:-start)?\("
     counts = Counter(f"{kind}:{dtype}" for dtype, kind in re.findall(pattern, text))

@@ -248,3 +248,27 @@ def test_stage3_overlap_preset_hides_the_per_layer_collectives(gpu_steps):
     layer = CFG.num_params / CFG.layers * 2
     assert default_report.temp_bytes < report.temp_bytes <= default_report.temp_bytes + 4 * layer
     assert zjax._overlap.compiler_options(0, "gpu", None, True) is None  # stages 0-2: XLA's defaults (measured)
+
+
+def test_a_step_over_the_targets_memory_marks_its_exposed_bytes():
+    """XLA:GPU's scheduler gives up overlap for a program that does not fit the device: the planner marks
+    those rows' exposed bytes instead of presenting them as what the step would expose."""
+    from zjax.planner._estimate import Estimate, Row
+    from zjax.planner._hlo import Communication
+
+    def row(total: int, memory: int | None) -> Row:
+        theory = {"params": 1, "optimizer": 1, "grads": 1, "total": 3}
+        compiled = {"state": total // 2, "temp": total // 2, "total": total, "host": 0}
+        comm = Communication(volume={"all-reduce": 10}, wire={"all-reduce": 20}, count={"all-reduce": 1})
+        return Row(0, "full", 1, theory, compiled, comm, 2.0, 1.0, backend="gpu", device_memory=memory)
+
+    fits, over = row(80, 100), row(120, 100)
+    assert not fits.over_memory and over.over_memory and not row(120, None).over_memory
+    assert over.to_dict()["over_device_memory"] is True
+    text = str(Estimate("m", 1, {"dp": 8}, "bf16", 8, (fits, over), "gpu", "NVIDIA H100"))
+    assert "exceeds the GPU's memory" in text
+    exposed = [line.split("|")[-1].split()[3] for line in text.splitlines()[-2:]]  # comm, x psi, wire, exposed
+    assert not exposed[0].endswith("*") and exposed[1].endswith("*")
+    assert "exceeds" not in str(Estimate("m", 1, {"dp": 8}, "bf16", 8, (fits,), "gpu", "NVIDIA H100"))
+    html = Estimate("m", 1, {"dp": 8}, "bf16", 8, (fits, over), "gpu", "NVIDIA H100")._repr_html_()
+    assert html.count(" *</td>") == 1 and "over the GPU memory" in html

@@ -8,10 +8,12 @@ bf16 + AdamW, dp=8, 16 x 256 tokens), with the planner's overlap reading of the 
   previous loop iteration. Pipelining both across the layer loop's iterations (the next layer's gather
   runs under this layer's matmuls; ZeRO-3's prefetch) exposes 0 bytes, for 0.6 MB more temporaries
   (one layer's gathered weights in flight: ZeRO-R's constant-size buffer).
-- Stages 0-2 are already fully overlapped by XLA's default latency-hiding scheduler (one gradient
-  reduction per step, after the backward pass's last use); pipelining there only added 3.4-8 MB of
-  temporaries, so they get no options. Pipelined all-reduce and while-loop double buffering changed
-  nothing hidden at any stage and cost temporaries.
+- Stages 0-2 are already fully overlapped by XLA's default latency-hiding scheduler; pipelining there
+  only added 3.4-8 MB of temporaries, so they get no options. Pipelined all-reduce and while-loop double
+  buffering changed nothing hidden at any stage and cost temporaries.
+- The scheduler schedules against the device's memory: a step that does not fit gets no overlap at all
+  (Llama-2-7B at stage 0 on 64 x H100, 108.6 GB: all 26.95 GB of its per-layer gradient all-reduces
+  exposed; the same step for 64 x H200: none). No option here changes that; the planner marks such rows.
 """
 
 from __future__ import annotations

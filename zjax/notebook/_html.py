@@ -108,7 +108,7 @@ def estimate_html(est: Any) -> str:
             _fmt(r.compiled["total"]),
             _fmt(r.comm.total_volume),
             f"{r.comm_psi:.2f}",
-            _fmt(r.comm.exposed_volume),
+            _fmt(r.comm.exposed_volume) + (" *" if r.over_memory else ""),
         ]  # fmt: skip
         for r in est.rows
     ]
@@ -117,4 +117,6 @@ def estimate_html(est: Any) -> str:
         f"{est.model}: {est.params:,} params on {_mesh_text(est.mesh)}, {est.precision}, global batch "
         f"{est.batch_size}; compiled by {compiler}; per device"
     )
+    if any(r.over_memory for r in est.rows):
+        caption += "; * over the GPU memory: the scheduler gives up overlap there, so a step that fits exposes less"
     return table(headers, rows, caption, numeric=tuple(range(4, 11)))
