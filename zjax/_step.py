@@ -374,7 +374,9 @@ class TrainStep(_CompiledFn):
         plan, mesh = self.plan, self.plan.mesh
         precision = plan.precision
         scale = state.loss_scale.scale
-        next_rng, step_rng = jax.random.split(state.rng)
+        # a loss without an ``rng`` argument leaves the key as it is: no split (XLA:CPU runs threefry as a
+        # loop, a measurable share of a small step)
+        next_rng, step_rng = jax.random.split(state.rng) if self._takes_rng else (state.rng, state.rng)
         if plan.reduce_dtype is not None and jax.tree.leaves(state.model_state):
             raise ValueError(
                 "Plan(reduce_dtype=...) does not support models with model state (batch statistics) yet; "
