@@ -118,5 +118,8 @@ def estimate_html(est: Any) -> str:
         f"{est.batch_size}; compiled by {compiler}; per device"
     )
     if any(r.over_memory for r in est.rows):
-        caption += "; * over the GPU memory: the scheduler gives up overlap there, so a step that fits exposes less"
+        caption += (
+            "; * over the memory the scheduler plans against: it gives up overlap there, so a step that fits "
+            "exposes less"
+        )
     return table(headers, rows, caption, numeric=tuple(range(4, 11)))
