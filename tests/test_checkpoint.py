@@ -461,6 +461,24 @@ def test_rng_is_saved_and_a_resumed_run_draws_the_same_keys(tmp_path):
     np.testing.assert_array_equal(jax.random.key_data(restored.rng), jax.random.key_data(state.rng))
 
 
+def test_a_loss_without_rng_leaves_the_key_alone():
+    """Only a loss that takes ``rng`` makes the step split ``state.rng``: otherwise the program draws no
+    key (XLA:CPU runs threefry as a loop) and the key stays as it was."""
+    init_fn, loss_fn = linen_mlp_task()
+    plan = zjax.Plan(zjax.make_mesh(dp=8), stage=1, precision="fp32")
+    state = plan.init(init_fn, optax.sgd(0.1), jax.random.key(0))
+    batch = plan.shard_batch(regression_batch(32))
+    plain = plan.train_step(loss_fn)
+    assert "threefry" not in plain.lower(state, batch).as_text()
+    with_rng = plan.train_step(lambda params, b, rng: loss_fn(params, b))
+    assert "threefry" in with_rng.lower(state, batch).as_text()
+    before = np.asarray(jax.random.key_data(state.rng))
+    state, _ = plain(state, batch)
+    np.testing.assert_array_equal(jax.random.key_data(state.rng), before)
+    state, _ = with_rng(state, batch)
+    assert not np.array_equal(jax.random.key_data(state.rng), before)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("delay", [0.0, 0.3])
 def test_two_processes_one_killed_mid_save_leaves_the_previous_step(tmp_path, delay):
