@@ -25,12 +25,15 @@ GPU_OVERLAP: dict[int, dict[str, Any]] = {
 }
 
 
-def compiler_options(stage_level: int, platform: str, pipeline: Any, enabled: bool) -> dict[str, Any] | None:
+def compiler_options(stage_level: int, platform: str, enabled: bool) -> dict[str, Any] | None:
     """The options for a step on ``platform`` at ``stage_level`` (None: XLA's defaults).
 
-    Only GPU compiles get them (real or deviceless); a pipelined plan keeps XLA's defaults (its layer
-    loop is the pipeline's, unmeasured with these options).
+    Only GPU compiles get them (real or deviceless). Pipelined plans get them too: with
+    ``zero3_gather="layer"`` each stage's layer scan gathers and reduce-scatters per layer like the model's
+    own scan (measured, 16-layer decoder on dp=2 x pp=4: GPipe M=4 exposes 0.6 MiB instead of 114.4 MiB of
+    dp collectives for 2.2 MiB more temporaries; circular R=4, M=8, 0.2 instead of 2.6 MiB for 2.5 MiB), and
+    ``"step"`` compiles to the same program with or without them.
     """
-    if not enabled or platform != "gpu" or pipeline is not None:
+    if not enabled or platform != "gpu":
         return None
     return dict(GPU_OVERLAP.get(stage_level, {})) or None

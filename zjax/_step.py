@@ -139,7 +139,7 @@ class _CompiledFn:
     def _compiler_options(self) -> dict[str, Any] | None:
         plan = self.plan
         platform = str(plan.mesh.devices.flat[0].platform)
-        return compiler_options(plan.stage.level, platform, plan.pipeline, plan.gpu_overlap)
+        return compiler_options(plan.stage.level, platform, plan.gpu_overlap)
 
     def _jit(self, state: TrainState, batch: Any):
         key = (jax.tree.structure(state), jax.tree.structure(batch))
