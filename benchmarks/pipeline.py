@@ -105,8 +105,7 @@ def measure_gpu(target: str, stage: int, pipeline: zjax.Pipeline, rows: int = 32
         pipeline=pipeline,
         target=target,
     ).rows
-    dp = {axes: v for axes, v in row.comm.by_axes.items() if axes == ("dp",)}
-    exposed = sum(v - row.comm.overlapped_by_axes.get(axes, 0) for axes, v in dp.items())
+    dp = row.comm.by_axes.get(("dp",), 0)
     mode = pipeline.for_stage(zjax.Stage.from_value(stage)).zero3_gather
     return {
         "target": target,
@@ -118,8 +117,8 @@ def measure_gpu(target: str, stage: int, pipeline: zjax.Pipeline, rows: int = 32
         "state_bytes": row.compiled["state"],
         "temp_bytes": row.compiled["temp"],
         "peak_bytes": row.compiled["total"],
-        "dp_bytes": sum(dp.values()),
-        "dp_exposed_bytes": exposed,
+        "dp_bytes": dp,
+        "dp_exposed_bytes": dp - row.comm.overlapped_by_axes.get(("dp",), 0),
     }
 
 

@@ -13,6 +13,7 @@ Needs the CUDA compiler plugin (pip install "zjax[plan-gpu]"); no GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import resource
 import time
@@ -62,10 +63,8 @@ def dtypes_by_kind(target: str | None) -> dict[str, dict[str, int]]:
     )
     step = plan.train_step(lambda p, b: lm_loss(model, p, b))
     batch = jax.ShapeDtypeStruct((64, 2049), jnp.int32)
-    if target:  # cuDNN attention is checked against the target, not this CPU (as the planner does)
-        with zjax.planner._gpu.cudnn_for_target(target):
-            lowered = step.lower(state, batch)
-    else:
+    # cuDNN attention is checked against the target, not this CPU (as the planner does)
+    with zjax.planner._gpu.cudnn_for_target(target) if target else contextlib.nullcontext():
         lowered = step.lower(state, batch)
     text = lowered.compile().as_text() if target else partitioned_hlo(lowered)[1]
     pattern = r"= \(*(\w+)\[[^\n]*? (all-gather|reduce-scatter|all-reduce)(?:-start)?\("

@@ -57,16 +57,16 @@ def test_budget_is_the_allocator_share_less_a_stated_reserve():
         budget("80%")
 
 
-def _compiled(stage: int, tx=None, rows: int = 16, **plan_kw):
-    mesh = zjax.make_mesh(dp=8, devices=gpu_devices("h100", 8))
-    model = Decoder(CFG)
+def _compiled(stage: int, tx=None, rows: int = 16, cfg=CFG, mesh_axes=None, seq=None, **plan_kw):
+    mesh = zjax.make_mesh(**(mesh_axes or {"dp": 8}), devices=gpu_devices("h100", 8))
+    model = Decoder(cfg)
     plan = zjax.Plan(mesh, stage=stage, precision="bf16", **plan_kw)
     tx = optax.adamw(1e-3) if tx is None else tx
     state = plan.abstract_state(
-        lambda r: model.init(r, jnp.zeros((1, CFG.max_len), jnp.int32))["params"], tx, jax.random.key(0)
+        lambda r: model.init(r, jnp.zeros((1, cfg.max_len), jnp.int32))["params"], tx, jax.random.key(0)
     )
     step = plan.train_step(lambda p, b: lm_loss(model, p, b))
-    batch = jax.ShapeDtypeStruct((rows, CFG.max_len + 1), jnp.int32)
+    batch = jax.ShapeDtypeStruct((rows, (seq or cfg.max_len) + 1), jnp.int32)
     with cudnn_for_target("h100"):  # what the planner does for a GPU target
         compiled = step.lower(state, batch).compile()
     return compiled, step.memory_report(state, batch, compiled=compiled), plan
@@ -279,21 +279,12 @@ def test_a_pipelined_stage3_plan_overlaps_its_per_layer_collectives():
     """With ``zero3_gather="layer"`` each stage's layer scan gathers and reduce-scatters per layer, as the
     model's own scan does without a pipeline: the stage-3 overlap options hide those collectives there too."""
     four = dataclasses.replace(CFG, layers=4)
-    model = Decoder(four)
-    mesh = zjax.make_mesh(dp=4, pp=2, devices=gpu_devices("h100", 8))
-    batch = jax.ShapeDtypeStruct((32, 9), jnp.int32)
 
     def dp_bytes(overlap: bool) -> tuple[int, int]:
-        plan = zjax.Plan(mesh, stage=3, precision="bf16", pipeline=zjax.Pipeline(4), gpu_overlap=overlap)
-        state = plan.abstract_state(
-            lambda r: model.init(r, jnp.zeros((1, four.max_len), jnp.int32))["params"],
-            optax.adamw(1e-3),
-            jax.random.key(0),
+        compiled, _, plan = _compiled(
+            3, rows=32, cfg=four, mesh_axes={"dp": 4, "pp": 2}, seq=8, pipeline=zjax.Pipeline(4), gpu_overlap=overlap
         )
-        step = plan.train_step(lambda p, b: lm_loss(model, p, b))
-        with cudnn_for_target("h100"):
-            compiled = step.lower(state, batch).compile()
-        comm = count_collectives(compiled.as_text(), dict(mesh.shape))
+        comm = count_collectives(compiled.as_text(), dict(plan.mesh.shape))
         total = comm.by_axes.get(("dp",), 0)
         return total, total - comm.overlapped_by_axes.get(("dp",), 0)
 
