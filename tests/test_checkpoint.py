@@ -479,6 +479,29 @@ def test_a_loss_without_rng_leaves_the_key_alone():
     assert not np.array_equal(jax.random.key_data(state.rng), before)
 
 
+@pytest.mark.parametrize("precision, reads", [("fp32", False), ("bf16", False), ("fp16", True)])
+def test_only_loss_scaling_reads_the_loss_scale(precision, reads):
+    """Without loss scaling the step multiplies by the constant 1, which XLA folds away; a runtime 1.0 from
+    the state would be one more operand in every gradient fusion (measured: +9-15% of a small fp32 step
+    on XLA:CPU). Only fp16's dynamic scaling reads ``state.loss_scale.scale``."""
+    init_fn, loss_fn = linen_mlp_task()
+    plan = zjax.Plan(zjax.make_mesh(dp=8), stage=0, precision=precision)
+    state = plan.init(init_fn, optax.adam(1e-3), jax.random.key(0))
+    batch = plan.shard_batch(regression_batch(32))
+    step = plan.train_step(loss_fn)
+    closed = jax.make_jaxpr(step._jit(state, batch))(state, batch)
+    (call,) = closed.jaxpr.eqns
+    inner = call.params["jaxpr"].jaxpr
+    leaves = jax.tree_util.tree_leaves((state, batch))
+    where = next(i for i, leaf in enumerate(leaves) if leaf is state.loss_scale.scale)
+    scale_var = inner.invars[where]
+    used = any(scale_var in eqn.invars for eqn in inner.eqns)
+    assert used == reads
+    if not reads:  # the constant 1 reaches the metrics too
+        _, metrics = step(state, batch)
+        assert float(metrics["loss_scale"]) == 1.0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("delay", [0.0, 0.3])
 def test_two_processes_one_killed_mid_save_leaves_the_previous_step(tmp_path, delay):
