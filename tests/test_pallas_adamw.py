@@ -158,7 +158,7 @@ def test_bad_implementation_name():
         fused_adamw(1e-3, implementation="cuda")
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 3])
 def test_plan_trains_with_fused_adamw_like_optax(stage):
     data = [regression_batch(seed=i) for i in range(5)]
     mesh = zjax.make_mesh(dp=4, tp=2)

@@ -110,6 +110,7 @@ def zjax_plan(*flags: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
+@pytest.mark.slow  # a CLI run with four compiles; the CLI's argument errors run in the fast suite
 def test_cli_budget_picks_a_config_that_fits(tmp_path):
     out = tmp_path / "fit.json"
     # stage 0 without remat needs ~6.8 MB here; the search moves on to the next-cheapest, stage 0 + full remat

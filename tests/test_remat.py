@@ -129,6 +129,7 @@ def stage3_temp(layers: int, scan: bool) -> tuple[int, int]:
     return report.temp_bytes, report.theory["gradients"]
 
 
+@pytest.mark.slow
 def test_stage3_liveness_scanned_is_flat_unrolled_grows():
     """Scanned layers + full remat gather one layer at a time; unrolled layers keep every gathered layer alive.
 
