@@ -94,10 +94,12 @@ def measure(
     }
 
 
-def measure_gpu(target: str, stage: int, pipeline: zjax.Pipeline, rows: int = 32, seq: int = 8) -> dict:
+def measure_gpu(
+    target: str, stage: int, pipeline: zjax.Pipeline, rows: int = 32, seq: int = 8, cfg: DecoderConfig = GPU_CFG
+) -> dict:
     """One row on the GPU compiler: the planner's deviceless XLA:GPU compile of the train step."""
     (row,) = zjax.planner.estimate(
-        GPU_CFG,
+        cfg,
         mesh={"dp": 2, "pp": 4},
         stages=(stage,),
         batch_size=rows,
@@ -109,6 +111,7 @@ def measure_gpu(target: str, stage: int, pipeline: zjax.Pipeline, rows: int = 32
     mode = pipeline.for_stage(zjax.Stage.from_value(stage)).zero3_gather
     return {
         "target": target,
+        "layers": cfg.layers,
         "batch": [rows, seq],
         "zero_stage": stage,
         "zero3_gather": mode,
@@ -124,15 +127,21 @@ def measure_gpu(target: str, stage: int, pipeline: zjax.Pipeline, rows: int = 32
 
 def gpu_table(target: str) -> list[dict]:
     out = []
-    head = f"decoder {GPU_CFG.layers} layers, {GPU_CFG.num_params:,} params, dp=2 x pp=4, bf16 + AdamW"
+    deep = dataclasses.replace(GPU_CFG, layers=32)  # eight repeats of one layer per stage
+    head = f"decoder width {GPU_CFG.embed}, {GPU_CFG.num_params:,} params at 16 layers, dp=2 x pp=4, bf16 + AdamW"
     print(f"\nXLA:GPU for {target} (deviceless): {head}")
-    print(f"{'schedule':<18}{'zero':>8}{'state MiB':>11}{'temp MiB':>10}{'peak MiB':>10}{'dp MiB':>9}{'exposed':>9}")
-    for m, r in ((4, 1), (8, 4)):
-        for stage, gather in ((1, None), (3, "step"), (3, None)):
-            row = measure_gpu(target, stage, zjax.Pipeline(m, repeats=r, zero3_gather=gather))
+    print(
+        f"{'layers':>6} {'schedule':<18}{'zero':>8}{'state MiB':>11}{'temp MiB':>10}{'peak MiB':>10}{'dp MiB':>9}"
+        f"{'exposed':>9}"
+    )
+    for cfg, m, r in ((GPU_CFG, 4, 1), (GPU_CFG, 8, 4), (deep, 8, 8)):
+        for stage, gather in ((1, None), (3, "step"), (3, None), (3, "chunk")):
+            if r == 1 and gather == "chunk":
+                continue  # GPipe has one chunk per stage: "chunk" is "step" with a second gather
+            row = measure_gpu(target, stage, zjax.Pipeline(m, repeats=r, zero3_gather=gather), cfg=cfg)
             out.append(row)
             print(
-                f"{row['schedule']:<18}{row['zero_stage']:>3}/{row['zero3_gather']:<5}"
+                f"{cfg.layers:>6} {row['schedule']:<18}{row['zero_stage']:>3}/{row['zero3_gather']:<5}"
                 f"{row['state_bytes'] / 2**20:>10.1f}{row['temp_bytes'] / 2**20:>10.1f}"
                 f"{row['peak_bytes'] / 2**20:>10.1f}"
                 f"{row['dp_bytes'] / 2**20:>9.1f}{row['dp_exposed_bytes'] / 2**20:>9.1f}"

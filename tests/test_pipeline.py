@@ -101,6 +101,46 @@ def test_per_use_gathering_matches_the_sequential_model(mesh_name, schedule):
     check_engine(mesh_name, cfg, spec=P("pp", "dp"))
 
 
+@pytest.mark.parametrize(
+    ("mesh_name", "microbatches", "repeats"),
+    [("dp2_tp2_pp2", 4, 4),  # phases 1 .. R-2 in their scan, tp inside the stages
+     *[pytest.param(m, mb, r, marks=pytest.mark.slow)
+       for m, mb, r in [("dp2_pp4", 4, 1), ("dp2_pp4", 4, 2), ("dp2_pp4", 8, 2), ("dp2_tp2_pp2", 2, 4),
+                        ("dp2_tp2_pp2", 2, 1)]]],
+)  # fmt: skip
+def test_chunk_gathering_matches_the_sequential_model(mesh_name, microbatches, repeats):
+    """zero3_gather="chunk" (its own backward pass): the same loss, output and gradients as the sequential
+    model, for GPipe (one chunk), two repeats (no middle phases) and four."""
+    cfg = Pipeline(microbatches, repeats=repeats, zero3_gather="chunk")
+    check_engine(mesh_name, cfg, spec=P("pp", "dp"))
+
+
+def test_chunk_gathering_moves_zero3s_3_psi():
+    """zero3_gather="chunk" gathers every weight over dp twice (forward, backward) and reduce-scatters its
+    gradient once, all outside the pipeline's loops: ZeRO-3's 3 psi. "step" gathers once; "layer" gathers
+    inside the loop, per iteration."""
+    mesh = zjax.make_mesh(**MESHES["dp2_pp4"])
+    w, x = weights_and_input()
+    stage_bytes = sum(a.nbytes for a in jax.tree.leaves(w)) // 4  # one stage's weights, whole (fp32)
+    moved = {}
+    for mode in ("step", "layer", "chunk"):
+        with jax.set_mesh(mesh):
+            ws = jax.device_put(w, NamedSharding(mesh, P("pp", "dp")))
+            xs = jax.device_put(x, NamedSharding(mesh, P("dp")))
+            grad_fn = jax.value_and_grad(pipelined(Pipeline(8, repeats=2, zero3_gather=mode)), has_aux=True)
+            lowered = jax.jit(grad_fn, out_shardings=(None, NamedSharding(mesh, P("pp", "dp")))).lower(ws, xs)
+        _, hlo = partitioned_hlo(lowered)
+        shape = dict(mesh.shape)
+        moved[mode] = {}
+        for c in collectives(hlo):
+            if "dp" in spanned_axes(c.groups, shape) and c.kind != "all-reduce":  # (the loss's scalar mean)
+                key = (c.kind, c.in_loop)
+                moved[mode][key] = moved[mode].get(key, 0) + c.volume * c.trips
+    assert moved["step"] == {("all-gather", False): stage_bytes, ("reduce-scatter", False): stage_bytes}
+    assert moved["chunk"] == {("all-gather", False): 2 * stage_bytes, ("reduce-scatter", False): stage_bytes}
+    assert moved["layer"].get(("all-gather", True), 0) > 8 * stage_bytes
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "circular_m_2s"])
 def test_nan_in_bubble_slots_changes_nothing(schedule):
     """Every carry slot that is not real work starts as NaN: loss, output and gradients are unchanged."""
@@ -450,11 +490,15 @@ def test_config_errors():
         zjax.Plan(mesh, stage=1, pipeline=Pipeline(6))
     with pytest.raises(ValueError, match="repeats=0 must be a positive int"):
         Pipeline(4, repeats=0)
-    with pytest.raises(ValueError, match=r"zero3_gather='all' is not a gathering mode; use one of \('step', 'layer'\)"):
+    with pytest.raises(ValueError, match=r"zero3_gather='all' is not a gathering mode; use one of \('step', 'layer'"):
         Pipeline(4, zero3_gather="all")
     for stage in (0, 1):
         with pytest.raises(ValueError, match=rf"zero3_gather='layer' .* stage={stage} keeps whole gradients"):
             zjax.Plan(mesh, stage=stage, pipeline=Pipeline(4, zero3_gather="layer"))
+    for stage in (1, 2):  # chunk by chunk needs weights split over dp
+        with pytest.raises(ValueError, match=rf"zero3_gather='chunk' .* stage={stage} keeps whole weights"):
+            zjax.Plan(mesh, stage=stage, pipeline=Pipeline(4, zero3_gather="chunk"))
+    assert zjax.Plan(mesh, stage=3, pipeline=Pipeline(4, zero3_gather="chunk")).pipeline.zero3_gather == "chunk"
     # the default gathering mode is settled by the plan: per use where gradients are split over dp
     modes = {stage: zjax.Plan(mesh, stage=stage, pipeline=Pipeline(4)).pipeline.zero3_gather for stage in range(4)}
     assert modes == {0: "step", 1: "step", 2: "layer", 3: "layer"}

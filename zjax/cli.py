@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from ._jsonfile import write_json_atomic
+from .pipeline._config import GATHER_MODES
 
 
 def parse_bytes(text: str) -> float:
@@ -119,9 +120,10 @@ def _plan_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=1, help="pipeline repeats (1 = GPipe, > 1 = circular)")
     p.add_argument(
         "--zero3-gather",
-        choices=("step", "layer"),
+        choices=GATHER_MODES,
         default=None,
-        help="pipeline at stages 2-3: weights gathered once per step, or per use (default: layer at 2-3, step below)",
+        help="pipeline at stages 2-3: weights gathered once per step, per use, or per repeat's chunk (stage 3) "
+        "(default: layer at 2-3, step below)",
     )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None, help="PNG bar chart of memory by category")

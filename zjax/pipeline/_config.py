@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-GATHER_MODES = ("step", "layer")
-"""How dp-split weights meet the pipeline: once per step, or per use inside the loop (see ``Pipeline``)."""
+GATHER_MODES = ("step", "layer", "chunk")
+"""How dp-split weights meet the pipeline: once per step, per use inside the loop, or per repeat's chunk
+(see ``Pipeline``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +33,13 @@ class Pipeline:
         into a ``dp``-split accumulator, per iteration (stage 2's weights are whole: only the gradient
         reduction moves into the loop). Whole weights then live for one layer, and the memory
         promise of stages 2 and 3 holds under a pipeline, at ``dp`` traffic that grows with the
-        iterations (``benchmarks/pipeline.py``). ``None`` (the default): the plan picks ``"layer"``
-        at stages 2 and 3, ``"step"`` below; ``"layer"`` is refused at stages 0 and 1.
+        iterations (``benchmarks/pipeline.py``). ``"chunk"`` (stage 3): split over ``dp`` through the
+        loop, which runs in R phases of M iterations; each repeat's chunk is gathered once forward and
+        once backward (two chunks whole at a time) and its gradient reduce-scattered once, when both
+        phases that use it are done: ZeRO-3's 3 psi, with the memory of about ten whole chunks, so it
+        pays with many repeats (a chunk of one or two layers). ``None`` (the default): the plan picks
+        ``"layer"`` at stages 2 and 3, ``"step"`` below; ``"layer"`` is refused at stages 0 and 1,
+        ``"chunk"`` below stage 3.
       remat: rematerialize each iteration in the backward pass, saving only its input.
       unroll: unroll the loop (for FLOP accounting: compiled cost analysis counts a loop body once;
         unrolled programs grow with M, so never for training).
@@ -63,7 +69,7 @@ class Pipeline:
         whole weights and gradients on every rank anyway).
 
         Raises:
-          ValueError: ``"layer"`` at stage 0 or 1.
+          ValueError: ``"layer"`` at stage 0 or 1; ``"chunk"`` below stage 3.
         """
         if self.zero3_gather is None:
             return dataclasses.replace(self, zero3_gather="layer" if stage.shard_gradients else "step")
@@ -73,6 +79,11 @@ class Pipeline:
                 f"but stage={stage.level} keeps whole gradients on every dp rank: their reduction over dp would "
                 f"only move inside the loop, once per iteration, and save no memory. Use stage 2 or 3, or "
                 f"zero3_gather='step'."
+            )
+        if self.zero3_gather == "chunk" and not stage.shard_parameters:
+            raise ValueError(
+                f"Pipeline: zero3_gather='chunk' gathers weights split over dp chunk by chunk, but stage={stage.level} "
+                f"keeps whole weights on every dp rank. Use stage 3, or zero3_gather='layer' (stage 2) or 'step'."
             )
         return self
 

@@ -17,6 +17,9 @@ Design (measured on CPU, see the README's pipeline section):
   with ``zero3_gather="layer"`` (the plan's default at stages 2 and 3) weights and gradients stay
   split over ``dp`` (the region then covers the other data axes only): a stage that scans its layers
   (:func:`scan_layers`) gathers one layer at a time inside the loop and reduce-scatters its gradient.
+  With ``zero3_gather="chunk"`` the region covers every data axis and the weights enter split over
+  ``dp``: :func:`_chunked` gathers each repeat's chunk once forward and once backward and
+  reduce-scatters its gradient once (its own backward pass).
 - Stream io: the local batch ``[B, ...]`` is split over ``pp`` and read as ``[S, K, mb, ...]``
   (K = M / S); stage 0 takes microbatch ``t`` from column ``t % K``, which is shifted one stage
   left each visit while the last stage writes its outputs there. No collective at the boundary.
@@ -42,6 +45,8 @@ from jax.sharding import PartitionSpec as P
 
 from ..remat import RematPolicy
 from ..sharding._axes import DATA_AXES, DP, PP
+from ..sharding._mesh import mesh_platform
+from ..stages._placement import add_axis
 from ._config import Pipeline
 
 ITERATION_INPUT = "iteration_input"
@@ -104,54 +109,219 @@ def _where_stage(mask: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), a, b)
 
 
+class _Loop:
+    """One schedule's loop pieces: the initial carry, the iteration, and the final column order.
+
+    The carry is ``(shift, state_io, circ)``; ``weights(t)`` gives every stage's weights for iteration
+    ``t`` (leaves ``[S, Lps, ...]``). :func:`_pipeline` runs all iterations with weights picked from the
+    stacked chunks; :func:`_chunked` runs them in phases of ``M`` with each phase's chunks gathered.
+    """
+
+    def __init__(self, stage_fn: Callable, cfg: Pipeline, stages: int, fill: float, rows: Any) -> None:
+        self.stage_fn, self.cfg, self.s, self.fill, self.rows = stage_fn, cfg, stages, fill, rows
+        self.m, self.r = cfg.microbatches, cfg.repeats
+        self.k = self.m // stages
+
+    @property
+    def stage(self) -> jax.Array:
+        return jnp.arange(self.s)  # made where it is used (a custom_vjp's rules must not close over tracers)
+
+    def init(self, state_io: jax.Array) -> tuple:
+        s_, m_, rows = self.s, self.m, self.rows
+        mb, rest = state_io.shape[2], state_io.shape[3:]
+        wsc = jax.lax.with_sharding_constraint
+        state_io = wsc(state_io, P(PP, None, rows))
+        shift = wsc(jnp.full((s_, mb, *rest), self.fill, state_io.dtype), P(PP, rows))
+        circ = wsc(jnp.full((s_, m_, mb, *rest), self.fill, state_io.dtype), P(PP, None, rows)) if self.r > 1 else None
+        return shift, state_io, circ
+
+    def repeat(self, t: jax.Array) -> jax.Array:
+        """The repeat (chunk) each stage applies at iteration ``t``."""
+        return jnp.clip((t - self.stage) // self.m, 0, self.r - 1)
+
+    def run(self, weights: Callable[[jax.Array], Any], carry: tuple, steps: jax.Array) -> tuple:
+        s_, m_, r_, k_ = self.s, self.m, self.r, self.k
+        stage = self.stage
+        ring = [(i, (i + 1) % s_) for i in range(s_)] if r_ > 1 else [(i, i + 1) for i in range(s_ - 1)]
+        left = [(i, i - 1) for i in range(1, s_)]
+
+        def iteration(carry, t):
+            shift, state_io, circ = carry
+            column = t % k_
+            fresh = jax.lax.dynamic_index_in_dim(state_io, column, 1, keepdims=False)
+            first = fresh
+            if circ is not None:
+                # the ring brought the last stage's output of microbatch (t - S) % M to stage 0: keep it
+                # until stage 0 takes that microbatch again, M - S iterations later
+                circ = jax.lax.dynamic_update_index_in_dim(circ, shift, (t - s_) % m_, 1)
+                first = jnp.where(t < m_, fresh, jax.lax.dynamic_index_in_dim(circ, t % m_, 1, keepdims=False))
+            inputs = _where_stage(stage == 0, first, shift)
+            work = t - stage  # the (repeat, microbatch) item each stage works on, if any
+            inputs = _where_stage((work >= 0) & (work < m_ * r_), inputs, jnp.zeros_like(inputs))
+            inputs = checkpoint_name(inputs, ITERATION_INPUT)
+            with nn.logical_axis_rules(()):  # the model's activation constraints do not apply per stage
+                out = jax.vmap(self.stage_fn, spmd_axis_name=PP)(weights(t), inputs)
+            new_shift = _permute(out, ring)
+            column_next = _where_stage(stage == s_ - 1, out, _permute(fresh, left))
+            state_io = jax.lax.dynamic_update_index_in_dim(state_io, column_next, column, 1)
+            return (new_shift, state_io, circ), None
+
+        if self.cfg.remat:
+            policy = jax.checkpoint_policies.save_only_these_names(ITERATION_INPUT)
+            iteration = jax.checkpoint(iteration, policy=policy, prevent_cse=False)
+        carry, _ = jax.lax.scan(iteration, carry, steps, unroll=self.cfg.unroll)
+        return carry
+
+    def finish(self, state_io: jax.Array) -> jax.Array:
+        return jnp.roll(state_io, -(((self.r - 1) * self.m + self.s - 1) % self.k), axis=1)
+
+
 def _pipeline(
     stage_fn: Callable, stacked: Any, state_io: jax.Array, cfg: Pipeline, stages: int, fill: float, rows: Any
 ) -> jax.Array:
     """The pipeline on microbatches ``state_io[S, K, mb, ...]`` (S over ``pp``, mb over ``rows``)."""
-    s_, m_, r_ = stages, cfg.microbatches, cfg.repeats
-    k_ = m_ // s_
-    mb, rest = state_io.shape[2], state_io.shape[3:]
-    wsc = jax.lax.with_sharding_constraint
-    state_io = wsc(state_io, P(PP, None, rows))
-    shift = wsc(jnp.full((s_, mb, *rest), fill, state_io.dtype), P(PP, rows))
-    circ = wsc(jnp.full((s_, m_, mb, *rest), fill, state_io.dtype), P(PP, None, rows)) if r_ > 1 else None
-    stage = jnp.arange(s_)
-    ring = [(i, (i + 1) % s_) for i in range(s_)] if r_ > 1 else [(i, i + 1) for i in range(s_ - 1)]
-    left = [(i, i - 1) for i in range(1, s_)]
+    loop = _Loop(stage_fn, cfg, stages, fill, rows)
 
     def weights(t: jax.Array) -> Any:
-        if r_ == 1:
+        if loop.r == 1:
             return jax.tree.map(lambda w: w[0], stacked)
-        repeat = jnp.clip((t - stage) // m_, 0, r_ - 1)
-        return jax.tree.map(lambda w: _pick(w, repeat), stacked)
+        return jax.tree.map(lambda w: _pick(w, loop.repeat(t)), stacked)
 
-    def iteration(carry, t):
-        shift, state_io, circ = carry
-        column = t % k_
-        fresh = jax.lax.dynamic_index_in_dim(state_io, column, 1, keepdims=False)
-        first = fresh
-        if circ is not None:
-            # the ring brought the last stage's output of microbatch (t - S) % M to stage 0: keep it
-            # until stage 0 takes that microbatch again, M - S iterations later
-            circ = jax.lax.dynamic_update_index_in_dim(circ, shift, (t - s_) % m_, 1)
-            first = jnp.where(t < m_, fresh, jax.lax.dynamic_index_in_dim(circ, t % m_, 1, keepdims=False))
-        inputs = _where_stage(stage == 0, first, shift)
-        work = t - stage  # the (repeat, microbatch) item each stage works on, if any
-        inputs = _where_stage((work >= 0) & (work < m_ * r_), inputs, jnp.zeros_like(inputs))
-        inputs = checkpoint_name(inputs, ITERATION_INPUT)
-        with nn.logical_axis_rules(()):  # the model's activation constraints do not apply per stage
-            out = jax.vmap(stage_fn, spmd_axis_name=PP)(weights(t), inputs)
-        new_shift = _permute(out, ring)
-        column_next = _where_stage(stage == s_ - 1, out, _permute(fresh, left))
-        state_io = jax.lax.dynamic_update_index_in_dim(state_io, column_next, column, 1)
-        return (new_shift, state_io, circ), None
+    _, state_io, _ = loop.run(weights, loop.init(state_io), jnp.arange(cfg.iterations(stages)))
+    return loop.finish(state_io)
 
-    if cfg.remat:
-        policy = jax.checkpoint_policies.save_only_these_names(ITERATION_INPUT)
-        iteration = jax.checkpoint(iteration, policy=policy, prevent_cse=False)
-    steps = jnp.arange(cfg.iterations(s_))
-    (_, state_io, _), _ = jax.lax.scan(iteration, (shift, state_io, circ), steps, unroll=cfg.unroll)
-    return jnp.roll(state_io, -(((r_ - 1) * m_ + s_ - 1) % k_), axis=1)
+
+def _per_stage(collective: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+    """Run a ``dp`` collective on a chunk ``[S, ...]`` stage by stage, in a region manual over ``pp`` too: in
+    one manual over the data axes only, GSPMD first replicates the operand over ``pp`` (4x the bytes at
+    pp=4)."""
+    return jax.shard_map(collective, in_specs=P(PP), out_specs=P(PP), axis_names={PP}, check_vma=False)(x)
+
+
+def _chunked(
+    stage_fn: Callable, stacked: Any, state_io: jax.Array, cfg: Pipeline, stages: int, fill: float,
+    dims: list[int | None],
+) -> jax.Array:  # fmt: skip
+    """``zero3_gather="chunk"``: the pipeline with each repeat's chunk gathered over ``dp`` once forward and
+    once backward, and its gradient reduce-scattered once (ZeRO-3's 3 psi), inside a region manual over the
+    data axes.
+
+    ``stacked`` holds this rank's ``dp`` shards ``[R, S, Lps, ...]`` (``dims``: the dim split over ``dp``
+    per leaf in ``jax.tree.leaves`` order, ``None`` if whole). The loop runs in R phases of M iterations
+    (the last takes the S - 1 draining ones too); in phase p every stage applies chunk p or, not yet
+    there, chunk p - 1, so a phase needs two gathered chunks and hands the newer one on to the next
+    phase. Forward saves the carry at each phase's start; backward walks the phases in reverse, gathers
+    each chunk once more, recomputes the phase (its own iteration remat) under ``jax.vjp``, sums chunk p's
+    gradient over the two phases that used it and reduce-scatters it once.
+    """
+    loop = _Loop(stage_fn, cfg, stages, fill, None)
+    m_, r_ = loop.m, loop.r
+
+    treedef = jax.tree.structure(stacked)
+
+    def gather(stacked: Any, p: Any, after: Any) -> Any:
+        """Chunk p, whole (leaves ``[S, Lps, ...]``), gathered no earlier than ``after`` is computed: the
+        scheduler may otherwise gather every chunk at the start (all of them live: "step" mode's memory)."""
+        _, stacked = jax.lax.optimization_barrier((after, jax.tree.map(lambda w: w[p], stacked)))
+
+        def one(w: jax.Array, d: int | None) -> jax.Array:
+            if d is None:
+                return w
+            return _per_stage(lambda x: jax.lax.all_gather(x, DP, axis=d - 1, tiled=True), w)  # noqa: B023
+
+        return jax.tree.unflatten(treedef, [one(w, d) for w, d in zip(jax.tree.leaves(stacked), dims, strict=True)])
+
+    # XLA:CPU aborts on 16-bit reductions in a region manual over some axes ("Invalid binary instruction
+    # opcode copy", jax 0.10.2); it widens them to fp32 anyway. GPUs reduce in the gradients' dtype.
+    widen = mesh_platform() == "cpu"
+
+    def scatter(grads: Any) -> Any:  # a chunk's gradient, summed over dp into this rank's shard
+        def one(g: jax.Array, d: int | None) -> jax.Array:
+            if d is None:
+                return g
+            wide = widen and jnp.finfo(g.dtype).bits < 32
+            out = _per_stage(
+                lambda x: jax.lax.psum_scatter(x, DP, scatter_dimension=d - 1, tiled=True),  # noqa: B023
+                g.astype(jnp.float32) if wide else g,
+            )
+            return out.astype(g.dtype)
+
+        return jax.tree.unflatten(treedef, [one(g, d) for g, d in zip(jax.tree.leaves(grads), dims, strict=True)])
+
+    def phase(prev: Any, cur: Any, carry: tuple, p: Any, length: int) -> tuple:
+        """Iterations ``p*M .. p*M + length - 1``: stages past phase p's start apply ``cur``, others ``prev``."""
+
+        def weights(t: jax.Array) -> Any:
+            if prev is None:
+                return cur
+            newer = loop.repeat(t) == p
+            return jax.tree.map(lambda a, b: _where_stage(newer, a, b), cur, prev)
+
+        return loop.run(weights, carry, p * m_ + jnp.arange(length))
+
+    last = m_ + stages - 1  # the last phase also drains the pipeline
+
+    def vjp(prev: Any, cur: Any, start: tuple, p: Any, length: int, dcarry: tuple) -> tuple:
+        _, pull = jax.vjp(lambda a, b, c: phase(a, b, c, p, length), prev, cur, start)
+        return pull(dcarry)
+
+    def stack(*trees: Any) -> Any:  # per-chunk gradients (leading dim 1 or n) -> [R, ...]
+        return jax.tree.map(lambda *xs: jnp.concatenate(xs), *trees)
+
+    # Phases 1 .. R-2 run as one lax.scan (their work is alike): the program does not grow with R, and
+    # each phase's gathered chunks and gradient accumulators are made inside the loop body, so only one
+    # phase's are ever live (as separate phases XLA made every phase's zero accumulators at once).
+    middle = lambda: jnp.arange(1, r_ - 1)  # noqa: E731 - made inside each rule (no closed-over tracers)
+
+    @jax.custom_vjp
+    def run(stacked: Any, io: jax.Array) -> jax.Array:
+        return fwd(stacked, io)[0]
+
+    def fwd(stacked: Any, io: jax.Array) -> tuple:
+        first = loop.init(io)
+        cur = gather(stacked, 0, first)
+        if r_ == 1:
+            return phase(None, cur, first, 0, last)[1], (stacked, first, None, None)
+
+        def body(state: tuple, p: jax.Array) -> tuple:
+            carry, cur = state
+            prev, cur = cur, gather(stacked, p, carry)
+            return (phase(prev, cur, carry, p, m_), cur), carry
+
+        starts: Any
+        (start, cur), starts = jax.lax.scan(body, (phase(None, cur, first, 0, m_), cur), middle())
+        out = phase(cur, gather(stacked, r_ - 1, start), start, r_ - 1, last)
+        return out[1], (stacked, first, starts, start)
+
+    def bwd(res: tuple, g: jax.Array) -> tuple:
+        stacked, first, starts, start = res
+        zeros = jax.tree.map(jnp.zeros_like, first)
+        dcarry = (zeros[0], g, zeros[2])
+        cur = gather(stacked, r_ - 1, dcarry)
+        if r_ == 1:
+            _, dcur, dcarry = vjp(None, cur, first, 0, last, dcarry)
+            return stack(jax.tree.map(lambda x: x[None], scatter(dcur))), dcarry[1]
+        prev = gather(stacked, r_ - 2, dcarry)
+        dprev, dcur, dcarry = vjp(prev, cur, start, r_ - 1, last, dcarry)
+        tail = scatter(dcur)  # chunk R-1 is complete: only the last phase used it
+
+        def body(state: tuple, xs: tuple) -> tuple:
+            cur, dcur, dcarry = state
+            p, start = xs
+            prev = gather(stacked, p - 1, dcarry)
+            dprev, dc, dcarry = vjp(prev, cur, start, p, m_, dcarry)
+            # chunk p is complete: phases p + 1 and p were its only users
+            return (prev, dprev, dcarry), scatter(jax.tree.map(jnp.add, dcur, dc))
+
+        mids: Any
+        (cur, dcur, dcarry), mids = jax.lax.scan(body, (prev, dprev, dcarry), (middle(), starts), reverse=True)
+        _, dc, dcarry = vjp(None, cur, first, 0, m_, dcarry)
+        head = scatter(jax.tree.map(jnp.add, dcur, dc))
+        lead = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
+        return stack(lead(head), mids, lead(tail)), dcarry[1]
+
+    run.defvjp(fwd, bwd)
+    return loop.finish(run(stacked, state_io))
 
 
 def scan_layers(
@@ -254,12 +424,14 @@ def apply(
 
     if not region:
         return run(stacked, x)
+    free = P.UNCONSTRAINED
+    if cfg.zero3_gather == "chunk" and DP in region:
+        return _enter_chunked(stage_fn, layers, stacked, x, cfg, stages, _bubble_fill, region, sizes)
     # Every rank of the region gets its own copy of the weights on a leading dim (a broadcast: no data
     # moves, except ZeRO-3's all-gather in "step" mode); their gradient is summed over that dim outside
     # the region, so it is reduced over those axes once per step, not per layer per iteration inside
     # the loop. (Entering as P() and letting shard_map psum the cotangent does the same, but that
     # psum's reducer carries a sharding constraint on which XLA:CPU's bf16 all-reduce promotion aborts.)
-    free = P.UNCONSTRAINED
     copies = math.prod(sizes[a] for a in region)
 
     def per_rank(w: jax.Array) -> jax.Array:
@@ -273,3 +445,58 @@ def apply(
         axis_names=set(region),
         check_vma=False,
     )(jax.tree.map(per_rank, stacked), x)
+
+
+def _dp_dim(shape: tuple[int, ...], sizes: dict[str, int]) -> int | None:
+    """The dim of a layer weight ``[L, ...]`` that ZeRO-3 splits over ``dp`` (the rule of
+    :func:`zjax.stages.add_axis` on the stage layout ``P("pp")``), or ``None`` if it stays whole there."""
+    spec, reason = add_axis(P(PP), shape, DP, sizes)
+    if reason is not None:
+        return None
+    dims = [d for d, e in enumerate(spec) if e == DP]
+    return dims[0] if dims and dims[0] > 0 else None
+
+
+def _enter_chunked(
+    stage_fn: Callable, layers: Any, stacked: Any, x: jax.Array, cfg: Pipeline, stages: int, fill: float,
+    region: tuple[str, ...], sizes: dict[str, int],
+) -> jax.Array:  # fmt: skip
+    """``zero3_gather="chunk"``: the region is manual over every data axis; weights enter as this rank's
+    ``dp`` shard (one copy per rank of the other data axes on a leading dim, summed outside like "step"
+    mode's), and :func:`_chunked` gathers and reduce-scatters them per chunk. A weight the layout leaves
+    whole over ``dp`` enters like "step" mode's."""
+    other = tuple(a for a in region if a != DP)
+    free = P.UNCONSTRAINED
+    leaves, treedef = jax.tree.flatten(stacked)
+    # dp's dim per leaf in the [R, S, Lps, ...] view: the natural [L, ...] dim d is dim d + 2 there
+    dims = [None if (d := _dp_dim(w.shape, sizes)) is None else d + 2 for w in jax.tree.leaves(layers)]
+
+    def spec(ndim: int, d: int | None) -> P:  # of the entered leaf [copies, R, S, Lps, ...]
+        if d is None:
+            return P(region)
+        entries: list[Any] = [other or None] + [None] * ndim
+        entries[d + 1] = DP
+        return P(*entries)
+
+    def enter(w: jax.Array, d: int | None) -> jax.Array:
+        copies = math.prod(sizes[a] for a in (region if d is None else other))
+        w = jnp.broadcast_to(w[None], (copies, *w.shape))
+        entries = list(spec(w.ndim - 1, d)) + [None] * w.ndim
+        return jax.lax.with_sharding_constraint(w, P(*[free if e is None else e for e in entries[: w.ndim]]))
+
+    specs = jax.tree.unflatten(treedef, [spec(w.ndim, d) for w, d in zip(leaves, dims, strict=True)])
+    entered = jax.tree.unflatten(treedef, [enter(w, d) for w, d in zip(leaves, dims, strict=True)])
+    s_, k_, rest = stages, cfg.microbatches // stages, x.shape[1:]
+
+    def local(w: Any, h: jax.Array) -> jax.Array:
+        w = jax.tree.map(lambda a: a[0], w)
+        io = _chunked(stage_fn, w, h.reshape(s_, k_, -1, *rest), cfg, stages, fill, dims)
+        return io.reshape(h.shape)
+
+    return jax.shard_map(
+        local,
+        in_specs=(specs, P(region)),
+        out_specs=P(region),
+        axis_names=set(region),
+        check_vma=False,
+    )(entered, x)
