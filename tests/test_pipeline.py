@@ -263,16 +263,16 @@ def test_a_circular_checkpoint_restores_into_any_plan_and_computes_the_same_func
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", list(MESHES))
-@pytest.mark.parametrize(("stage", "gather"), [(1, "step"), (2, "step"), (3, "step"), (3, "layer")])
+@pytest.mark.parametrize(("stage", "gather"), [(1, "step"), (2, "step"), (3, "step"), (3, "layer"), (3, "chunk")])
 @pytest.mark.parametrize("schedule", ["gpipe", "circular_m_eq_s", "circular_m_2s"])
 def test_decoder_grid(reference, mesh_name, stage, gather, schedule):
     check_against_reference(reference, MESHES[mesh_name], stage, schedule, gather)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gather", ["step", "layer"])
+@pytest.mark.parametrize("gather", ["step", "layer", "chunk"])
 def test_decoder_hsdp_pipeline(reference, gather):
-    """HSDP (replica=2 x dp=2) x pp=2, ZeRO-3, both gathering modes: the same losses and parameters."""
+    """HSDP (replica=2 x dp=2) x pp=2, ZeRO-3, every gathering mode: the same losses and parameters."""
     check_against_reference(reference, {"dp": (2, 2), "pp": 2}, 3, "circular_m_2s", gather)
 
 
