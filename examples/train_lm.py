@@ -139,10 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, help="pipeline repeats: 1 = GPipe, > 1 = circular schedule")
     p.add_argument(
         "--zero3-gather",
-        choices=("step", "layer"),  # zjax.pipeline.GATHER_MODES (parsed before jax starts)
+        choices=("step", "layer", "chunk"),  # zjax.pipeline.GATHER_MODES (parsed before jax starts)
         default=None,
         help="pipeline at stages 2-3: weights and gradients whole once per step, or split over dp through the loop "
-        "(per use, lean; the default at stages 2-3)",
+        "(per use, lean; the default at stages 2-3), or gathered per repeat's chunk (stage 3: ZeRO-3's 3 psi)",
     )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument(
