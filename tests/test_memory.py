@@ -46,6 +46,7 @@ def test_state_bytes_match_formula(stage, mesh_name):
     assert sum(report.compiled.values()) == pytest.approx(report.state_compiled, rel=0.001)
 
 
+@pytest.mark.slow  # the MLP's formula test covers stage 3 with tp in the fast suite
 def test_decoder_state_bytes_stage3_with_tp():
     """3-D attention weights stacked over scanned layers: stage 3 holds 14 psi / (tp * dp) per device."""
     mesh = zjax.make_mesh(dp=4, tp=2)

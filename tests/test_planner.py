@@ -218,6 +218,7 @@ def test_a_conditional_counts_its_larger_branch_and_narrow_dtypes_have_bytes():
     assert comm.volume["all-gather"] == 1024 + 512  # fp8: 1 byte, int4: half a byte per element
 
 
+@pytest.mark.slow  # a decoder compile; tests/test_hf.py reads Hugging Face configs in the fast suite
 def test_plans_a_hugging_face_config(tmp_path):
     cfg = zjax.models.DecoderConfig(vocab=96, embed=64, layers=2, heads=4, head_dim=16, mlp=128, max_len=32, kv_heads=1)
     (tmp_path / "config.json").write_text(json.dumps(zjax.models.config_to_hf(cfg)))
