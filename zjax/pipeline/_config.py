@@ -73,19 +73,27 @@ class Pipeline:
         """
         if self.zero3_gather is None:
             return dataclasses.replace(self, zero3_gather="layer" if stage.shard_gradients else "step")
+        reason = self.refusal(stage)
+        if reason is not None:
+            raise ValueError(reason)
+        return self
+
+    def refusal(self, stage: Any) -> str | None:
+        """Why this gathering mode cannot run at ZeRO ``stage`` (``None``: it can; the planner then falls
+        back to ``"step"``)."""
         if self.zero3_gather == "layer" and not stage.shard_gradients:
-            raise ValueError(
+            return (
                 f"Pipeline: zero3_gather='layer' keeps weights and gradients split over dp through the loop, "
                 f"but stage={stage.level} keeps whole gradients on every dp rank: their reduction over dp would "
                 f"only move inside the loop, once per iteration, and save no memory. Use stage 2 or 3, or "
                 f"zero3_gather='step'."
             )
         if self.zero3_gather == "chunk" and not stage.shard_parameters:
-            raise ValueError(
+            return (
                 f"Pipeline: zero3_gather='chunk' gathers weights split over dp chunk by chunk, but stage={stage.level} "
                 f"keeps whole weights on every dp rank. Use stage 3, or zero3_gather='layer' (stage 2) or 'step'."
             )
-        return self
+        return None
 
     def iterations(self, stages: int) -> int:
         """Scan iterations per step: ``M x R + S - 1``."""

@@ -219,6 +219,9 @@ def _chunked(
 
     treedef = jax.tree.structure(stacked)
 
+    def per_leaf(fn: Callable[[jax.Array, int | None], jax.Array], tree: Any) -> Any:  # fn(leaf, its dp dim)
+        return jax.tree.unflatten(treedef, [fn(x, d) for x, d in zip(jax.tree.leaves(tree), dims, strict=True)])
+
     def gather(stacked: Any, p: Any, after: Any) -> Any:
         """Chunk p, whole (leaves ``[S, Lps, ...]``), gathered no earlier than ``after`` is computed: the
         scheduler may otherwise gather every chunk at the start (all of them live: "step" mode's memory)."""
@@ -229,7 +232,7 @@ def _chunked(
                 return w
             return _per_stage(lambda x: jax.lax.all_gather(x, DP, axis=d - 1, tiled=True), w)  # noqa: B023
 
-        return jax.tree.unflatten(treedef, [one(w, d) for w, d in zip(jax.tree.leaves(stacked), dims, strict=True)])
+        return per_leaf(one, stacked)
 
     # XLA:CPU aborts on 16-bit reductions in a region manual over some axes ("Invalid binary instruction
     # opcode copy", jax 0.10.2); it widens them to fp32 anyway. GPUs reduce in the gradients' dtype.
@@ -246,7 +249,7 @@ def _chunked(
             )
             return out.astype(g.dtype)
 
-        return jax.tree.unflatten(treedef, [one(g, d) for g, d in zip(jax.tree.leaves(grads), dims, strict=True)])
+        return per_leaf(one, grads)
 
     def phase(prev: Any, cur: Any, carry: tuple, p: Any, length: int) -> tuple:
         """Iterations ``p*M .. p*M + length - 1``: stages past phase p's start apply ``cur``, others ``prev``."""
@@ -415,36 +418,53 @@ def apply(
     inner = tuple(a for a in data if a not in region)
     n = math.prod(sizes[a] for a in inner)
 
-    def run(w: Any, h: jax.Array) -> jax.Array:
+    def run(w: Any, h: jax.Array, engine: Callable[[Any, jax.Array], jax.Array]) -> jax.Array:
         # microbatches ``[S, K, n x mb, ...]``: the rows of the ``inner`` ranks side by side, split
         # over them (h is already split over (inner, pp), so no data moves)
         io = h.reshape(n, s_, k_, -1, *rest).swapaxes(0, 1).swapaxes(1, 2).reshape(s_, k_, -1, *rest)
-        io = _pipeline(stage_fn, w, io, cfg, stages, _bubble_fill, inner or None)
+        io = engine(w, io)
         return io.reshape(s_, k_, n, -1, *rest).swapaxes(1, 2).swapaxes(0, 1).reshape(h.shape)
 
+    def engine(w: Any, io: jax.Array) -> jax.Array:
+        return _pipeline(stage_fn, w, io, cfg, stages, _bubble_fill, inner or None)
+
     if not region:
-        return run(stacked, x)
-    free = P.UNCONSTRAINED
+        return run(stacked, x, engine)
+    leaves, treedef = jax.tree.flatten(stacked)
+    dims: list[int | None] = [None] * len(leaves)
     if cfg.zero3_gather == "chunk" and DP in region:
-        return _enter_chunked(stage_fn, layers, stacked, x, cfg, stages, _bubble_fill, region, sizes)
-    # Every rank of the region gets its own copy of the weights on a leading dim (a broadcast: no data
-    # moves, except ZeRO-3's all-gather in "step" mode); their gradient is summed over that dim outside
-    # the region, so it is reduced over those axes once per step, not per layer per iteration inside
-    # the loop. (Entering as P() and letting shard_map psum the cotangent does the same, but that
-    # psum's reducer carries a sharding constraint on which XLA:CPU's bf16 all-reduce promotion aborts.)
-    copies = math.prod(sizes[a] for a in region)
+        # each leaf's dim split over dp, in the [R, S, Lps, ...] view (the natural [L, ...] dim d is d + 2)
+        dims = [None if (d := _dp_dim(w.shape, sizes)) is None else d + 2 for w in jax.tree.leaves(layers)]
 
-    def per_rank(w: jax.Array) -> jax.Array:
-        w = jnp.broadcast_to(w[None], (copies, *w.shape))
-        return jax.lax.with_sharding_constraint(w, P(region, *([free] * (w.ndim - 1))))
+        def engine(w: Any, io: jax.Array) -> jax.Array:
+            return _chunked(stage_fn, w, io, cfg, stages, _bubble_fill, dims)
 
+    specs, entered = zip(*[_enter(w, d, region, sizes) for w, d in zip(leaves, dims, strict=True)], strict=True)
     return jax.shard_map(
-        lambda w, h: run(jax.tree.map(lambda a: a[0], w), h),
-        in_specs=(P(region), P(region)),
+        lambda w, h: run(jax.tree.map(lambda a: a[0], w), h, engine),
+        in_specs=(jax.tree.unflatten(treedef, specs), P(region)),
         out_specs=P(region),
         axis_names=set(region),
         check_vma=False,
-    )(jax.tree.map(per_rank, stacked), x)
+    )(jax.tree.unflatten(treedef, entered), x)
+
+
+def _enter(w: jax.Array, dp_dim: int | None, region: tuple[str, ...], sizes: dict[str, int]) -> tuple[P, jax.Array]:
+    """A layer weight entering the region manual over ``region``: its ``shard_map`` spec and the array.
+
+    Every rank of the region gets its own copy on a new leading dim (a broadcast: no data moves, except
+    ZeRO-3's all-gather in "step" mode); the gradient is summed over that dim outside the region, so it is
+    reduced over those axes once per step, not per layer per iteration inside the loop. (Entering as P()
+    and letting shard_map psum the cotangent does the same, but that psum's reducer carries a sharding
+    constraint on which XLA:CPU's bf16 all-reduce promotion aborts.) With ``dp_dim`` (``"chunk"`` mode)
+    the weight stays split over ``dp`` on that dim and the copies are over the other axes only.
+    """
+    lead = region if dp_dim is None else tuple(a for a in region if a != DP)
+    entries: list[Any] = [lead or None] + [None] * w.ndim
+    if dp_dim is not None:
+        entries[dp_dim + 1] = DP
+    w = jnp.broadcast_to(w[None], (math.prod(sizes[a] for a in lead), *w.shape))
+    return P(*entries), jax.lax.with_sharding_constraint(w, P(*[P.UNCONSTRAINED if e is None else e for e in entries]))
 
 
 def _dp_dim(shape: tuple[int, ...], sizes: dict[str, int]) -> int | None:
@@ -455,48 +475,3 @@ def _dp_dim(shape: tuple[int, ...], sizes: dict[str, int]) -> int | None:
         return None
     dims = [d for d, e in enumerate(spec) if e == DP]
     return dims[0] if dims and dims[0] > 0 else None
-
-
-def _enter_chunked(
-    stage_fn: Callable, layers: Any, stacked: Any, x: jax.Array, cfg: Pipeline, stages: int, fill: float,
-    region: tuple[str, ...], sizes: dict[str, int],
-) -> jax.Array:  # fmt: skip
-    """``zero3_gather="chunk"``: the region is manual over every data axis; weights enter as this rank's
-    ``dp`` shard (one copy per rank of the other data axes on a leading dim, summed outside like "step"
-    mode's), and :func:`_chunked` gathers and reduce-scatters them per chunk. A weight the layout leaves
-    whole over ``dp`` enters like "step" mode's."""
-    other = tuple(a for a in region if a != DP)
-    free = P.UNCONSTRAINED
-    leaves, treedef = jax.tree.flatten(stacked)
-    # dp's dim per leaf in the [R, S, Lps, ...] view: the natural [L, ...] dim d is dim d + 2 there
-    dims = [None if (d := _dp_dim(w.shape, sizes)) is None else d + 2 for w in jax.tree.leaves(layers)]
-
-    def spec(ndim: int, d: int | None) -> P:  # of the entered leaf [copies, R, S, Lps, ...]
-        if d is None:
-            return P(region)
-        entries: list[Any] = [other or None] + [None] * ndim
-        entries[d + 1] = DP
-        return P(*entries)
-
-    def enter(w: jax.Array, d: int | None) -> jax.Array:
-        copies = math.prod(sizes[a] for a in (region if d is None else other))
-        w = jnp.broadcast_to(w[None], (copies, *w.shape))
-        entries = list(spec(w.ndim - 1, d)) + [None] * w.ndim
-        return jax.lax.with_sharding_constraint(w, P(*[free if e is None else e for e in entries[: w.ndim]]))
-
-    specs = jax.tree.unflatten(treedef, [spec(w.ndim, d) for w, d in zip(leaves, dims, strict=True)])
-    entered = jax.tree.unflatten(treedef, [enter(w, d) for w, d in zip(leaves, dims, strict=True)])
-    s_, k_, rest = stages, cfg.microbatches // stages, x.shape[1:]
-
-    def local(w: Any, h: jax.Array) -> jax.Array:
-        w = jax.tree.map(lambda a: a[0], w)
-        io = _chunked(stage_fn, w, h.reshape(s_, k_, -1, *rest), cfg, stages, fill, dims)
-        return io.reshape(h.shape)
-
-    return jax.shard_map(
-        local,
-        in_specs=(specs, P(region)),
-        out_specs=P(region),
-        axis_names=set(region),
-        check_vma=False,
-    )(entered, x)

@@ -251,10 +251,8 @@ def estimate_fn(
         start = time.perf_counter()
         stages_pp = mesh.get("pp", 1)
         schedule = pipeline if pipeline is not None or stages_pp == 1 else Pipeline(2 * stages_pp)
-        if schedule is not None and schedule.zero3_gather in ("layer", "chunk"):
-            level = Stage.from_value(stage)  # per-use gathering: stages 2 and 3 only; per chunk: stage 3
-            if not level.shard_gradients or (schedule.zero3_gather == "chunk" and not level.shard_parameters):
-                schedule = dataclasses.replace(schedule, zero3_gather="step")
+        if schedule is not None and schedule.refusal(Stage.from_value(stage)) is not None:
+            schedule = dataclasses.replace(schedule, zero3_gather="step")  # the mode does not run at this stage
         plan = Plan(device_mesh, stage=stage, precision=precision, pipeline=schedule, offload=offload)
         state = plan.abstract_state(init_fn, tx, jax.random.key(0))
         step = plan.train_step(loss_fn, accum_steps=accum)
