@@ -6,8 +6,10 @@
    (benchmarks/optimizer_update.py; goal: the kernel >= 90% of the copy).
 2. Planned vs measured peak memory of a train step: the compiled program's ``argument + output - alias +
    temp`` beside ``device.memory_stats()["peak_bytes_in_use"]`` after the steps (goal: within 10%).
-3. Step time and MFU of a LLaMA-shaped decoder at each ZeRO stage (compiled FLOPs per step over the
-   device's dense bf16 peak; "unknown device" where there is no peak to compare with, e.g. a CPU).
+3. Step time and MFU of a LLaMA-shaped decoder at each ZeRO stage (the model's FLOPs per token from
+   ``zjax.metrics.flops_per_token`` times tokens per second over the devices' dense bf16 peak; the
+   compiler's count is not the numerator: it counts a scanned layer body once; "unknown device" where there
+   is no peak to compare with, e.g. a CPU).
 
 On a CPU it runs everything at tiny sizes so that it stays alive in CI; its figures then mean nothing.
 """
@@ -62,19 +64,22 @@ def step_figures(stage: int, tiny: bool) -> dict:
     seconds = sorted(times)[len(times) // 2]
     stats = jax.devices()[0].memory_stats() or {}
     measured = stats.get("peak_bytes_in_use")
-    flops = (cost_analysis(compiled) or {}).get("flops")
-    peak = peak_flops(jax.devices()[0].device_kind)
+    flops = (cost_analysis(compiled) or {}).get("flops")  # XLA counts a scanned layer body once: not MFU's numerator
+    tokens_per_second = rows * cfg.max_len / seconds
+    device_kind = jax.devices()[0].device_kind
     return {
         "stage": stage,
         "params": cfg.num_params,
         "step_seconds": seconds,
-        "tokens_per_second": rows * cfg.max_len / seconds,
+        "tokens_per_second": tokens_per_second,
         "planned_peak_bytes": report.peak_bytes,
         "measured_peak_bytes": measured,
         "peak_ratio": None if measured is None else measured / report.peak_bytes,
-        "flops_per_device": flops,  # XLA counts a scanned layer body once: a lower bound on MFU
-        "mfu": None if (flops is None or peak is None) else flops / seconds / peak,
-        "device": "unknown device" if peak is None else jax.devices()[0].device_kind,
+        "compiled_flops_per_device": flops,
+        "model_flops_per_token": zjax.metrics.flops_per_token(cfg, cfg.max_len),
+        # the model's work (PaLM's convention: 6 x matmul params + attention per token), not the compiler's count
+        "mfu": zjax.metrics.mfu(tokens_per_second, cfg, cfg.max_len, device_kind, jax.device_count()),
+        "device": "unknown device" if peak_flops(device_kind) is None else device_kind,
     }
 
 
@@ -85,7 +90,9 @@ def main() -> None:
     args = parser.parse_args()
     import jax
 
-    jax.config.update("jax_num_cpu_devices", 8)  # only the CPU backend reads it (before it starts)
+    import zjax
+
+    zjax.simulate_cpu_devices(8)  # only the CPU backend uses them (set before it starts)
     tiny = args.tiny or jax.default_backend() != "gpu"
     import optimizer_update
 

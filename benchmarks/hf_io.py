@@ -61,11 +61,11 @@ def make_checkpoint(directory: Path, layers: int) -> dict:
 def phase(ckpt: str, stage: int, out: str | None) -> dict:
     import jax
 
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", 8)
-    import optax
-
     import zjax
+
+    jax.config.update("jax_platforms", "cpu")
+    zjax.simulate_cpu_devices(8)
+    import optax
 
     model = zjax.models.from_hf_config(ckpt)
     plan = zjax.Plan(zjax.make_mesh(dp=8), stage=stage, precision="bf16")

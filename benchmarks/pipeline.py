@@ -23,13 +23,13 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import optax
 
-jax.config.update("jax_num_cpu_devices", 8)
+import zjax
 
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
+zjax.simulate_cpu_devices(8)
 
-import zjax  # noqa: E402
 from zjax.models import Decoder, DecoderConfig, lm_loss  # noqa: E402
 from zjax.planner._hlo import collectives, partitioned_hlo, spanned_axes  # noqa: E402
 

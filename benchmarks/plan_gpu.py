@@ -23,9 +23,9 @@ from pathlib import Path
 import jax
 
 jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_num_cpu_devices", 64)
-
 import zjax  # noqa: E402
+
+zjax.simulate_cpu_devices(64)
 from zjax.models import DecoderConfig  # noqa: E402
 
 LLAMA_1T = DecoderConfig(vocab=32000, embed=16384, layers=256, heads=128, head_dim=128, mlp=65536, max_len=2048)

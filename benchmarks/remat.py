@@ -33,11 +33,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     import jax
 
-    jax.config.update("jax_num_cpu_devices", args.devices)
+    import zjax
+
+    zjax.simulate_cpu_devices(args.devices)
     import jax.numpy as jnp
     import optax
 
-    import zjax
     from zjax.models import PRESETS, Decoder, lm_loss
     from zjax.remat import POLICIES
 

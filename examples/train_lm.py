@@ -60,7 +60,8 @@ def build_data(args, cfg, tok, pipelined: bool, log):
     if pipelined and eos is not None:
         eos = None  # the pipeline takes unpacked rows (segment ids need pp=1)
         log("pipeline: packed documents are not separated (segment ids are supported with pp=1)")
-    train, held = zjax.data.train_eval_split(stream, args.eval_fraction if args.eval_every else 0.0)
+    # held out by --eval-fraction alone: a run with and without --eval-every trains on the same rows
+    train, held = zjax.data.train_eval_split(stream, args.eval_fraction)
     data = zjax.data.LMData(train, args.seq_len, args.batch_size, eos_id=eos, seed=args.seed)
     if not args.eval_every:
         return data, None
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
             flush=True,
         )
     else:
-        jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # must precede backend start
+        zjax.simulate_cpu_devices(args.cpu_devices)  # before the backend starts; threads for its collectives
     if args.compilation_cache is not None:  # a resumed job reuses its compiled steps
         jax.config.update("jax_compilation_cache_dir", str(args.compilation_cache))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every step, however fast it compiled
@@ -236,8 +237,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args.remat not in POLICIES:
         raise SystemExit(f"--remat {args.remat!r}: choose one of {sorted(POLICIES)}")
-    if args.save_hf is not None and args.save_hf.exists():
-        raise SystemExit(f"--save-hf {args.save_hf}: exists; pick a new directory")
+    if (
+        args.save_hf is not None
+        and args.save_hf.exists()
+        and not (args.save_hf.is_dir() and not any(args.save_hf.iterdir()))
+    ):
+        raise SystemExit(f"--save-hf {args.save_hf}: exists and is not an empty directory; pick a new or empty one")
     tok = zjax.data.load_tokenizer(args.tokenizer)
     if args.hf is not None:
         cfg = from_hf_config(args.hf, remat=args.remat).cfg

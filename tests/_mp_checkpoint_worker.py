@@ -9,8 +9,10 @@ import sys
 
 import jax
 
+import zjax
+
 pid, port, directory, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-jax.config.update("jax_num_cpu_devices", 4)
+zjax.simulate_cpu_devices(4)
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(
     f"127.0.0.1:{port}", num_processes=2, process_id=pid, heartbeat_timeout_seconds=10, shutdown_timeout_seconds=10
@@ -19,7 +21,6 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-import zjax  # noqa: E402
 from tests._models import linen_mlp_task, regression_batch  # noqa: E402
 
 init_fn, loss_fn = linen_mlp_task()

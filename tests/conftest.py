@@ -9,8 +9,10 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+import zjax  # noqa: E402
+
 jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_num_cpu_devices", 8)
+zjax.simulate_cpu_devices(8)  # with XLA:CPU threads enough for their collectives (zjax.sharding._simulate)
 
 NUM_DEVICES = 8
 

@@ -90,9 +90,9 @@ def test_restore_in_a_four_device_process(saved, tmp_path):
     expected = tmp_path / "want.npz"
     np.savez(expected, *[np.asarray(x, np.float32) for x in jax.tree.leaves(_raw(want))])
     script = f"""
-import jax
-jax.config.update("jax_num_cpu_devices", 4)
-import numpy as np, optax, zjax
+import jax, zjax
+zjax.simulate_cpu_devices(4)
+import numpy as np, optax
 from tests._models import linen_mlp_task
 plan = zjax.Plan(zjax.make_mesh(dp=2, tp=2), stage=1, precision="bf16")
 with zjax.Checkpointer({str(directory)!r}) as ckpt:
@@ -243,9 +243,9 @@ def test_nnx_state_restores_into_another_stage_and_mesh(tmp_path):
 
 KILL_SCRIPT = """
 import sys, time
-import jax
-jax.config.update("jax_num_cpu_devices", 8)
-import jax.numpy as jnp, optax, zjax
+import jax, zjax
+zjax.simulate_cpu_devices(8)
+import jax.numpy as jnp, optax
 plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, precision="bf16")
 init = lambda r: {"w": jax.random.normal(r, (4096, 4096)), "b": jnp.zeros((4096,))}
 state = plan.init(init, optax.adamw(1e-3), jax.random.key(0))

@@ -180,3 +180,26 @@ def test_compilation_cache_serves_a_restarted_run(tmp_path):
     second = run_example(tmp_path, "second", "--compilation-cache", str(cache))
     assert sorted(p.name for p in cache.iterdir()) == entries
     assert second["losses"] == first["losses"]
+
+
+def test_evaluation_does_not_change_the_training_rows():
+    """The held-out split is set by --eval-fraction alone: turning --eval-every on trains on the same rows."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import train_lm
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    import zjax
+    from zjax.models import PRESETS
+
+    tok = zjax.data.load_tokenizer(None)
+    runs = {}
+    for flags in ([], ["--eval-every", "5"]):
+        args = train_lm.build_parser().parse_args([*SMALL, *flags])
+        runs[bool(flags)] = train_lm.build_data(args, PRESETS["tiny"], tok, False, log=lambda *a: None)
+    (plain, none), (evaluated, held) = runs[False], runs[True]
+    assert none is None and held is not None and held.num_rows > 0
+    assert plain.num_rows == evaluated.num_rows
+    for step in (0, 7):
+        for key, value in plain.batch(step).items():
+            np.testing.assert_array_equal(value, evaluated.batch(step)[key], err_msg=key)

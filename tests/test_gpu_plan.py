@@ -202,6 +202,8 @@ def test_the_gpu_suite_stays_alive_at_tiny_sizes(tmp_path):
     assert [r["stage"] for r in data["steps"]] == [0, 1, 2, 3]
     assert all(r["mfu"] is None and r["device"] == "unknown device" for r in data["steps"])  # no made-up peak on CPU
     assert data["steps"][3]["planned_peak_bytes"] < data["steps"][0]["planned_peak_bytes"]
+    # MFU's numerator is the model's work per token, not the compiler's count (which sees one scanned layer)
+    assert data["steps"][0]["model_flops_per_token"] == zjax.metrics.flops_per_token(CFG, CFG.max_len)
 
 
 @pytest.mark.slow

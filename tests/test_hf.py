@@ -6,6 +6,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 
 import flax.linen
 import jax
@@ -302,9 +303,19 @@ def test_save_never_leaves_a_half_written_checkpoint(bf16_ckpt, tmp_path, monkey
     state = zjax.hf.load(bf16_ckpt, plan, model, TX)
     out = tmp_path / "out"
     out.mkdir()
-    (out / "keep.txt").write_text("the user's")
-    with pytest.raises(FileExistsError, match="overwrite=True"):
+    zjax.hf.save(out, model, state)  # an existing empty directory is filled, as a new one would be
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    with pytest.raises(FileExistsError, match="not empty; pass overwrite=True"):
         zjax.hf.save(out, model, state)
+    shutil.rmtree(out)
+    out.mkdir()
+    (out / "keep.txt").write_text("the user's")
+    with pytest.raises(FileExistsError, match="not empty; pass overwrite=True"):
+        zjax.hf.save(out, model, state)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="is a file"):
+        zjax.hf.save(tmp_path / "file", model, state, overwrite=True)
+    (tmp_path / "file").unlink()
 
     calls = []
     real = _save._to_hf

@@ -10,6 +10,7 @@ import pytest
 import zjax
 from zjax import planner
 from zjax.planner import count_collectives, zero_bytes
+from zjax.planner._table import text_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,7 +100,7 @@ def test_compiled_state_matches_theory(small_estimate):
 
 
 def test_mesh_larger_than_devices_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"needs 64 devices but this process has 8.*jax_num_cpu_devices', 64"):
+    with pytest.raises(ValueError, match=r"needs 64 devices but this process has 8.*simulate_cpu_devices\(64\)"):
         planner.estimate("tiny", mesh={"dp": 64})
     with pytest.raises(ValueError, match="unknown model 'gpt5': not a preset"):
         planner.estimate("gpt5", mesh={"dp": 8})
@@ -231,3 +232,32 @@ def test_plans_a_hugging_face_config(tmp_path):
     assert row.compiled["state"] == pytest.approx(want, rel=0.01)
     with pytest.raises(ValueError, match="not a preset"):
         zjax.planner.estimate(tmp_path / "nothing", mesh={"dp": 8})
+
+
+def _row(scale: float, **kw) -> planner.Row:
+    comm = planner.Communication(
+        volume={"all-gather": int(1.9e12 * scale)}, wire={"all-gather": int(1.8e12 * scale)}, count={"all-gather": 1}
+    )
+    theory = {"params": int(3.0e12 * scale), "optimizer": int(1.84e12 * scale), "grads": int(1.96e12 * scale)}
+    theory["total"] = sum(theory.values())
+    compiled = {"state": int(4.8e12 * scale), "temp": int(1.16e11 * scale), "total": int(4.9e12 * scale), "host": 0}
+    return planner.Row(3, "full", 1, theory, compiled, comm, 2.98, 1234.5, **kw)
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_plan_table_columns_never_run_together(gpu):
+    """A 1T-class plan printed ``3.001,840.0241,967.346*``: every cell is now its own whitespace-separated field."""
+    kw = {"backend": "gpu", "device_kind": "H100"} if gpu else {}
+    rows = tuple(_row(s, device_memory=int(8e10) if gpu else None, **kw) for s in (1.0, 1e-6))  # TB beside KB
+    est = planner.Estimate("huge", 10**12, {"replica": 4, "dp": 512, "tp": 8}, "bf16", 2048, rows, **kw)
+    lines = str(est).splitlines()
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("stage"))
+    table = lines[header:]
+    fields = [line.replace("x psi", "x-psi").split() for line in table]
+    assert len({len(f) for f in fields}) == 1, table  # header and both rows: the same number of fields
+    big = dict(zip(fields[0], fields[1], strict=True))
+    assert big["total"] == f"{4.9e12 / 1e9:,.3f}" and big["comm"] == f"{1.9e12 / 1e9:,.3f}"
+    if gpu:
+        assert big["exposed"] == f"{1.9e12 / 1e9:,.3f}*"  # over the scheduler's memory: marked, apart
+    with pytest.raises(ValueError, match="row 0 has 1 cells for 2 columns"):
+        text_table([("a", "<"), ("b", ">")], [["x"]])

@@ -31,6 +31,7 @@ from .pipeline import Pipeline as Pipeline
 from .sharding import Rules as Rules
 from .sharding import make_mesh as make_mesh
 from .sharding import shard_batch as shard_batch
+from .sharding import simulate_cpu_devices as simulate_cpu_devices
 from .stages import STAGES as STAGES
 from .stages import Stage as Stage
 

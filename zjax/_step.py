@@ -22,6 +22,7 @@ from .offload._update import streamed_update
 from .sharding._batch import check_batch
 from .sharding._mesh import data_axes, data_size, manual_data_axes, use_mesh_platform
 from .sharding._rules import Rules
+from .sharding._simulate import check_cpu_threads
 
 if TYPE_CHECKING:
     from ._plan import Plan
@@ -122,6 +123,7 @@ class _CompiledFn:
     def __init__(self, plan: Plan):
         self.plan = plan
         self._jitted: dict[Any, Any] = {}
+        self._threads_checked = False
 
     def _context(self):
         """The mesh and activation rules under which the loss is traced, so that
@@ -152,6 +154,9 @@ class _CompiledFn:
         pass
 
     def __call__(self, state: TrainState, batch: Any):
+        if not self._threads_checked:  # simulated CPU devices: enough threads for their collectives?
+            self._threads_checked = True
+            check_cpu_threads(list(self.plan.mesh.devices.flat))
         self._check(state, batch)
         with self._context():
             fn = self._jit(state, batch)

@@ -7,6 +7,7 @@ communication; ``zjax ckpt info PATH`` describes a checkpoint."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -94,7 +95,12 @@ def _plan_parser(sub) -> None:
     p.add_argument("--stages", type=parse_ints, default=[0, 1, 2, 3])
     p.add_argument("--remat", default="full", help="remat policy (zjax.remat.POLICIES); comma list with --budget")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
-    p.add_argument("--batch-size", type=int, default=None, help="global batch (default: 1 sequence per dp rank)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="global batch (default: one sequence per dp rank in each microbatch, for every --accum value)",
+    )
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--accum", type=parse_ints, default=[1], help="microbatches; comma list with --budget")
     p.add_argument(
@@ -135,7 +141,9 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     jax.config.update("jax_platforms", "cpu")  # also what a deviceless GPU compile needs
     if args.target is None:
-        jax.config.update("jax_num_cpu_devices", devices)
+        from .sharding import simulate_cpu_devices
+
+        simulate_cpu_devices(devices)
     from . import planner
     from .planner._gpu import budget as make_budget
     from .remat import POLICIES
@@ -167,7 +175,12 @@ def _run_plan(args: argparse.Namespace) -> int:
 
         pipeline = Pipeline(args.microbatches or 2 * pp, repeats=args.repeats, zero3_gather=args.zero3_gather)
     rows = args.mesh.get("dp", 1) * args.mesh.get("replica", 1) * (pipeline.microbatches if pipeline else 1)
-    batch = args.batch_size or rows
+    if not args.accum or min(args.accum) < 1:
+        print(f"zjax plan: --accum {args.accum}: give positive microbatch counts, e.g. 1,2,4", file=sys.stderr)
+        return 2
+    # default: one row per data-parallel rank in each microbatch, with a global batch that every --accum
+    # value splits (their least common multiple), so that all of them are planned on the same batch
+    batch = args.batch_size or rows * math.lcm(*args.accum)
     try:
         if args.budget is None:
             if len(remats) > 1:
@@ -193,13 +206,17 @@ def _run_plan(args: argparse.Namespace) -> int:
             result = est.to_dict()
         else:
             limit = make_budget(args.budget, args.target)
-            row, closest, tried = planner.fit(
+            row, closest, tried, skipped = planner.fit(
                 limit.usable, args.model, mesh=args.mesh, stages=args.stages, remats=remats, accums=args.accum,
                 precision=args.precision, batch_size=batch, seq_len=args.seq_len, target=args.target,
                 offloads=offloads,
             )  # fmt: skip
             est = type(tried[0])(**{**tried[0].__dict__, "rows": tuple(r for e in tried for r in e.rows)})
             print(est)
+            if skipped:
+                print("\nnot planned (cannot run):")
+                for candidate, reason in skipped:
+                    print(f"  {candidate.describe()}: {reason}")
             print(f"\nbudget: {limit.describe()}")
             if row is not None:
                 print(
@@ -218,6 +235,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                 "budget_detail": limit.describe(),
                 "fits": row.to_dict() if row is not None else None,
                 "closest": closest.to_dict(),
+                "skipped": [dataclasses.asdict(c) | {"reason": reason} for c, reason in skipped],
             }
     except (ValueError, ImportError) as e:
         print(f"zjax plan: {e}", file=sys.stderr)

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 
 import jax
 
+from ..sharding._simulate import simulate_cpu_devices
 from ._cluster import CPU_DEVICES, ClusterEnv, ClusterError, detect
 
 _TIMEOUT_VARS = ("ZJAX_INIT_TIMEOUT_S", "ZJAX_HEARTBEAT_TIMEOUT_S", "ZJAX_SHUTDOWN_TIMEOUT_S")
@@ -103,7 +104,7 @@ def initialize(
             raise ClusterError(f"{CPU_DEVICES}={text!r} must be a positive integer.")
         cpu_devices = int(text)
     if cpu_devices is not None:
-        jax.config.update("jax_num_cpu_devices", cpu_devices)
+        simulate_cpu_devices(cpu_devices)  # with XLA:CPU threads enough for their collectives
     if cluster.num_processes == 1:
         _STATE["cluster"] = cluster
         return cluster

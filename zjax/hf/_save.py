@@ -82,12 +82,12 @@ def save(
     (``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``).
 
     Args:
-      out_dir: the checkpoint directory to create.
+      out_dir: the checkpoint directory to create (an existing empty directory is filled).
       model: the :class:`~zjax.models.Decoder` the state trains.
       state: a sharded state (any plan); its fp32 master weights are written when it has them.
       dtype: ``"bfloat16"`` (Hugging Face's usual), ``"float16"`` or ``"float32"`` (lossless).
       max_shard_size: the largest file, e.g. ``"5GB"`` or bytes; a tensor larger than that gets its own.
-      overwrite: replace an existing ``out_dir`` (only after the new checkpoint is complete).
+      overwrite: replace an existing non-empty ``out_dir`` (only after the new checkpoint is complete).
 
     Every process calls it (multi-process jobs gather one tensor at a time); process 0 writes. A save
     that fails or is killed leaves ``out_dir`` as it was.
@@ -107,9 +107,12 @@ def save(
     if limit <= 0:
         raise ValueError(f"zjax.hf.save: max_shard_size={max_shard_size!r} must be positive.")
     out = os.path.abspath(os.fspath(out_dir))
-    if os.path.exists(out) and not overwrite:
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise FileExistsError(f"zjax.hf.save: {out!r} is a file, not a directory; pick a directory.")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
         raise FileExistsError(
-            f"zjax.hf.save: {out!r} exists; pass overwrite=True to replace it, or pick a new directory."
+            f"zjax.hf.save: {out!r} exists and is not empty; pass overwrite=True to replace it, or pick a new "
+            "or empty directory."
         )
     cfg = model.cfg
     values = state.params if state.opt_state.master is None else state.opt_state.master

@@ -22,6 +22,7 @@ from ..sharding._mesh import make_mesh
 from ..stages import Stage
 from ._gpu import cost_analysis, cudnn_for_target, gpu_devices
 from ._hlo import Communication, count_collectives, partitioned_hlo
+from ._table import SEP, text_table
 from ._targets import get_target
 
 SCHEDULER_MEMORY_SHARE = 0.8
@@ -163,29 +164,30 @@ class Estimate:
                 "; offload rows: total = device memory, host = state in pinned host memory and pcie = its "
                 "bytes each way per step (both from the plan's placements)"
             )
-        cols = f"{'stage':>5} {'remat':<16}{'acc':>4} | {'params':>9}{'optim':>9}{'grads':>9}{'theory':>9} | "
-        cols += f"{'state':>9}{'temp':>9}{'total':>9} | {'comm':>9}{'x psi':>7}{'wire':>9}"
         gpu = self.backend == "gpu"
-        cols += (f"{'exposed':>9}" if gpu else "") + f"{'compile':>9}"
-        if offloaded:
-            cols += f" {'offload':<17}{'host':>9}{'pcie':>9}"
         hsdp = self.mesh.get("replica", 1) > 1
         if hsdp:
-            cols += f"{'x-replica':>10}"
             head += "; x-replica = the part of comm that crosses replica groups (nodes)"
-        lines = [head, cols]
+        columns = [("stage", ">"), ("remat", "<"), ("acc", ">"), (SEP, "<")]
+        columns += [(name, ">") for name in ("params", "optim", "grads", "theory")] + [(SEP, "<")]
+        columns += [(name, ">") for name in ("state", "temp", "total")] + [(SEP, "<")]
+        columns += [(name, ">") for name in ("comm", "x psi", "wire")]
+        columns += ([("exposed", ">")] if gpu else []) + [("compile", ">")]
+        columns += [("x-replica", ">")] if hsdp else []
+        columns += [("offload", "<"), ("host", ">"), ("pcie", ">")] if offloaded else []
+        cells = []
         for r in self.rows:
             t, c = r.theory, r.compiled
-            lines.append(
-                f"{r.stage:>5} {r.remat:<16}{r.accum:>4} | {f(t['params']):>9}{f(t['optimizer']):>9}"
-                f"{f(t['grads']):>9}{f(t['total']):>9} | {f(c['state']):>9}{f(c['temp']):>9}"
-                f"{f(c['total']):>9} | {f(r.comm.total_volume):>9}{r.comm_psi:>7.2f}"
-                f"{f(r.comm.total_wire):>9}"
-                + (f"{f(r.comm.exposed_volume) + ('*' if r.over_memory else ''):>9}" if gpu else "")
-                + f"{r.compile_seconds:>8.1f}s"
-                + (f"{f(r.comm.volume_across('replica')):>10}" if hsdp else "")
-                + (f" {r.offload:<17}{f(r.offloaded):>9}{f(r.pcie_bytes):>9}" if offloaded else "")
-            )
+            row = [str(r.stage), r.remat, str(r.accum), SEP]
+            row += [f(t["params"]), f(t["optimizer"]), f(t["grads"]), f(t["total"]), SEP]
+            row += [f(c["state"]), f(c["temp"]), f(c["total"]), SEP]
+            row += [f(r.comm.total_volume), f"{r.comm_psi:.2f}", f(r.comm.total_wire)]
+            row += [f(r.comm.exposed_volume) + ("*" if r.over_memory else "")] if gpu else []
+            row += [f"{r.compile_seconds:.1f}s"]
+            row += [f(r.comm.volume_across("replica"))] if hsdp else []
+            row += [r.offload, f(r.offloaded), f(r.pcie_bytes)] if offloaded else []
+            cells.append(row)
+        lines = [head, *text_table(columns, cells)]
         return "\n".join(lines)
 
 
@@ -207,7 +209,7 @@ def _devices(mesh: dict[str, int], target: str | None) -> list[Any]:
     if need > have:
         raise ValueError(
             f"planner: mesh {mesh} needs {need} devices but this process has {have}. Simulate them with "
-            f"jax.config.update('jax_num_cpu_devices', {need}) before jax starts its backend (a fresh "
+            f"zjax.simulate_cpu_devices({need}) before jax starts its backend (a fresh "
             "process), or use the `zjax plan` command, which does that for you."
         )
     return jax.devices()[:need]
@@ -365,59 +367,3 @@ def estimate(
         target=target,
         offload=offload,
     )
-
-
-# cost order for the budget search: less communication first, then less recomputation, then fewer microbatches
-REMAT_COST = ("none", "dots_no_batch", "minimal", "dots", "save_qkv_proj", "save_out_proj", "full")
-
-
-def fit(
-    budget: float,
-    model: str | DecoderConfig = "small",
-    *,
-    mesh: dict[str, int],
-    stages: Sequence[int] = (0, 1, 2, 3),
-    remats: Sequence[str] = ("none", "dots", "full"),
-    accums: Sequence[int] = (1, 2, 4, 8),
-    precision: str = "bf16",
-    batch_size: int = 8,
-    seq_len: int | None = None,
-    target: str | None = None,
-    offloads: Sequence[str] = ("none", "optimizer", "optimizer+params"),
-) -> tuple[Row | None, Row, list[Estimate]]:
-    """The cheapest (stage, remat, microbatches, offload) whose compiled per-device total fits in ``budget``.
-
-    Candidates are tried cheapest first: no offload before offload (PCIe traffic every step), then lower
-    stage (less communication), then less recomputation, then fewer microbatches. Returns
-    ``(fitting row or None, closest row, every estimate compiled)``.
-    """
-    order = sorted(remats, key=lambda r: REMAT_COST.index(r) if r in REMAT_COST else len(REMAT_COST))
-    tried: list[Estimate] = []
-    closest: Row | None = None
-    candidates = [
-        (off, stage, remat, accum)
-        for off in [o for o in Offload.NAMES if o in offloads]
-        for stage in sorted(stages)
-        for remat in order
-        for accum in sorted(accums)
-    ]
-    for off, stage, remat, accum in candidates:
-        if batch_size % (accum * mesh.get("dp", 1) * mesh.get("replica", 1)):
-            continue
-        try:
-            Offload.from_value(off).check(Stage.from_value(stage))
-        except ValueError:
-            continue  # e.g. offload at stage 0, parameters offloaded below stage 3
-        est = estimate(
-            model, mesh=mesh, stages=(stage,), remat=remat, precision=precision,
-            batch_size=batch_size, seq_len=seq_len, accum=accum, target=target, offload=off,
-        )  # fmt: skip
-        tried.append(est)
-        row = est.rows[0]
-        if closest is None or row.compiled["total"] < closest.compiled["total"]:
-            closest = row
-        if row.compiled["total"] <= budget:
-            return row, row, tried
-    if closest is None:
-        raise ValueError(f"planner: no candidate: batch_size={batch_size} does not divide over dp x accum.")
-    return None, closest, tried

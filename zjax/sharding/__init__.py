@@ -25,3 +25,4 @@ from ._mesh import make_mesh as make_mesh
 from ._mesh import process_spans as process_spans
 from ._rules import DEFAULT_LOGICAL_RULES as DEFAULT_LOGICAL_RULES
 from ._rules import Rules as Rules
+from ._simulate import simulate_cpu_devices as simulate_cpu_devices

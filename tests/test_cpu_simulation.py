@@ -1,0 +1,52 @@
+"""Simulated CPU devices never deadlock: XLA:CPU gets threads for every device's collectives in flight."""
+
+import os
+import sys
+import warnings
+
+import jax
+import pytest
+
+import zjax
+from zjax.sharding import _simulate
+
+from ._procs import run_workers
+
+TIMEOUTS = (
+    "--xla_cpu_collective_call_terminate_timeout_seconds=10 --xla_cpu_collective_call_warn_stuck_timeout_seconds=5"
+)
+
+
+def test_overlapping_collectives_finish_on_simulated_devices():
+    """A stage-3 step with packed rows, 40 times on 8 devices: with XLA:CPU's default pool (8 threads here) it
+    deadlocked 3 of 3 times; through zjax.simulate_cpu_devices it finishes (a stuck collective aborts in 10 s)."""
+    env = {k: v for k, v in os.environ.items() if k != _simulate.THREADS_VARIABLE}  # the worker sets its own
+    env["XLA_FLAGS"] = TIMEOUTS
+    [(code, out)] = run_workers([[sys.executable, "-m", "tests._overlap_worker", "40"]], timeout=240, envs=[env])
+    assert code == 0 and "finished 40" in out, out[-3000:]
+
+
+def test_simulate_sizes_the_pool_and_leaves_a_users_choice():
+    env: dict[str, str] = {}
+    with pytest.raises(RuntimeError, match=r"already started.*Call it at the top of the script"):
+        zjax.simulate_cpu_devices(8, env=env)  # the suite's backend is running
+    assert env == {}
+    with pytest.raises(ValueError, match="devices=0 must be a positive int"):
+        zjax.simulate_cpu_devices(0)
+    assert _simulate.threads_needed(8) == 32 and _simulate.threads_needed(1000) == _simulate.MAX_THREADS
+    assert os.environ[_simulate.THREADS_VARIABLE] == str(max(os.cpu_count() or 1, 32))  # set by conftest
+
+
+def test_too_few_threads_warn_once_and_name_the_fix():
+    devices = jax.devices()
+    _simulate._WARNED.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not _simulate.check_cpu_threads(devices, env={"PJRT_NPROC": "2"})
+        assert not _simulate.check_cpu_threads(devices, env={"PJRT_NPROC": "2"})  # once per configuration
+        assert _simulate.check_cpu_threads(devices, env={"PJRT_NPROC": "32"})
+        assert _simulate.check_cpu_threads(devices[:1], env={"PJRT_NPROC": "2"})  # one device: no collectives
+    assert len(caught) == 1 and caught[0].category is RuntimeWarning
+    text = str(caught[0].message)
+    assert "8 simulated CPU devices share 8 XLA:CPU threads" in text
+    assert "zjax.simulate_cpu_devices(8)" in text and "PJRT_NPROC=32" in text

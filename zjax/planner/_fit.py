@@ -1,0 +1,115 @@
+"""The budget search: the cheapest configuration whose compiled per-device memory fits, and why others were not run."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from ..models import DecoderConfig
+from ..offload import Offload
+from ..stages import Stage
+from ._estimate import Estimate, Row, estimate
+
+# cost order for the budget search: less communication first, then less recomputation, then fewer microbatches
+REMAT_COST = ("none", "dots_no_batch", "minimal", "dots", "save_qkv_proj", "save_out_proj", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One configuration the search considers."""
+
+    offload: str
+    stage: int
+    remat: str
+    accum: int
+
+    def describe(self) -> str:
+        text = f"stage {self.stage}, remat {self.remat}, {self.accum} microbatch(es)"
+        return text + (f", offload {self.offload}" if self.offload != "none" else "")
+
+
+class Fit(NamedTuple):
+    """What :func:`fit` found: the fitting row (or ``None``), the smallest row compiled, every estimate compiled
+    in order, and each candidate that could not run with the reason (never dropped silently)."""
+
+    row: Row | None
+    closest: Row
+    tried: list[Estimate]
+    skipped: list[tuple[Candidate, str]]
+
+
+def _reason(c: Candidate, batch_size: int, mesh: dict[str, int]) -> str | None:
+    """Why ``c`` cannot run at all (before compiling), or ``None``."""
+    data = mesh.get("dp", 1) * mesh.get("replica", 1)
+    if batch_size % (c.accum * data):
+        need = c.accum * data
+        return (
+            f"global batch {batch_size} does not split into {c.accum} microbatch(es) of whole rows per data-parallel "
+            f"rank (dp x replica = {data}): the batch must be a multiple of {need}, e.g. --batch-size "
+            f"{-(-batch_size // need) * need}"
+        )
+    try:
+        Offload.from_value(c.offload).check(Stage.from_value(c.stage))
+    except ValueError as e:  # e.g. offload at stage 0, parameters offloaded below stage 3
+        return str(e)
+    return None
+
+
+def fit(
+    budget: float,
+    model: str | DecoderConfig = "small",
+    *,
+    mesh: dict[str, int],
+    stages: Sequence[int] = (0, 1, 2, 3),
+    remats: Sequence[str] = ("none", "dots", "full"),
+    accums: Sequence[int] = (1, 2, 4, 8),
+    precision: str = "bf16",
+    batch_size: int = 8,
+    seq_len: int | None = None,
+    target: str | None = None,
+    offloads: Sequence[str] = ("none", "optimizer", "optimizer+params"),
+) -> Fit:
+    """The cheapest (stage, remat, microbatches, offload) whose compiled per-device total fits in ``budget``.
+
+    Candidates are tried cheapest first: no offload before offload (PCIe traffic every step), then lower
+    stage (less communication), then less recomputation, then fewer microbatches. A candidate that cannot
+    run (microbatches that do not divide the global batch, an offload the stage does not support) is listed
+    in :attr:`Fit.skipped` with the reason.
+
+    Returns:
+      A :class:`Fit`: ``(fitting row or None, closest row, every estimate compiled, skipped candidates)``.
+
+    Raises:
+      ValueError: no candidate can run at all (the message gives each reason).
+    """
+    order = sorted(remats, key=lambda r: REMAT_COST.index(r) if r in REMAT_COST else len(REMAT_COST))
+    tried: list[Estimate] = []
+    skipped: list[tuple[Candidate, str]] = []
+    closest: Row | None = None
+    candidates = [
+        Candidate(off, stage, remat, accum)
+        for off in [o for o in Offload.NAMES if o in offloads]
+        for stage in sorted(stages)
+        for remat in order
+        for accum in sorted(accums)
+    ]
+    for c in candidates:
+        reason = _reason(c, batch_size, mesh)
+        if reason is not None:
+            skipped.append((c, reason))
+            continue
+        est = estimate(
+            model, mesh=mesh, stages=(c.stage,), remat=c.remat, precision=precision,
+            batch_size=batch_size, seq_len=seq_len, accum=c.accum, target=target, offload=c.offload,
+        )  # fmt: skip
+        tried.append(est)
+        row = est.rows[0]
+        if closest is None or row.compiled["total"] < closest.compiled["total"]:
+            closest = row
+        if row.compiled["total"] <= budget:
+            return Fit(row, row, tried, skipped)
+    if closest is None:
+        reasons = sorted({r for _, r in skipped})
+        raise ValueError("planner: no candidate can run: " + "; ".join(reasons) + ".")
+    return Fit(None, closest, tried, skipped)
