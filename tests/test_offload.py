@@ -103,10 +103,12 @@ def test_streamed_chunks_are_bitwise_equal(tx):
 
 @pytest.mark.slow
 def test_streamed_adam_chunks_match_closely():
-    """Adam on a chunked leaf: the moments are bitwise equal; the parameter update differs slightly
-    (measured: at most 6e-6 of the update, on 9% of the elements, after one step), because XLA:CPU
-    compiles the bias-corrected division inside the chunk loop differently (a reciprocal multiply in the
-    loop body's HLO)."""
+    """Adam on a chunked leaf: the moments are bitwise equal; the parameters differ by a few ulp of the largest of
+    the old parameter, the new one and the update, because XLA:CPU compiles the bias-corrected division inside the
+    chunk loop differently (a reciprocal multiply in the loop body's HLO: two roundings of the quotient against
+    one, 1.5 ulp of the update, then the learning-rate product and the subtraction round once more in each
+    program). Bound: 4 ulp; measured: 9% of the elements differ, by at most 2. Which elements round apart depends
+    on the CPU; the bound does not."""
     mesh = zjax.make_mesh(dp=8)
     plan = zjax.Plan(mesh, stage=1, precision="fp32", offload=offload(1, SMALL_CHUNK))
     start = plan.init(init_fn, optax.adamw(1e-2), jax.random.key(0))
@@ -114,7 +116,11 @@ def test_streamed_adam_chunks_match_closely():
     got, _ = train(plan, optax.adamw(1e-2), steps=1)
     assert_bitwise(got.opt_state.inner, ref.opt_state.inner)
     for a, b, c in zip(*(jax.tree.leaves(_raw(s.params)) for s in (got, ref, start)), strict=True):
-        np.testing.assert_allclose(np.asarray(a) - c, np.asarray(b) - c, rtol=2e-5, atol=0)
+        a, b, c = np.asarray(a, np.float32), np.asarray(b, np.float32), np.asarray(c, np.float32)
+        scale = np.max(np.abs([a, b, c, b - c]), axis=0)  # the result, the old parameter and the update
+        ulps = np.abs(a - b) / np.spacing(scale)
+        assert float(ulps.max()) <= 4, float(ulps.max())
+        assert not np.array_equal(a, np.asarray(c))  # the step changed the parameters
 
 
 @pytest.mark.slow

@@ -77,7 +77,12 @@ def test_interpret_kernel_matches_reference(compute_dtype, n):
     assert_within_ulp(got[0], want[0], master)  # fp32 master: within 1 ulp
     assert_within_ulp(got[1], want[1], m, g32)  # first moment
     assert_within_ulp(got[2], want[2], v, g32 * g32)  # second moment
-    np.testing.assert_array_equal(np.asarray(got[3], np.float32), np.asarray(want[3], np.float32))
+    # the compute copy is the kernel's own master cast (a master 1 ulp apart may round to another bf16/fp16), and
+    # equals the reference's wherever the masters agree
+    copy = np.asarray(got[3], np.float32)
+    np.testing.assert_array_equal(copy, np.asarray(jnp.asarray(got[0]).astype(compute_dtype), np.float32))
+    same = np.asarray(got[0]) == np.asarray(want[0])
+    np.testing.assert_array_equal(copy[same], np.asarray(want[3], np.float32)[same])
     assert not np.array_equal(np.asarray(got[0]), np.asarray(master))  # it really updated
 
 

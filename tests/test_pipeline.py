@@ -44,7 +44,9 @@ def weights_and_input(dim: int = D, layers: int = L, rows: int = B):
     rs = np.random.RandomState(0)
     w = {
         "a": jnp.asarray(rs.randn(layers, dim, dim) / np.sqrt(dim), jnp.float32),
-        "b": jnp.asarray(rs.randn(layers, dim, dim) / np.sqrt(dim), jnp.float32),
+        # each layer adds O(1/sqrt(layers)) to the residual stream, which stays O(1) (max |h| 4.6 at 8 layers, not
+        # 7.9): the pipelined and sequential programs sum in different orders, and fp32 then differs ~1e-6 at most
+        "b": jnp.asarray(rs.randn(layers, dim, dim) / np.sqrt(dim * layers), jnp.float32),
     }
     return w, jnp.asarray(rs.randn(rows, dim), jnp.float32)
 
