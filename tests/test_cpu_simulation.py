@@ -50,3 +50,16 @@ def test_too_few_threads_warn_once_and_name_the_fix():
     text = str(caught[0].message)
     assert "8 simulated CPU devices share 8 XLA:CPU threads" in text
     assert "zjax.simulate_cpu_devices(8)" in text and "PJRT_NPROC=32" in text
+
+
+@pytest.mark.slow  # two processes, each compiling a step for XLA:CPU and for 8 H100s
+def test_the_thread_pool_changes_no_compiled_program():
+    """simulate_cpu_devices sets a runtime thread count: the deviceless GPU compile of a step is the same program
+    as with jax_num_cpu_devices alone, and the CPU compile the same instructions and memory (only the number of
+    tasks XLA:CPU splits each elementwise loop into follows the threads)."""
+    env = {k: v for k, v in os.environ.items() if k != _simulate.THREADS_VARIABLE}
+    cmds = [[sys.executable, "-m", "tests._compile_fingerprint_worker", mode] for mode in ("simulate", "plain")]
+    (c1, simulated), (c2, plain) = run_workers(cmds, timeout=600, envs=[env, env])
+    assert c1 == 0 and c2 == 0, simulated[-2000:] + plain[-2000:]
+    lines = [[line for line in out.splitlines() if line.startswith(("cpu ", "gpu "))] for out in (simulated, plain)]
+    assert len(lines[0]) == 2 and lines[0] == lines[1], lines
