@@ -261,3 +261,18 @@ def test_plan_table_columns_never_run_together(gpu):
         assert big["exposed"] == f"{1.9e12 / 1e9:,.3f}*"  # over the scheduler's memory: marked, apart
     with pytest.raises(ValueError, match="row 0 has 1 cells for 2 columns"):
         text_table([("a", "<"), ("b", ">")], [["x"]])
+
+
+def test_budget_search_lists_candidates_that_cannot_run():
+    """An accumulation that does not divide the global batch is listed with the reason, never dropped silently."""
+    row, closest, tried, skipped = planner.fit(
+        1.0, "tiny", mesh={"dp": 8}, stages=(3,), remats=("full",), accums=(1, 2), batch_size=8, offloads=("none",)
+    )
+    assert row is None and [e.rows[0].accum for e in tried] == [1] and closest.accum == 1
+    [(candidate, reason)] = skipped
+    assert (candidate.stage, candidate.accum, candidate.offload) == (3, 2, "none")
+    assert "global batch 8 does not split into 2 microbatch(es)" in reason and "--batch-size 16" in reason
+    [line] = planner.describe_skipped(skipped)
+    assert line.startswith("stage 3 x remat full x 2 microbatch(es) x offload none (1): global batch 8")
+    with pytest.raises(ValueError, match=r"no candidate can run: global batch 8 does not split into 4"):
+        planner.fit(1.0, "tiny", mesh={"dp": 8}, stages=(3,), remats=("full",), accums=(4,), batch_size=8)

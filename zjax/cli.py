@@ -215,8 +215,8 @@ def _run_plan(args: argparse.Namespace) -> int:
             print(est)
             if skipped:
                 print("\nnot planned (cannot run):")
-                for candidate, reason in skipped:
-                    print(f"  {candidate.describe()}: {reason}")
+                for line in planner.describe_skipped(skipped):
+                    print(f"  {line}")
             print(f"\nbudget: {limit.describe()}")
             if row is not None:
                 print(

@@ -8,6 +8,7 @@ from ._estimate import estimate_fn as estimate_fn
 from ._estimate import resolve_model as resolve_model
 from ._fit import Candidate as Candidate
 from ._fit import Fit as Fit
+from ._fit import describe_skipped as describe_skipped
 from ._fit import fit as fit
 from ._hlo import Communication as Communication
 from ._hlo import count_collectives as count_collectives

@@ -39,6 +39,23 @@ class Fit(NamedTuple):
     skipped: list[tuple[Candidate, str]]
 
 
+def describe_skipped(skipped: Sequence[tuple[Candidate, str]]) -> list[str]:
+    """One line per reason: the candidates it rules out (stages, remat policies, microbatches, offloads), then
+    the reason, e.g. ``stage 0 x remat none, full x 2, 4 microbatches x offload none: global batch 8 ...``."""
+    by_reason: dict[str, list[Candidate]] = {}
+    for c, reason in skipped:
+        by_reason.setdefault(reason, []).append(c)
+    lines = []
+    for reason, cs in by_reason.items():
+
+        def values(field: str, cs: list[Candidate] = cs) -> str:
+            return ", ".join(str(v) for v in dict.fromkeys(getattr(c, field) for c in cs))
+
+        what = f"stage {values('stage')} x remat {values('remat')} x {values('accum')} microbatch(es) x offload "
+        lines.append(f"{what}{values('offload')} ({len(cs)}): {reason}")
+    return lines
+
+
 def _reason(c: Candidate, batch_size: int, mesh: dict[str, int]) -> str | None:
     """Why ``c`` cannot run at all (before compiling), or ``None``."""
     data = mesh.get("dp", 1) * mesh.get("replica", 1)
