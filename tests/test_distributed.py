@@ -240,6 +240,30 @@ def test_launch_reports_a_failed_peer():
     assert "0: killed by SIGKILL" in text and "Resume from the last checkpoint" in text
 
 
+GLOO = "[Gloo] Rank {} is connected to {} peer ranks. Expected number of connected peer ranks is : {}"
+
+
+def test_launch_drops_gloo_connection_lines_even_when_two_share_a_line():
+    """Gloo's threads print these unsynchronized (seen in the HSDP example: two messages in one line, the first's
+    count on the next); a process's own lines pass, and a group with a missing peer is kept."""
+    code = (
+        "import sys\n"
+        f"print({GLOO.format(1, 3, 3)!r})\n"
+        f"print({GLOO.format(3, 3, '') + GLOO.format(2, 3, 3)!r})\n"
+        "print('3')\n"
+        "print('step 2 loss 5.1786')\n"
+        f"print({GLOO.format(0, 2, 3)!r})\n"
+        "print('7')\n"
+    )
+    out = io.StringIO()
+    assert zjax.distributed.launch([sys.executable, "-c", code], 1, out=out) == 0
+    assert out.getvalue().splitlines() == [
+        "[0] step 2 loss 5.1786",
+        f"[0] {GLOO.format(0, 2, 3)}",  # one peer short: kept
+        "[0] 7",  # the program's own output, not a cut count
+    ]
+
+
 # -- meshes ------------------------------------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -32,8 +33,47 @@ def _describe(rc: int) -> str:
     return f"exit status {rc}"
 
 
+# Gloo prints one line per communicator and peer group from its own threads (unsynchronized, so two may share
+# a line: "... ranks is : [Gloo] Rank 2 is connected to 3 ... is : 3" and a lone "3" after it)
+_GLOO = re.compile(
+    r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of connected peer ranks is : ?(\d+)?"
+)
+
+
+class GlooFilter:
+    """Drops Gloo's "Rank r is connected to n peer ranks" lines from a process's output, also when two of
+    them were written into one line; keeps any that reports fewer peers than expected."""
+
+    def __init__(self) -> None:
+        self._owed = 0  # messages cut before their expected count, which then arrives on a line of its own
+
+    def __call__(self, line: str) -> str | None:
+        """The line to print, or ``None`` to drop it."""
+        if self._owed and line.strip().isdigit():
+            self._owed -= 1
+            return None
+        kept: list[str] = []
+
+        def strip(m: re.Match) -> str:
+            if m.group(2) is None:
+                self._owed += 1
+            elif m.group(1) != m.group(2):
+                kept.append(m.group(0))  # a peer is missing: worth seeing
+            return ""
+
+        rest = _GLOO.sub(strip, line)
+        if rest == line:
+            return line
+        text = " ".join(kept) + rest.strip()
+        return f"{text}\n" if text else None
+
+
 def _pump(stream, rank: int, out) -> None:
-    for line in iter(stream.readline, ""):
+    keep = GlooFilter()
+    for raw in iter(stream.readline, ""):
+        line = keep(raw)
+        if line is None:
+            continue
         out.write(f"[{rank}] {line}")
         out.flush()
     stream.close()
