@@ -276,3 +276,35 @@ def test_budget_search_lists_candidates_that_cannot_run():
     assert line.startswith("stage 3 x remat full x 2 microbatch(es) x offload none (1): global batch 8")
     with pytest.raises(ValueError, match=r"no candidate can run: global batch 8 does not split into 4"):
         planner.fit(1.0, "tiny", mesh={"dp": 8}, stages=(3,), remats=("full",), accums=(4,), batch_size=8)
+
+
+# the async forms as XLA:GPU (jaxlib 0.10.2) schedules them for 8 H100s (the types as a deviceless compile of an
+# all_to_all and a ppermute in shard_map printed them; names and attributes shortened): each start's type holds
+# the operand beside the result
+GPU_ASYNC_HLO = """
+HloModule gpu_async, num_partitions=8
+
+ENTRY %main (x: bf16[64,256], y: f32[32,128]) -> (bf16[64,256], f32[32,128]) {
+  %x = bf16[64,256]{1,0} parameter(0)
+  %y = f32[32,128]{1,0} parameter(1)
+  %a2a = ((bf16[64,256]{1,0}), bf16[64,256]{1,0}) all-to-all-start(%x), replica_groups=[1,8]<=[8], dimensions={0}
+  %a2a-done = bf16[64,256]{1,0} all-to-all-done(%a2a)
+  %cp = (f32[32,128]{1,0}, f32[32,128]{1,0}) collective-permute-start(%y), source_target_pairs={{0,1},{1,0}}
+  %cp-done = f32[32,128]{1,0} collective-permute-done(%cp)
+  %ag = ((bf16[8,256]{1,0}), bf16[64,256]{1,0}) all-gather-start(%x), replica_groups=[1,8]<=[8], dimensions={0}
+  %ag-done = bf16[64,256]{1,0} all-gather-done(%ag)
+  %ar = (f32[32,128]{1,0}, bf16[64,256]{1,0}) all-reduce-start(%y, %x), replica_groups=[1,8]<=[8], to_apply=%add
+  %ar-done = (f32[32,128]{1,0}, bf16[64,256]{1,0}) all-reduce-done(%ar)
+  ROOT %t = (bf16[64,256]{1,0}, f32[32,128]{1,0}) tuple(%a2a-done, %cp-done)
+}
+"""
+
+
+def test_async_starts_count_their_payload_once():
+    """An async all-to-all or collective-permute start carries its operand beside its result in its type: the
+    payload is the result (32 KiB and 16 KiB here), not their sum; an all-reduce start's tuple is all results."""
+    comm = count_collectives(GPU_ASYNC_HLO)
+    assert comm.volume["all-to-all"] == 64 * 256 * 2 and comm.wire["all-to-all"] == 64 * 256 * 2 * 7 // 8
+    assert comm.volume["collective-permute"] == 32 * 128 * 4 and comm.wire["collective-permute"] == 32 * 128 * 4
+    assert comm.volume["all-gather"] == 64 * 256 * 2  # the gathered result
+    assert comm.volume["all-reduce"] == 2 * (32 * 128 * 4 + 64 * 256 * 2)  # a combined all-reduce: both results

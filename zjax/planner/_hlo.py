@@ -290,11 +290,17 @@ def _top_level(type_text: str) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
+# async starts whose type is ``(operands, results, ...)``: XLA:GPU's all-gather and reduce-scatter
+# ``((operands), (results))``, all-to-all ``((operand), result)``, collective-permute ``(operand, result)``
+# (older versions add two u32[] contexts). An all-reduce-start's type is its result(s) alone.
+_OPERANDS_THEN_RESULTS = ("all-gather-start", "reduce-scatter-start", "all-to-all-start", "collective-permute-start")
+
+
 def _async_sizes(instr: _Instr) -> tuple[int | None, int | None]:
-    """``(operand bytes, result bytes)`` of an async ``-start`` whose type is ``((operands), (results))``
-    (XLA:GPU's combined all-gathers and reduce-scatters); ``(None, None)`` for other shapes of type."""
+    """``(operand bytes, result bytes)`` of an async ``-start`` whose type holds its operands and then its
+    results; ``(None, None)`` for other shapes of type (the whole type is then the result)."""
     parts = _top_level(instr.type_text)
-    if len(parts) == 2 and instr.opcode in ("all-gather-start", "reduce-scatter-start"):
+    if len(parts) >= 2 and instr.opcode in _OPERANDS_THEN_RESULTS:
         return _bytes(parts[0]), _bytes(parts[1])
     return None, None
 
