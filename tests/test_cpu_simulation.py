@@ -34,7 +34,7 @@ def test_simulate_sizes_the_pool_and_leaves_a_users_choice():
     with pytest.raises(ValueError, match="devices=0 must be a positive int"):
         zjax.simulate_cpu_devices(0)
     assert _simulate.threads_needed(8) == 32 and _simulate.threads_needed(1000) == _simulate.MAX_THREADS
-    assert os.environ[_simulate.THREADS_VARIABLE] == str(max(os.cpu_count() or 1, 32))  # set by conftest
+    assert _simulate.pool_threads() >= 32  # conftest's simulate_cpu_devices(8) sized the pool this suite runs on
 
 
 def test_too_few_threads_warn_once_and_name_the_fix():
@@ -63,3 +63,15 @@ def test_the_thread_pool_changes_no_compiled_program():
     assert c1 == 0 and c2 == 0, simulated[-2000:] + plain[-2000:]
     lines = [[line for line in out.splitlines() if line.startswith(("cpu ", "gpu "))] for out in (simulated, plain)]
     assert len(lines[0]) == 2 and lines[0] == lines[1], lines
+
+
+@pytest.mark.skipif(_simulate.nvidia_gpu_visible(), reason="an NVIDIA GPU is visible: the CUDA plugin may start")
+def test_no_cuda_traceback_without_a_gpu():
+    """With the CUDA plugin installed (the test extra) and no GPU, JAX would log the plugin's failed library check
+    as a traceback before falling back to the CPU; a process that simulates its devices prints none."""
+    pytest.importorskip("jax_plugins.xla_cuda12")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK")}
+    code = "import zjax\nzjax.simulate_cpu_devices(2)\nimport jax\nprint(jax.devices())\n"
+    [(rc, out)] = run_workers([[sys.executable, "-c", code]], timeout=120, envs=[env])
+    assert rc == 0 and "CpuDevice(id=1)" in out, out
+    assert "Traceback" not in out and "Unable to load CUDA" not in out, out
