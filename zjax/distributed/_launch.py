@@ -64,7 +64,7 @@ class GlooFilter:
         rest = _GLOO.sub(strip, line)
         if rest == line:
             return line
-        text = " ".join(kept) + rest.strip()
+        text = " ".join([*kept, rest.strip()]).strip()
         return f"{text}\n" if text else None
 
 

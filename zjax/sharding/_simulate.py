@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Mapping, MutableMapping
 
 import jax
+from jax._src import xla_bridge  # backends_are_initialized: no public equivalent in jax 0.10.2
 
 COLLECTIVES_IN_FLIGHT = 4
 """Blocking collectives one device may have started and not finished at once (2 seen in a layer scan beside
@@ -40,8 +41,6 @@ _WARNED: set[str] = set()
 
 def backend_started() -> bool:
     """Whether JAX has started its backends in this process (device counts and threads are then fixed)."""
-    from jax._src import xla_bridge
-
     return xla_bridge.backends_are_initialized()
 
 
