@@ -12,21 +12,22 @@ from zjax.sharding import _simulate
 
 from ._procs import run_workers
 
+# a stuck collective aborts after 30 s (XLA's default: 40), well above a slow machine's wait for a lagging device
 TIMEOUTS = (
-    "--xla_cpu_collective_call_terminate_timeout_seconds=10 --xla_cpu_collective_call_warn_stuck_timeout_seconds=5"
+    "--xla_cpu_collective_call_terminate_timeout_seconds=30 --xla_cpu_collective_call_warn_stuck_timeout_seconds=10"
 )
 
 
 def test_overlapping_collectives_finish_on_simulated_devices():
     """A stage-3 step with packed rows, 40 times on 8 devices: with XLA:CPU's default pool (8 threads here) it
-    deadlocked 3 of 3 times; through zjax.simulate_cpu_devices it finishes (a stuck collective aborts in 10 s)."""
+    deadlocked 3 of 3 times; through zjax.simulate_cpu_devices it finishes (a stuck collective aborts in 30 s)."""
     env = {k: v for k, v in os.environ.items() if k != _simulate.THREADS_VARIABLE}  # the worker sets its own
     env["XLA_FLAGS"] = TIMEOUTS
     [(code, out)] = run_workers([[sys.executable, "-m", "tests._overlap_worker", "40"]], timeout=240, envs=[env])
     assert code == 0 and "finished 40" in out, out[-3000:]
 
 
-def test_simulate_sizes_the_pool_and_leaves_a_users_choice():
+def test_simulate_refuses_a_started_backend_and_bad_counts():
     env: dict[str, str] = {}
     with pytest.raises(RuntimeError, match=r"already started.*Call it at the top of the script"):
         zjax.simulate_cpu_devices(8, env=env)  # the suite's backend is running
@@ -66,12 +67,17 @@ def test_the_thread_pool_changes_no_compiled_program():
 
 
 @pytest.mark.skipif(_simulate.nvidia_gpu_visible(), reason="an NVIDIA GPU is visible: the CUDA plugin may start")
-def test_no_cuda_traceback_without_a_gpu():
+def test_a_simulating_process_sizes_its_pool_and_prints_no_cuda_traceback():
     """With the CUDA plugin installed (the test extra) and no GPU, JAX would log the plugin's failed library check
-    as a traceback before falling back to the CPU; a process that simulates its devices prints none."""
+    as a traceback before falling back to the CPU; a process that simulates its devices prints none. Its pool is
+    sized unless the user set PJRT_NPROC."""
     pytest.importorskip("jax_plugins.xla_cuda12")
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK")}
-    code = "import zjax\nzjax.simulate_cpu_devices(2)\nimport jax\nprint(jax.devices())\n"
-    [(rc, out)] = run_workers([[sys.executable, "-c", code]], timeout=120, envs=[env])
+    env.pop(_simulate.THREADS_VARIABLE, None)
+    code = "import os, zjax\nzjax.simulate_cpu_devices(2)\nimport jax\nprint(jax.devices(), os.environ['PJRT_NPROC'])\n"
+    cmd = [sys.executable, "-c", code]
+    (rc, out), (rc_own, own) = run_workers([cmd, cmd], timeout=120, envs=[env, {**env, "PJRT_NPROC": "3"}])
     assert rc == 0 and "CpuDevice(id=1)" in out, out
     assert "Traceback" not in out and "Unable to load CUDA" not in out, out
+    assert f"] {max(os.cpu_count() or 1, 8)}" in out  # 4 threads per device, never fewer than the cores
+    assert rc_own == 0 and "] 3" in own, own  # a value the user set is kept (a step then warns: below)
