@@ -72,7 +72,7 @@ def parse_mesh(text: str) -> dict[str, int]:
     sizes = {}
     for part in filter(None, text.replace(" ", "").split(",")):
         name, eq, value = part.partition("=")
-        if not eq or name not in ("replica", "dp", "tp", "pp"):
+        if not eq or name not in ("replica", "dp", "cp", "tp", "pp"):
             raise argparse.ArgumentTypeError(f"--mesh: expected entries like dp=4,tp=2 or replica=2,dp=4, got {part!r}")
         try:
             sizes[name] = int(value)
@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--mesh",
         type=parse_mesh,
         default={"dp": -1},
-        help="e.g. dp=8, dp=4,tp=2, or replica=2,dp=4 for HSDP (shard over dp, replicate over replica); default dp=all",
+        help="e.g. dp=8, dp=4,tp=2, dp=2,cp=4 (each sequence split over 4 devices), or replica=2,dp=4 for HSDP "
+        "(shard over dp, replicate over replica); default dp=all",
     )
     p.add_argument("--preset", default="small", help="model size: tiny, small, medium")
     p.add_argument(
@@ -410,7 +411,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     result = {
         "stage": args.stage,
-        "mesh": {"replica": sizes["replica"], "dp": sizes["dp"], "tp": sizes["tp"], "pp": sizes["pp"]},
+        "mesh": {name: sizes[name] for name in ("replica", "dp", "cp", "tp", "pp")},
         "processes": jax.process_count(),
         "pipeline": None
         if pipeline is None

@@ -121,7 +121,7 @@ def test_attention_runs_on_cudnn_for_the_gpu_target_and_on_xla_here(gpu_steps):
     text = gpu_steps[3][0].as_text()
     assert 'custom_call_target="__cudnn$fmhaSoftmax"' in text  # forward (and its remat recompute)
     assert 'custom_call_target="__cudnn$fmhaSoftmaxBackward"' in text
-    from zjax.models._attention import attention_implementation
+    from zjax.context import attention_implementation
 
     assert attention_implementation(jnp.bfloat16) == "xla"  # this process's CPU devices
 

@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from .sharding._axes import DP
 from .sharding._batch import batch_shardings
-from .sharding._mesh import axis_size
+from .sharding._mesh import zero_size
 from .stages._layout import Unsharded
 from .stages._placement import shard_count
 
@@ -168,7 +167,7 @@ def theory_bytes(plan: Plan, state: TrainState, accum_steps: int = 1) -> tuple[i
 
 def _theory(plan: Plan, state: TrainState, accum_steps: int) -> tuple[int, float, dict[str, int]]:
     sizes = dict(plan.mesh.shape)
-    n = axis_size(plan.mesh, DP)
+    n = zero_size(plan.mesh)  # ZeRO's N: dp x cp
     stage, precision = plan.stage, plan.precision
     layout = state.layout.params
     psi = sum(int(math.prod(p.leaf.shape)) for p in layout.placements)

@@ -37,7 +37,7 @@ def parse_mesh(text: str) -> dict[str, int]:
     sizes: dict[str, int] = {}
     for part in filter(None, text.replace(" ", "").split(",")):
         name, eq, value = part.partition("=")
-        if not eq or name not in ("replica", "dp", "tp", "pp") or not value.isdigit() or int(value) < 1:
+        if not eq or name not in ("replica", "dp", "cp", "tp", "pp") or not value.isdigit() or int(value) < 1:
             raise argparse.ArgumentTypeError(
                 f"--mesh: expected entries like dp=64,tp=2 or replica=8,dp=8 (HSDP), got {part!r}"
             )

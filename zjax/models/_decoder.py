@@ -20,8 +20,8 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from .. import pipeline
+from ..context import CONTEXT_MODES, attention
 from ..remat import RematPolicy, gather_checkpoint, linen_scan, partition_checkpoint
-from ._attention import causal_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +43,8 @@ class DecoderConfig:
     ``kv_heads`` (default: ``heads``) < ``heads`` is grouped-query attention; ``rope_theta`` and
     ``rope_scaling`` set the rotary frequencies; ``tie_embeddings`` reads the output head from the
     embedding table; ``qkv_bias`` adds Qwen2's q/k/v biases; ``sliding_window`` limits each token to itself and
-    the ``sliding_window`` positions before it (Mistral). ``scan`` stacks layers with ``nn.scan``; ``remat`` names
+    the ``sliding_window`` positions before it (Mistral). ``context_mode`` says how attention reaches the keys
+    of other ``cp`` ranks (``"all-gather"`` or ``"ring"``, :func:`zjax.context.attention`). ``scan`` stacks layers with ``nn.scan``; ``remat`` names
     the checkpointing policy of each layer (:data:`zjax.remat.POLICIES`).
     """
 
@@ -63,6 +64,7 @@ class DecoderConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False
     sliding_window: int | None = None
+    context_mode: str = "all-gather"
 
     def __post_init__(self) -> None:
         for name in ("vocab", "embed", "layers", "heads", "head_dim", "mlp", "max_len"):
@@ -75,6 +77,11 @@ class DecoderConfig:
             raise ValueError(
                 f"DecoderConfig: heads={self.heads} is not a multiple of kv_heads={self.num_kv_heads}; grouped-query "
                 f"attention shares each key/value head among heads/kv_heads query heads."
+            )
+        if self.context_mode not in CONTEXT_MODES:
+            raise ValueError(
+                f"DecoderConfig: context_mode={self.context_mode!r}; valid modes are {list(CONTEXT_MODES)} (how "
+                "attention gets keys and values from the other cp ranks)."
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"DecoderConfig: sliding_window={self.sliding_window} must be >= 1 or None.")
@@ -181,6 +188,7 @@ def _rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array
 
 class Block(nn.Module):
     cfg: DecoderConfig
+    load_balanced: bool = False  # the sequence is in zjax.context.load_balance's layout
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None):
@@ -208,7 +216,10 @@ class Block(nn.Module):
         q = _rope(checkpoint_name(q, "qkv_proj"), positions, inv_freq)
         k = _rope(checkpoint_name(k, "qkv_proj"), positions, inv_freq)
         v = checkpoint_name(v, "qkv_proj")
-        attn = causal_attention(q, k, v, segment_ids=segment_ids, window=c.sliding_window)
+        attn = attention(
+            q, k, v, segment_ids=segment_ids, window=c.sliding_window, load_balanced=self.load_balanced,
+            context_mode=c.context_mode,
+        )  # fmt: skip
         x = x + checkpoint_name(jnp.einsum("bshd,hde->bse", attn, wo), "out_proj")
 
         w_gate = _param(self, "w_gate", (c.embed, c.mlp), ("embed", "mlp"))
@@ -229,6 +240,8 @@ class Decoder(nn.Module):
     ``positions [batch, seq]`` (default ``0 .. seq-1``) and ``segment_ids [batch, seq]`` (tokens attend
     only within their segment) serve packed sequences; ``return_hidden=True`` returns the final normed
     hidden states ``[batch, seq, embed]`` instead of logits (:func:`lm_loss` computes the logits in chunks).
+    ``load_balanced=True`` says the rows are in :func:`zjax.context.load_balance`'s layout (then pass the
+    tokens' ``positions``): :func:`lm_loss` does this on a mesh with ``cp > 1``.
     """
 
     cfg: DecoderConfig
@@ -241,6 +254,7 @@ class Decoder(nn.Module):
         segment_ids: jax.Array | None = None,
         *,
         return_hidden: bool = False,
+        load_balanced: bool = False,
     ) -> jax.Array:
         c = self.cfg
         embedding = _param(self, "embedding", (c.vocab, c.embed), ("vocab", "embed"), nn.initializers.normal(1.0))
@@ -262,15 +276,15 @@ class Decoder(nn.Module):
                     f"remat={policy.name.removesuffix('+partitioned')!r} with a pipeline."
                 )
             # each stage scans its layers, rematerialized per layer by the model's policy
-            one = Block(c)
+            one = Block(c, load_balanced)
             stage_fn = pipeline.scan_layers(lambda w, h: one.apply({"params": w}, h)[0], policy)
             x = pipeline.apply(stage_fn, self.variables["params"]["layers"], x, schedule)
         elif c.scan:
-            x, _ = linen_scan(Block, c.layers, policy, broadcast=True)(c, name="layers")(x, positions, segment_ids)
+            x, _ = linen_scan(Block, c.layers, policy, broadcast=True)(c, load_balanced, name="layers")(x, positions, segment_ids)
         else:
             block = nn.remat(Block, policy=policy.jax_policy()) if policy.remat else Block
             for i in range(c.layers):
-                x, _ = block(c, name=f"layer_{i}")(x, positions, segment_ids)
+                x, _ = block(c, load_balanced, name=f"layer_{i}")(x, positions, segment_ids)
         x = RMSNorm(c.embed, c.norm_eps, name="final_norm")(x)
         head = _param(self, "head", (c.embed, c.vocab), ("embed", "vocab")) if not c.tie_embeddings else None
         if return_hidden:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ..context import context_size, load_balance
 from ._decoder import output_head
 
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
@@ -118,11 +119,23 @@ def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16
     time (:func:`chunked_cross_entropy`; ``None``: whole).
     """
     tokens, positions, segment_ids, loss_mask = read_batch(batch)
-    cut = lambda x: None if x is None else x[:, :-1]
-    hidden = model.apply({"params": params}, tokens[:, :-1], cut(positions), cut(segment_ids), return_hidden=True)
     weights = None if loss_mask is None else loss_mask[:, 1:].astype(jnp.float32)
     if segment_ids is not None:
         same = (segment_ids[:, 1:] == segment_ids[:, :-1]).astype(jnp.float32)
         weights = same if weights is None else weights * same
+    cut = lambda x: None if x is None else x[:, :-1]  # noqa: E731
+    inputs, positions, segment_ids, targets = tokens[:, :-1], cut(positions), cut(segment_ids), tokens[:, 1:]
+    balanced = context_size() > 1
+    if balanced:
+        # every per-token array in the load-balanced layout before the model splits the rows over cp: each
+        # cp rank then holds a chunk from the front and its mirror from the back (the loss is a mean, so the
+        # order of its terms does not matter)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+        inputs, positions, targets = (load_balance(x) for x in (inputs, positions, targets))
+        segment_ids, weights = (None if x is None else load_balance(x) for x in (segment_ids, weights))
+    hidden = model.apply(
+        {"params": params}, inputs, positions, segment_ids, return_hidden=True, load_balanced=balanced
+    )
     head = output_head(model.cfg, nn.unbox(params))  # params may carry flax's logical-axis boxes
-    return chunked_cross_entropy(hidden, head, tokens[:, 1:], weights, vocab_chunk)
+    return chunked_cross_entropy(hidden, head, targets, weights, vocab_chunk)

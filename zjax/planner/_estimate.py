@@ -192,9 +192,9 @@ class Estimate:
 
 
 def _check_mesh(mesh: dict[str, int]) -> None:
-    unknown = sorted(set(mesh) - {"replica", "dp", "tp", "pp"})
+    unknown = sorted(set(mesh) - {"replica", "dp", "cp", "tp", "pp"})
     if unknown:
-        raise ValueError(f"planner: unknown mesh axes {unknown} in {mesh}; use replica (HSDP), dp, tp and pp.")
+        raise ValueError(f"planner: unknown mesh axes {unknown} in {mesh}; use replica (HSDP), dp, cp, tp and pp.")
     if any(not isinstance(v, int) or v < 1 for v in mesh.values()):
         raise ValueError(f"planner: mesh sizes must be positive ints, got {mesh}.")
 
@@ -243,7 +243,8 @@ def estimate_fn(
     offload = Offload.from_value(offload)
     devices = _devices(mesh, target)
     device_mesh = make_mesh(
-        dp=(mesh.get("replica", 1), mesh.get("dp", 1)), tp=mesh.get("tp", 1), pp=mesh.get("pp", 1), devices=devices
+        dp=(mesh.get("replica", 1), mesh.get("dp", 1)), tp=mesh.get("tp", 1), pp=mesh.get("pp", 1), cp=mesh.get("cp", 1),
+        devices=devices
     )
     backend = "gpu" if target is not None else "cpu"
     device_kind = str(devices[0].device_kind)

@@ -4,12 +4,14 @@ from ._annotations import Leaf as Leaf
 from ._annotations import path_str as path_str
 from ._annotations import read_leaves as read_leaves
 from ._annotations import unbox as unbox
+from ._axes import CP as CP
 from ._axes import DATA_AXES as DATA_AXES
 from ._axes import DP as DP
 from ._axes import MESH_AXES as MESH_AXES
 from ._axes import PP as PP
 from ._axes import REPLICA as REPLICA
 from ._axes import TP as TP
+from ._axes import ZERO_AXES as ZERO_AXES
 from ._batch import batch_shardings as batch_shardings
 from ._batch import batch_spec as batch_spec
 from ._batch import check_batch as check_batch
@@ -23,6 +25,9 @@ from ._mesh import data_size as data_size
 from ._mesh import dcn_split as dcn_split
 from ._mesh import make_mesh as make_mesh
 from ._mesh import process_spans as process_spans
+from ._mesh import zero_axes as zero_axes
+from ._mesh import zero_size as zero_size
+from ._mesh import zero_target as zero_target
 from ._rules import DEFAULT_LOGICAL_RULES as DEFAULT_LOGICAL_RULES
 from ._rules import Rules as Rules
 from ._simulate import simulate_cpu_devices as simulate_cpu_devices

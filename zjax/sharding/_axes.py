@@ -9,13 +9,22 @@ Size 1 unless ``zjax.make_mesh(dp=(replica, shard))`` asks for HSDP; it is the o
 parallelism and the axis meant to cross nodes."""
 DP = "dp"
 """Data parallel axis (the HSDP shard axis): the batch is split over it; ZeRO stages shard model state over it."""
+CP = "cp"
+"""Context parallel axis: each sequence is split along its length over it for the whole layer stack.
+
+Its ranks hold the same parameters (they see different tokens of the same rows), so gradients are reduced over
+it and ZeRO shards model state over ``dp x cp`` (:data:`ZERO_AXES`)."""
 TP = "tp"
 """Tensor parallel axis: parameters are split over it by logical-axis rules."""
 PP = "pp"
 """Pipeline parallel axis: layer stages are placed along it."""
 
-MESH_AXES: tuple[str, ...] = (PP, REPLICA, DP, TP)
-"""Axis order of every zjax mesh, outermost first: tp is innermost so that it lands on the closest devices."""
+MESH_AXES: tuple[str, ...] = (PP, REPLICA, DP, CP, TP)
+"""Axis order of every zjax mesh, outermost first: the axes with the heaviest collectives innermost (tp, then cp)
+so that they land on the closest devices."""
 
 DATA_AXES: tuple[str, ...] = (REPLICA, DP)
 """The axes the batch is split over, outermost first."""
+
+ZERO_AXES: tuple[str, ...] = (DP, CP)
+"""The axes ZeRO shards model state over: ranks along them hold the same parameters and see different tokens."""

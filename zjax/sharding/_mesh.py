@@ -1,4 +1,4 @@
-"""Build the (pp, replica, dp, tp) device mesh, on one process or many."""
+"""Build the (pp, replica, dp, cp, tp) device mesh, on one process or many."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import jax
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from ._axes import DATA_AXES, DP, MESH_AXES, PP, REPLICA, TP
+from ._axes import CP, DATA_AXES, DP, MESH_AXES, PP, REPLICA, TP, ZERO_AXES
 
 
 def _resolve_sizes(sizes: dict[str, int], num_devices: int) -> dict[str, int]:
@@ -29,14 +29,14 @@ def _resolve_sizes(sizes: dict[str, int], num_devices: int) -> dict[str, int]:
     fixed = math.prod(size for size in sizes.values() if size != -1)
     if inferred:
         if num_devices % fixed:
-            given = ", ".join(f"{n}={s}" for n, s in sizes.items() if s != -1 and not (n == REPLICA and s == 1))
+            given = ", ".join(f"{n}={s}" for n, s in sizes.items() if s != -1 and not (n in (REPLICA, CP) and s == 1))
             raise ValueError(
                 f"make_mesh: cannot infer {inferred[0]}: {num_devices} devices are not divisible by "
                 f"{given} (product {fixed}). Choose sizes whose product divides {num_devices}."
             )
         sizes = {**sizes, inferred[0]: num_devices // fixed}
     elif fixed != num_devices:
-        given = " x ".join(f"{n}={s}" for n, s in sizes.items() if not (n == REPLICA and s == 1))
+        given = " x ".join(f"{n}={s}" for n, s in sizes.items() if not (n in (REPLICA, CP) and s == 1))
         raise ValueError(
             f"make_mesh: {given} = {fixed} devices, but {num_devices} are available. "
             f"Make the product equal {num_devices}, or pass -1 for one axis to infer it."
@@ -58,7 +58,7 @@ def _split_dp(dp: object) -> tuple[int, int]:
 
 def dcn_split(sizes: dict[str, int], num_slices: int) -> dict[str, int]:
     """How many slices (nodes) each axis spans: the slow network goes to ``replica``, then ``pp``, then
-    ``dp``; ``tp`` never crosses it.
+    ``dp``; ``cp`` and ``tp`` never cross it.
 
     Raises:
       ValueError: when the slices cannot be divided among those axes.
@@ -72,7 +72,7 @@ def dcn_split(sizes: dict[str, int], num_slices: int) -> dict[str, int]:
         raise ValueError(
             f"make_mesh: the devices span {num_slices} slices (nodes), which cannot be divided among "
             f"{REPLICA}={sizes.get(REPLICA, 1)}, {PP}={sizes.get(PP, 1)} and {DP}={sizes.get(DP, 1)} without "
-            f"putting {TP} across the slow network. Make {REPLICA} x {PP} x {DP} a multiple of {num_slices}, "
+            f"putting {CP} or {TP} across the slow network. Make {REPLICA} x {PP} x {DP} a multiple of {num_slices}, "
             f"e.g. dp=({num_slices}, -1)."
         )
     return dcn
@@ -87,12 +87,13 @@ def make_mesh(
     tp: int = 1,
     pp: int = 1,
     *,
+    cp: int = 1,
     devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
-    """Make a mesh with the named axes ``pp``, ``replica``, ``dp`` and ``tp`` (outermost first).
+    """Make a mesh with the named axes ``pp``, ``replica``, ``dp``, ``cp`` and ``tp`` (outermost first).
 
     Device order comes from :func:`jax.make_mesh`, which knows the physical topology and keeps inner
-    axes (``tp``, then ``dp``) on the closest devices: with several processes the outer axes are the
+    axes (``tp``, then ``cp``, then ``dp``) on the closest devices: with several processes the outer axes are the
     ones that cross processes. When the devices span several slices (nodes with their own fast
     interconnect) the mesh is built with :func:`jax.experimental.mesh_utils.create_hybrid_device_mesh`
     so that only ``replica``, ``pp`` and then ``dp`` cross the slow network (see :func:`dcn_split`).
@@ -106,10 +107,12 @@ def make_mesh(
         group and only the gradient shards are all-reduced across groups. Either may be ``-1``.
       tp: tensor-parallel size. ``-1`` infers it.
       pp: pipeline-parallel size. ``-1`` infers it.
+      cp: context-parallel size: each sequence is split along its length over ``cp`` devices (attention
+        gathers the keys and values it needs); ZeRO shards model state over ``dp x cp``. ``-1`` infers it.
       devices: the devices to use; all of ``jax.devices()`` by default.
 
     Returns:
-      A :class:`jax.sharding.Mesh` with axis names ``("pp", "replica", "dp", "tp")``.
+      A :class:`jax.sharding.Mesh` with axis names ``("pp", "replica", "dp", "cp", "tp")``.
 
     Raises:
       ValueError: if the sizes do not multiply to the number of devices, or more than one is -1.
@@ -117,10 +120,11 @@ def make_mesh(
     Example:
       >>> mesh = zjax.make_mesh(dp=-1, tp=2)      # 8 devices -> dp=4, tp=2
       >>> mesh = zjax.make_mesh(dp=(2, 4))        # HSDP: 2 replicas of a 4-way ZeRO group
+      >>> mesh = zjax.make_mesh(dp=2, cp=4)       # each sequence split over 4 devices
     """
     devices = list(jax.devices() if devices is None else devices)
     replica, shard = _split_dp(dp)
-    sizes = _resolve_sizes({REPLICA: replica, DP: shard, TP: tp, PP: pp}, len(devices))
+    sizes = _resolve_sizes({REPLICA: replica, DP: shard, CP: cp, TP: tp, PP: pp}, len(devices))
     shape = tuple(sizes[name] for name in MESH_AXES)
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
     slices = _slices(devices)
@@ -146,6 +150,22 @@ def data_axes(mesh: Mesh) -> tuple[str, ...]:
 def data_size(mesh: Mesh) -> int:
     """Into how many parts the batch is split: ``replica x dp``."""
     return math.prod(axis_size(mesh, a) for a in DATA_AXES)
+
+
+def zero_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The axes ZeRO shards model state over on ``mesh``: ``dp``, and ``cp`` when it is larger than 1."""
+    return tuple(a for a in ZERO_AXES if a == DP or axis_size(mesh, a) > 1)
+
+
+def zero_size(mesh: Mesh) -> int:
+    """ZeRO's ``N``: into how many shards a stage splits model state (``dp x cp``)."""
+    return math.prod(axis_size(mesh, a) for a in ZERO_AXES)
+
+
+def zero_target(mesh: Mesh) -> str | tuple[str, ...]:
+    """:func:`zero_axes` as one ``PartitionSpec`` entry (``"dp"`` or ``("dp", "cp")``)."""
+    axes = zero_axes(mesh)
+    return axes[0] if len(axes) == 1 else axes
 
 
 def data_target(mesh: Mesh) -> str | tuple[str, ...] | None:

@@ -15,7 +15,7 @@ from typing import Any
 from jax.sharding import Mesh, PartitionSpec
 
 from ._annotations import Leaf
-from ._axes import DATA_AXES, DP, PP, TP
+from ._axes import CP, DATA_AXES, DP, PP, TP
 from ._mesh import axis_size, data_axes
 
 AxisTarget = str | tuple[str, ...] | None
@@ -34,7 +34,7 @@ DEFAULT_LOGICAL_RULES: tuple[tuple[str, AxisTarget], ...] = (
 
 DEFAULT_ACTIVATION_RULES: tuple[tuple[str, AxisTarget], ...] = (
     ("batch", DP),
-    ("seq", None),
+    ("seq", CP),  # context parallelism: the sequence split over cp (nothing when cp=1)
     ("embed", None),
     ("head_dim", None),
     ("vocab", TP),

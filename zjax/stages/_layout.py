@@ -10,14 +10,15 @@ import optax
 from jax.sharding import Mesh, PartitionSpec
 
 from ..sharding._annotations import Leaf
-from ..sharding._axes import DP
+from ..sharding._mesh import zero_target
 from ._placement import add_axis
 from ._stage import Stage
 
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where one parameter lives: its compute (model-parallel) spec and its spec with ``dp`` added."""
+    """Where one parameter lives: its compute (model-parallel) spec and its spec with ZeRO's axes (``dp``, and
+    ``cp`` when the mesh has one) added."""
 
     leaf: Leaf
     compute: PartitionSpec
@@ -45,10 +46,10 @@ class Layout:
 
     @classmethod
     def build(cls, stage: Stage, mesh: Mesh, treedef: Any, leaves: list[Leaf], compute: list[PartitionSpec]):
-        sizes = dict(mesh.shape)
+        sizes, zero = dict(mesh.shape), zero_target(mesh)
         placements = []
         for leaf, spec in zip(leaves, compute, strict=True):
-            sharded, reason = add_axis(spec, leaf.shape, DP, sizes)
+            sharded, reason = add_axis(spec, leaf.shape, zero, sizes)
             placements.append(Placement(leaf, spec, sharded, reason))
         return cls(stage, mesh, treedef, tuple(placements))
 
@@ -89,12 +90,12 @@ class Layout:
         from its parameter's (e.g. Adafactor's factored rows) and every other state leaf get their own
         placement: dp on their largest divisible dimension when the stage shards the optimizer.
         """
-        sizes = dict(self.mesh.shape)
+        sizes, zero = dict(self.mesh.shape), zero_target(self.mesh)
         shard = self.stage.shard_optimizer
 
         def own(x: Any) -> PartitionSpec:
             shape = tuple(getattr(x, "shape", ()))
-            return add_axis(PartitionSpec(), shape, DP, sizes)[0] if shard else PartitionSpec()
+            return add_axis(PartitionSpec(), shape, zero, sizes)[0] if shard else PartitionSpec()
 
         return self._map_optimizer_state(tx, state, lambda x, master: master.spec, own)
 

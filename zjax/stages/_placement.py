@@ -1,4 +1,4 @@
-"""Put one more mesh axis (ZeRO's ``dp``) on top of a leaf's spec."""
+"""Put one more mesh axis (ZeRO's ``dp``, or ``dp x cp``) on top of a leaf's spec."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ def _axes(entry: object) -> tuple[str, ...]:
 
 
 def add_axis(
-    spec: PartitionSpec, shape: tuple[int, ...], axis: str, sizes: dict[str, int]
+    spec: PartitionSpec, shape: tuple[int, ...], axis: str | tuple[str, ...], sizes: dict[str, int]
 ) -> tuple[PartitionSpec, str | None]:
-    """Shard ``shape`` additionally over mesh ``axis``.
+    """Shard ``shape`` additionally over mesh ``axis`` (a name, or a tuple of names that split one dimension
+    together, outermost first: ZeRO's ``("dp", "cp")``).
 
     The axis goes on the largest dimension that is not yet sharded and divides by the axis size
     (earliest such dimension on a tie). Failing that, it is stacked onto an already sharded dimension
@@ -28,7 +29,8 @@ def add_axis(
     Returns:
       ``(new_spec, None)`` or ``(spec, reason)`` when the leaf cannot be sharded over ``axis``.
     """
-    size = sizes[axis]
+    names = _axes(axis)
+    size = math.prod(sizes[a] for a in names)
     if size == 1:
         return spec, None
     entries = list(spec) + [None] * (len(shape) - len(spec))
@@ -45,9 +47,9 @@ def add_axis(
             if e is not None and shape[d] % (math.prod(sizes[a] for a in _axes(e)) * size) == 0
         ]
         if not stacked:
-            return spec, f"no dimension of shape {shape} is divisible by {axis}={size}"
+            return spec, f"no dimension of shape {shape} is divisible by {'x'.join(names)}={size}"
         dim = max(stacked, key=lambda d: (shape[d], -d))
-        entries[dim] = (*_axes(entries[dim]), axis)
+        entries[dim] = (*_axes(entries[dim]), *names)
     while entries and entries[-1] is None:
         entries.pop()
     return PartitionSpec(*entries), None

@@ -1,0 +1,186 @@
+"""Long context: the blocked attention equals XLA's, and a sequence split over cp trains the same model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zjax
+from zjax.context import Blocks, attention, balanced_order, load_balance
+from zjax.context._attention import _dense
+from zjax.models import Decoder, DecoderConfig, lm_loss
+from zjax.planner._hlo import collectives, count_collectives
+
+# -- the blocked attention against XLA's dense attention -------------------------------------------------
+
+
+def qkv(seed=0, b=2, s=64, heads=4, kv_heads=2, d=16):
+    r = np.random.default_rng(seed)
+    q = jnp.asarray(r.normal(size=(b, s, heads, d)), jnp.float32)
+    k = jnp.asarray(r.normal(size=(b, s, kv_heads, d)), jnp.float32)
+    v = jnp.asarray(r.normal(size=(b, s, kv_heads, d)), jnp.float32)
+    return q, k, v
+
+
+def packed_segments(b: int, s: int, seed: int = 0) -> np.ndarray:
+    """Rows of consecutive segments of random lengths (a packer's output)."""
+    r = np.random.default_rng(seed)
+    rows = []
+    for _ in range(b):
+        cuts = np.sort(r.choice(np.arange(1, s), size=3, replace=False))
+        rows.append(np.searchsorted(cuts, np.arange(s), side="right"))
+    return np.stack(rows).astype(np.int32)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("packed", [False, True])
+def test_blocked_attention_equals_xla_attention(packed, window):
+    """Several query and key blocks (16 x 8 of 64), GQA, packed rows, a window: outputs and gradients of
+    q, k and v equal XLA's dense attention (fp32)."""
+    q, k, v = qkv()
+    seg = jnp.asarray(packed_segments(2, 64)) if packed else None
+    w = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v) * w)
+
+    dense = loss(lambda q, k, v: _dense(q, k, v, seg, window, "xla"))
+    blocked = loss(lambda q, k, v: attention(q, k, v, segment_ids=seg, window=window, implementation="blocked", blocks=Blocks(16, 8)))
+    want, want_grads = jax.value_and_grad(dense, argnums=(0, 1, 2))(q, k, v)
+    got, got_grads = jax.value_and_grad(blocked, argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, h in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, h, atol=2e-5)
+
+
+def test_blocked_attention_never_builds_the_score_matrix():
+    """The jaxpr of the blocked attention (forward and backward) holds no array with both sequence dims."""
+    q, k, v = qkv(s=256)
+    fn = lambda q, k, v: jnp.sum(attention(q, k, v, implementation="blocked", blocks=Blocks(32, 32)))  # noqa: E731
+    jaxpr = jax.make_jaxpr(jax.grad(fn, argnums=(0, 1, 2)))(q, k, v)
+    shapes = [tuple(v.aval.shape) for eqn in _eqns(jaxpr.jaxpr) for v in eqn.outvars]
+    assert shapes and not [s for s in shapes if s.count(256) >= 2]
+    dense = jax.make_jaxpr(jax.grad(lambda q, k, v: jnp.sum(_dense(q, k, v, None, None, "xla")), argnums=(0, 1, 2)))(q, k, v)
+    assert [s for eqn in _eqns(dense.jaxpr) for s in [tuple(v.aval.shape) for v in eqn.outvars] if s.count(256) >= 2]
+
+
+def _eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _eqns(sub)
+
+
+def test_the_balanced_layout_gives_each_rank_a_chunk_and_its_mirror():
+    order = balanced_order(16, 4)  # 8 chunks of 2
+    assert order.tolist() == [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]
+    x = jnp.arange(16)[None]
+    np.testing.assert_array_equal(load_balance(x, cp=4), order[None])
+    # causal work per rank: the number of (query, key) pairs it scores is the same for every rank
+    work = [int(np.sum(order.reshape(4, 4)[r][:, None] + 1)) for r in range(4)]
+    assert len(set(work)) == 1, work
+
+
+def test_a_length_that_cp_cannot_split_names_the_lengths_that_work():
+    with pytest.raises(ValueError, match=r"sequence length 30 cannot be split over cp=4 .*multiple of 8. Use 24 or 32"):
+        balanced_order(30, 4)
+
+
+# -- the decoder with its sequence split over cp ----------------------------------------------------------
+
+CFG = DecoderConfig(vocab=64, embed=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64, max_len=32)
+SEQ, ROWS = 32, 8
+
+
+def batches(packed: bool, steps: int = 2):
+    r = np.random.default_rng(7)
+    out = []
+    for i in range(steps):
+        tokens = r.integers(0, CFG.vocab, (ROWS, SEQ + 1)).astype(np.int32)
+        if not packed:
+            out.append(tokens)
+            continue
+        seg = packed_segments(ROWS, SEQ + 1, seed=i)
+        starts = np.concatenate([np.ones((ROWS, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+        idx = np.arange(SEQ + 1)[None].repeat(ROWS, 0)
+        first = np.maximum.accumulate(np.where(starts, idx, 0), axis=1)
+        out.append({"tokens": tokens, "segment_ids": seg, "positions": (idx - first).astype(np.int32)})
+    return out
+
+
+def train(mesh_kw, *, stage=0, cfg=CFG, packed=False, steps=2):
+    model = Decoder(cfg)
+    plan = zjax.Plan(zjax.make_mesh(**mesh_kw), stage=stage, precision="fp32")
+    state = plan.init(
+        lambda r: model.init(r, jnp.zeros((1, SEQ), jnp.int32))["params"], optax.sgd(0.1, momentum=0.9), jax.random.key(0)
+    )
+    step = plan.train_step(lambda p, b: lm_loss(model, p, b))
+    losses = []
+    for batch in batches(packed, steps):
+        state, metrics = step(state, plan.shard_batch(batch))
+        losses.append(float(metrics["loss"]))
+    return losses, jax.device_get(state.params)
+
+
+def check_same(got, want):
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+
+
+REFERENCE: dict = {}
+
+
+def reference(cfg=CFG, packed=False):
+    key = (cfg, packed)
+    if key not in REFERENCE:
+        REFERENCE[key] = train({"dp": 8}, cfg=cfg, packed=packed)
+    return REFERENCE[key]
+
+
+@pytest.mark.parametrize(
+    ("mesh_kw", "stage", "mode", "packed", "window"),
+    [
+        ({"dp": 4, "cp": 2}, 0, "all-gather", False, None),
+        ({"dp": 2, "cp": 4}, 3, "all-gather", True, None),
+        ({"dp": 2, "cp": 4}, 3, "ring", True, None),
+        ({"dp": 4, "cp": 2}, 3, "ring", False, 5),
+        ({"dp": 2, "cp": 2, "tp": 2}, 3, "all-gather", True, 5),
+    ],
+)
+def test_context_parallel_trains_the_same_model(mesh_kw, stage, mode, packed, window):
+    """fp32, two SGD+momentum steps, GQA: losses and parameters with the sequence split over cp (load-balanced
+    causal layout, all-gather or ring attention, packed rows, a sliding window, tp, ZeRO-3 over dp x cp)
+    equal the dp=8 run's."""
+    cfg = dataclasses.replace(CFG, context_mode=mode, sliding_window=window)
+    check_same(train(mesh_kw, stage=stage, cfg=cfg, packed=packed), reference(dataclasses.replace(CFG, sliding_window=window), packed))
+
+
+def compiled_text(mesh_kw, mode="all-gather", stage=3):
+    cfg = dataclasses.replace(CFG, context_mode=mode)
+    model = Decoder(cfg)
+    plan = zjax.Plan(zjax.make_mesh(**mesh_kw), stage=stage, precision="fp32")
+    init = lambda r: model.init(r, jnp.zeros((1, SEQ), jnp.int32))["params"]  # noqa: E731
+    state = plan.abstract_state(init, optax.adam(1e-3), jax.random.key(0))
+    batch = jax.ShapeDtypeStruct((ROWS, SEQ + 1), jnp.int32)
+    return state, plan.train_step(lambda p, b: lm_loss(model, p, b)).lower(state, batch).compile()
+
+
+def test_zero_shards_state_over_dp_and_cp_and_cp_moves_keys_and_values():
+    """At stage 3 on dp=2 x cp=4 every weight is cut into 8 shards (ZeRO's N = dp x cp); the ring moves
+    K/V by collective-permutes, the all-gather mode by all-gathers over cp."""
+    state, compiled = compiled_text({"dp": 2, "cp": 4})
+    specs = jax.tree.leaves(state.layout.param_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    assert specs and all(("dp", "cp") in tuple(s) for s in specs), specs
+    ring = collectives(compiled_text({"dp": 2, "cp": 4}, "ring")[1].as_text())
+    gathered = collectives(compiled.as_text())
+    assert any(c.kind == "collective-permute" for c in ring)
+    assert not any(c.kind == "collective-permute" for c in gathered)
+    by_axes = count_collectives(compiled.as_text(), dict(state.layout.mesh.shape)).by_axes
+    assert by_axes.get(("cp",), 0) > 0, by_axes  # K/V gathers, dK/dV reduce-scatters

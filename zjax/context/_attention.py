@@ -1,0 +1,237 @@
+"""Causal attention for any sequence layout: whole, blocked, or split over the ``cp`` mesh axis.
+
+:func:`attention` is what a model calls (the zjax decoder does; a user's own flax model can too). Without
+``cp`` it picks cuDNN's fused kernel on GPUs (bf16/fp16, unpacked rows), XLA's attention for short rows, and
+the blocked attention (:mod:`zjax.context._blocked`: an online softmax, never ``[S, S]``) for long or packed
+rows. With ``cp > 1`` the queries stay split over ``cp``; each rank gets the keys and values it needs by
+
+* ``"all-gather"``: one all-gather of K/V over ``cp`` per layer (cheap with grouped-query attention: K/V
+  are ``kv_heads / heads`` of the queries' size), its backward a reduce-scatter of dK/dV; or
+* ``"ring"``: ``cp`` steps of ``ppermute`` of K/V chunks, each merged into the output by its log-sum-exp,
+  with its own backward (dK/dV travel around the ring with their chunk) so that nothing is differentiated
+  through the merge.
+
+Either way the blocked attention runs on each rank, and with the load-balanced layout
+(:func:`zjax.context.load_balance`) the causal work is the same on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from .. import pipeline
+from ..sharding._axes import CP
+from ..sharding._mesh import in_manual_data_axes, mesh_platform
+from ._blocked import Blocks, Chunk, block_backward, block_forward, merge
+from ._sequence import check_length, context_size, original_index
+
+Implementation = Literal["cudnn", "xla", "blocked"]
+ContextMode = Literal["all-gather", "ring"]
+CONTEXT_MODES: tuple[str, ...] = ("all-gather", "ring")
+F32 = jnp.float32
+
+
+def attention_implementation(dtype, *, packed: bool = False, length: int = 0, blocks: Blocks = Blocks()) -> Implementation:
+    """The local attention for a row of ``length`` tokens: ``"cudnn"`` for bf16/fp16 unpacked rows on a mesh of
+    GPUs, else ``"blocked"`` for packed rows and rows longer than one key block, else ``"xla"``."""
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    # inside the pipeline's vmap over pp, or a shard_map manual over the data axes (per-rank gradients),
+    # cuDNN attention's custom partitioner fails to partition (measured: an INTERNAL custom_partitioner
+    # error compiling for H100)
+    manual = pipeline.current() is not None or in_manual_data_axes()
+    if mesh_platform() == "gpu" and half and not packed and not manual:
+        return "cudnn"
+    return "blocked" if packed or length > blocks.k else "xla"
+
+
+def _dense(q, k, v, segment_ids, window, implementation: Implementation) -> jax.Array:
+    mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    local = None if window is None else (window, 0)
+    if implementation == "xla" and q.dtype == jnp.float16 and mesh_platform() == "cpu":
+        # XLA's attention asks for fp16 x fp16 -> fp32 products, which XLA:CPU's dot does not implement
+        q32, k32, v32 = (x.astype(F32) for x in (q, k, v))
+        out = jax.nn.dot_product_attention(q32, k32, v32, mask=mask, is_causal=True, local_window_size=local)
+        return out.astype(q.dtype)
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask, is_causal=True, local_window_size=local, implementation=implementation
+    )
+
+
+# -- keys and values whole on the rank (no cp, or after the all-gather) ---------------------------------
+
+
+def _delta(d_out: jax.Array, out: jax.Array) -> jax.Array:
+    """``sum(d_out * out)`` over head_dim as ``[B, K, G, Sq]``."""
+    return jnp.einsum("bqkgd,bqkgd->bkgq", d_out.astype(F32), out.astype(F32))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _whole(q, qi, qs, chunk: Chunk, window, scale, blocks):
+    return block_forward(q, qi, qs, chunk, window=window, scale=scale, blocks=blocks)[0].astype(q.dtype)
+
+
+def _whole_fwd(q, qi, qs, chunk, window, scale, blocks):
+    out, lse = block_forward(q, qi, qs, chunk, window=window, scale=scale, blocks=blocks)
+    out = out.astype(q.dtype)
+    return out, (q, qi, qs, chunk, out, lse)
+
+
+def _whole_bwd(window, scale, blocks, res, d_out):
+    q, qi, qs, chunk, out, lse = res
+    dq, dk, dv = block_backward(
+        q, qi, qs, chunk, d_out, lse, _delta(d_out, out), window=window, scale=scale, blocks=blocks
+    )
+    return dq.astype(q.dtype), None, None, Chunk(dk.astype(chunk.k.dtype), dv.astype(chunk.v.dtype), None, None)
+
+
+_whole.defvjp(_whole_fwd, _whole_bwd)
+
+
+# -- the ring: K/V chunks travel, partial outputs merge by log-sum-exp ---------------------------------
+
+
+def _shift(x, cp: int):
+    return jax.lax.ppermute(x, CP, [(i, (i + 1) % cp) for i in range(cp)])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _ring(q, qi, qs, chunk: Chunk, table, window, scale, blocks, cp):
+    return _ring_fwd(q, qi, qs, chunk, table, window, scale, blocks, cp)[0]
+
+
+def _ring_fwd(q, qi, qs, chunk, table, window, scale, blocks, cp):
+    rank = jax.lax.axis_index(CP)
+    b, sq, kh, g, d = q.shape
+    out, lse = jnp.zeros((b, sq, kh, g, d), F32), jnp.full((b, kh, g, sq), -jnp.inf, F32)
+    cur = chunk
+    for t in range(cp):
+        visiting = cur._replace(index=table[(rank - t) % cp])
+        o_t, lse_t = block_forward(q, qi, qs, visiting, window=window, scale=scale, blocks=blocks)
+        out, lse = merge(out, lse, o_t, lse_t)
+        if t < cp - 1:
+            cur = Chunk(_shift(cur.k, cp), _shift(cur.v, cp), cur.index, None if cur.segments is None else _shift(cur.segments, cp))
+    out = out.astype(q.dtype)
+    return out, (q, qi, qs, chunk, table, out, lse)
+
+
+def _ring_bwd(window, scale, blocks, cp, res, d_out):
+    q, qi, qs, chunk, table, out, lse = res
+    rank = jax.lax.axis_index(CP)
+    delta = _delta(d_out, out)
+    dq = jnp.zeros(q.shape, F32)
+    dk, dv = jnp.zeros(chunk.k.shape, F32), jnp.zeros(chunk.v.shape, F32)
+    cur = chunk
+    for t in range(cp):
+        visiting = cur._replace(index=table[(rank - t) % cp])
+        dq_t, dk_t, dv_t = block_backward(
+            q, qi, qs, visiting, d_out, lse, delta, window=window, scale=scale, blocks=blocks
+        )
+        dq = dq + dq_t
+        # the chunk's gradients travel with it; after cp shifts they are back on the chunk's own rank
+        dk, dv = _shift(dk + dk_t, cp), _shift(dv + dv_t, cp)
+        if t < cp - 1:
+            cur = Chunk(_shift(cur.k, cp), _shift(cur.v, cp), cur.index, None if cur.segments is None else _shift(cur.segments, cp))
+    grads = Chunk(dk.astype(chunk.k.dtype), dv.astype(chunk.v.dtype), None, None)
+    return dq.astype(q.dtype), None, None, grads, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _context_parallel(q5, k, v, segment_ids, *, window, scale, blocks, balanced: bool, mode: ContextMode):
+    """The attention with the sequence split over ``cp`` (a ``shard_map`` manual over ``cp`` only: the batch,
+    heads and every other axis stay with GSPMD)."""
+    cp, length = context_size(), q5.shape[1]
+    table = original_index(length, cp, balanced)  # [cp, length / cp]: each slot's original index
+    seq = P(None, CP)
+
+    def local(q5, k, v, *seg):
+        qs = seg[0] if seg else None
+        qi = jnp.asarray(table)[jax.lax.axis_index(CP)]
+        if mode == "ring":
+            return _ring(q5, qi, qs, Chunk(k, v, qi, qs), jnp.asarray(table), window, scale, blocks, cp)
+        gather = lambda x: jax.lax.all_gather(x, CP, axis=1, tiled=True)  # noqa: E731
+        chunk = Chunk(gather(k), gather(v), jnp.asarray(table.reshape(-1)), None if qs is None else gather(qs))
+        return _whole(q5, qi, qs, chunk, window, scale, blocks)
+
+    args = (q5, k, v) + (() if segment_ids is None else (segment_ids,))
+    return jax.shard_map(
+        local,
+        mesh=jax.sharding.get_abstract_mesh(),
+        in_specs=(seq,) * len(args),
+        out_specs=seq,
+        axis_names={CP},
+        check_vma=False,
+    )(*args)
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    segment_ids: jax.Array | None = None,
+    window: int | None = None,
+    load_balanced: bool = False,
+    context_mode: ContextMode = "all-gather",
+    implementation: Implementation | None = None,
+    blocks: Blocks = Blocks(),
+) -> jax.Array:
+    """Causal attention of ``q [batch, seq, heads, head_dim]`` over ``k, v [batch, seq, kv_heads, head_dim]``
+    (grouped-query when ``kv_heads < heads``), logits and softmax in fp32, for any ``cp``.
+
+    Call it from a model traced by a zjax step: on a mesh with ``cp > 1`` the sequence dimension is split
+    over ``cp`` and this function brings each rank the keys and values it needs.
+
+    Args:
+      q, k, v: the projections in the compute dtype, the sequence in the layout the step uses.
+      segment_ids: ``[batch, seq]`` ints; a token attends only within its segment (packed rows).
+      window: a token sees itself and the ``window`` tokens before it (Mistral's sliding window).
+      load_balanced: the sequence is in :func:`zjax.context.load_balance`'s layout (masks then use each
+        slot's original index). Without it the layout is contiguous.
+      context_mode: ``"all-gather"`` (K/V gathered over ``cp``) or ``"ring"`` (K/V passed around it).
+      implementation: force ``"cudnn"``, ``"xla"`` or ``"blocked"`` when ``cp`` is 1 (default: chosen for
+        the devices, see :func:`attention_implementation`); with ``cp > 1`` the blocked attention runs.
+      blocks: the blocked attention's query and key block sizes.
+
+    Raises:
+      ValueError: if the sequence does not split over ``cp`` (``2 x cp`` chunks when load balanced), or for
+        an unknown ``context_mode``.
+
+    Example:
+      >>> out = zjax.context.attention(q, k, v, segment_ids=seg)   # inside a flax module's __call__
+    """
+    if context_mode not in CONTEXT_MODES:
+        raise ValueError(f"attention: context_mode={context_mode!r}; valid modes are {list(CONTEXT_MODES)}.")
+    b, length, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"attention: {heads} query heads are not a multiple of {kv_heads} key/value heads.")
+    cp = context_size()
+    scale = 1.0 / math.sqrt(head_dim)
+    q5 = q.reshape(b, length, kv_heads, heads // kv_heads, head_dim)
+    cpu_half = q.dtype == jnp.float16 and mesh_platform() == "cpu"  # XLA:CPU has no fp16 x fp16 -> fp32 dot
+    if cp > 1:
+        check_length(length, cp, balanced=load_balanced)
+        if cpu_half:
+            q5, k, v = (x.astype(F32) for x in (q5, k, v))
+        out = _context_parallel(
+            q5, k, v, segment_ids, window=window, scale=scale, blocks=blocks, balanced=load_balanced, mode=context_mode
+        )
+        return out.reshape(q.shape).astype(q.dtype)
+    chosen = implementation or attention_implementation(
+        q.dtype, packed=segment_ids is not None, length=length, blocks=blocks
+    )
+    if chosen != "blocked":
+        return _dense(q, k, v, segment_ids, window, chosen)
+    if cpu_half:
+        q5, k, v = (x.astype(F32) for x in (q5, k, v))
+    index = jnp.arange(length, dtype=jnp.int32)
+    out = _whole(q5, index, segment_ids, Chunk(k, v, index, segment_ids), window, scale, blocks)
+    return out.reshape(q.shape).astype(q.dtype)

@@ -1,0 +1,201 @@
+"""Blocked attention: an online softmax over key blocks, query blocks at a time, never an ``[S, S]`` matrix.
+
+The two primitives every attention path of :mod:`zjax.context` is built from:
+
+* :func:`block_forward` -- the attention of local queries over one chunk of keys and values, returned
+  normalized with its log-sum-exp, so that partial results over several chunks merge exactly
+  (:func:`merge`);
+* :func:`block_backward` -- the gradients of that chunk given the *global* output's log-sum-exp and
+  ``delta = sum(d_out * out)`` (the flash-attention backward: probabilities are recomputed block by block).
+
+Masks come from each slot's **original token index** (its place in the unpermuted row: ``qi``, ``ki``) and
+segment ids: a query sees keys of its segment at an index not after its own and, with a window ``w``,
+not more than ``w`` before it. Shapes: ``q [B, Sq, K, G, D]`` (``K`` key/value heads, ``G`` queries per
+key/value head), ``k, v [B, Sk, K, D]``; logits, softmax and accumulation in fp32. A (query block, key block)
+pair that the mask hides entirely is skipped (``lax.cond`` on static-per-rank indices), which is what makes a
+load-balanced causal layout cost each rank the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """Query and key block sizes (upper bounds: each is cut down to a divisor of its sequence length)."""
+
+    q: int = 512
+    k: int = 512
+
+
+def block_size(length: int, target: int) -> int:
+    """The largest divisor of ``length`` that is at most ``target``."""
+    return next(b for b in range(min(target, length), 0, -1) if length % b == 0)
+
+
+class Chunk(NamedTuple):
+    """Keys and values of one chunk with their original indices ``[Sk]`` and segment ids ``[B, Sk]`` (or None)."""
+
+    k: jax.Array
+    v: jax.Array
+    index: jax.Array
+    segments: jax.Array | None
+
+
+def _mask(qi, ki, qs, ks, window: int | None) -> jax.Array:
+    """``[B|1, 1, 1, bq, bk]``: which keys each query sees."""
+    m = qi[:, None] >= ki[None, :]
+    if window is not None:
+        m = m & (qi[:, None] - ki[None, :] <= window)
+    m = m[None]
+    if qs is not None:
+        m = m & (qs[:, :, None] == ks[:, None, :])
+    return m[:, None, None]
+
+
+def _visible(qi, ki, window: int | None) -> jax.Array:
+    """Whether some key of the block may be visible to some query of the block (segments not counted)."""
+    ok = jnp.min(ki) <= jnp.max(qi)
+    if window is not None:
+        ok = ok & (jnp.max(ki) >= jnp.min(qi) - window)
+    return ok
+
+
+def _scores(qb, kb, scale: float) -> jax.Array:
+    return jnp.einsum("bqkgd,bskd->bkgqs", qb, kb, preferred_element_type=F32) * scale
+
+
+def _split(x: jax.Array, axis: int, block: int) -> jax.Array:
+    """``x`` with dimension ``axis`` cut into ``[n, block]``, the block count moved to the front."""
+    shape = x.shape[:axis] + (x.shape[axis] // block, block) + x.shape[axis + 1 :]
+    return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def _merge_blocks(x: jax.Array, axis: int) -> jax.Array:
+    """Inverse of :func:`_split` (the block count at the front goes back before ``axis``)."""
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2 :])
+
+
+def _seg_blocks(s: jax.Array | None, block: int):
+    return None if s is None else _split(s, 1, block)
+
+
+def block_forward(
+    q: jax.Array, qi: jax.Array, qs: jax.Array | None, chunk: Chunk, *, window: int | None, scale: float, blocks: Blocks
+) -> tuple[jax.Array, jax.Array]:
+    """``(out [B, Sq, K, G, D] fp32, lse [B, K, G, Sq] fp32)`` of ``q`` over ``chunk`` (``lse = -inf`` and
+    ``out = 0`` for a query that sees no key of the chunk)."""
+    b, sq, kh, g, d = q.shape
+    sk = chunk.k.shape[1]
+    bq, bk = block_size(sq, blocks.q), block_size(sk, blocks.k)
+    ks_all = _seg_blocks(chunk.segments, bk)
+    k_xs = (_split(chunk.k, 1, bk), _split(chunk.v, 1, bk), chunk.index.reshape(-1, bk), ks_all)
+
+    def one_q(xs):
+        qb, qib, qsb = xs
+
+        def step(carry, kx):
+            kb, vb, kib, ksb = kx
+
+            def visit(c):
+                m, l, acc = c
+                s = jnp.where(_mask(qib, kib, qsb, ksb, window), _scores(qb, kb, scale), -jnp.inf)
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+                p = jnp.exp(s - safe[..., None])
+                corr = jnp.exp(m - safe)
+                l = l * corr + jnp.sum(p, axis=-1)
+                pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(vb.dtype), vb, preferred_element_type=F32)
+                return m_new, l, acc * corr[..., None] + pv
+
+            return jax.lax.cond(_visible(qib, kib, window), visit, lambda c: c, carry), None
+
+        init = (
+            jnp.full((b, kh, g, bq), -jnp.inf, F32),
+            jnp.zeros((b, kh, g, bq), F32),
+            jnp.zeros((b, kh, g, bq, d), F32),
+        )
+        (m, l, acc), _ = jax.lax.scan(step, init, k_xs)
+        seen = l > 0
+        out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+        return jnp.einsum("bkgqd->bqkgd", out), lse
+
+    outs, lses = jax.lax.map(one_q, (_split(q, 1, bq), qi.reshape(-1, bq), _seg_blocks(qs, bq)))
+    return _merge_blocks(outs, 1), _merge_blocks(lses, 3)
+
+
+def block_backward(
+    q: jax.Array,
+    qi: jax.Array,
+    qs: jax.Array | None,
+    chunk: Chunk,
+    d_out: jax.Array,
+    lse: jax.Array,
+    delta: jax.Array,
+    *,
+    window: int | None,
+    scale: float,
+    blocks: Blocks,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(dq fp32, dk fp32, dv fp32)`` of ``chunk``'s share of the attention, given the global output's
+    ``lse`` and ``delta = sum(d_out * out, -1)`` (both ``[B, K, G, Sq]``) and ``d_out [B, Sq, K, G, D]``."""
+    sq, sk = q.shape[1], chunk.k.shape[1]
+    bq, bk = block_size(sq, blocks.q), block_size(sk, blocks.k)
+    k_xs = (_split(chunk.k, 1, bk), _split(chunk.v, 1, bk), chunk.index.reshape(-1, bk), _seg_blocks(chunk.segments, bk))
+    lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+
+    def one_q(dkv, xs):
+        qb, qib, qsb, dob, lseb, deltab = xs
+
+        def step(dq, kx):
+            kb, vb, kib, ksb = kx
+
+            def visit(dq):
+                mask = _mask(qib, kib, qsb, ksb, window)
+                p = jnp.where(mask, jnp.exp(_scores(qb, kb, scale) - lseb[..., None]), 0.0)
+                dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(dob.dtype), dob, preferred_element_type=F32)
+                dp = jnp.einsum("bqkgd,bskd->bkgqs", dob, vb, preferred_element_type=F32)
+                ds = (p * (dp - deltab[..., None]) * scale).astype(qb.dtype)
+                dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, kb, preferred_element_type=F32)
+                dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, qb, preferred_element_type=F32)
+                return dq, (dk, dv)
+
+            def skip(dq):
+                zero = jnp.zeros(kb.shape, F32)
+                return dq, (zero, zero)
+
+            return jax.lax.cond(_visible(qib, kib, window), visit, skip, dq)
+
+        dq, (dks, dvs) = jax.lax.scan(step, jnp.zeros(qb.shape, F32), k_xs)
+        dk, dv = dkv
+        return (dk + _merge_blocks(dks, 1), dv + _merge_blocks(dvs, 1)), dq
+
+    zeros = jnp.zeros(chunk.k.shape, F32)
+    q_xs = (
+        _split(q, 1, bq),
+        qi.reshape(-1, bq),
+        _seg_blocks(qs, bq),
+        _split(d_out, 1, bq),
+        _split(lse_safe, 3, bq),
+        _split(delta, 3, bq),
+    )
+    (dk, dv), dqs = jax.lax.scan(one_q, (zeros, zeros), q_xs)
+    return _merge_blocks(dqs, 1), dk, dv
+
+
+def merge(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Combine two normalized partial attentions over disjoint key sets by their log-sum-exps."""
+    lse = jnp.logaddexp(lse_a, lse_b)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    wa = jnp.moveaxis(jnp.exp(lse_a - safe), 3, 1)[..., None]  # [B, Sq, K, G, 1]
+    wb = jnp.moveaxis(jnp.exp(lse_b - safe), 3, 1)[..., None]
+    return out_a * wa + out_b * wb, lse
