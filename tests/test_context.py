@@ -15,7 +15,7 @@ import zjax
 from zjax.context import Blocks, attention, balanced_order, load_balance
 from zjax.context._attention import _dense
 from zjax.models import Decoder, DecoderConfig, lm_loss
-from zjax.planner._hlo import collectives, count_collectives
+from zjax.planner._hlo import collectives, count_collectives, partitioned_hlo, spanned_axes
 
 # -- the blocked attention against XLA's dense attention -------------------------------------------------
 
@@ -51,7 +51,11 @@ def test_blocked_attention_equals_xla_attention(packed, window):
         return lambda q, k, v: jnp.sum(fn(q, k, v) * w)
 
     dense = loss(lambda q, k, v: _dense(q, k, v, seg, window, "xla"))
-    blocked = loss(lambda q, k, v: attention(q, k, v, segment_ids=seg, window=window, implementation="blocked", blocks=Blocks(16, 8)))
+    blocked = loss(
+        lambda q, k, v: attention(
+            q, k, v, segment_ids=seg, window=window, implementation="blocked", blocks=Blocks(16, 8)
+        )
+    )
     want, want_grads = jax.value_and_grad(dense, argnums=(0, 1, 2))(q, k, v)
     got, got_grads = jax.value_and_grad(blocked, argnums=(0, 1, 2))(q, k, v)
     np.testing.assert_allclose(got, want, rtol=1e-5)
@@ -66,7 +70,9 @@ def test_blocked_attention_never_builds_the_score_matrix():
     jaxpr = jax.make_jaxpr(jax.grad(fn, argnums=(0, 1, 2)))(q, k, v)
     shapes = [tuple(v.aval.shape) for eqn in _eqns(jaxpr.jaxpr) for v in eqn.outvars]
     assert shapes and not [s for s in shapes if s.count(256) >= 2]
-    dense = jax.make_jaxpr(jax.grad(lambda q, k, v: jnp.sum(_dense(q, k, v, None, None, "xla")), argnums=(0, 1, 2)))(q, k, v)
+    dense = jax.make_jaxpr(jax.grad(lambda q, k, v: jnp.sum(_dense(q, k, v, None, None, "xla")), argnums=(0, 1, 2)))(
+        q, k, v
+    )
     assert [s for eqn in _eqns(dense.jaxpr) for s in [tuple(v.aval.shape) for v in eqn.outvars] if s.count(256) >= 2]
 
 
@@ -114,11 +120,13 @@ def batches(packed: bool, steps: int = 2):
     return out
 
 
-def train(mesh_kw, *, stage=0, cfg=CFG, packed=False, steps=2):
+def train(mesh_kw, *, stage=0, cfg=CFG, packed=False, steps=2, rules=None):
     model = Decoder(cfg)
-    plan = zjax.Plan(zjax.make_mesh(**mesh_kw), stage=stage, precision="fp32")
+    plan = zjax.Plan(zjax.make_mesh(**mesh_kw), stage=stage, precision="fp32", rules=rules)
     state = plan.init(
-        lambda r: model.init(r, jnp.zeros((1, SEQ), jnp.int32))["params"], optax.sgd(0.1, momentum=0.9), jax.random.key(0)
+        lambda r: model.init(r, jnp.zeros((1, SEQ), jnp.int32))["params"],
+        optax.sgd(0.1, momentum=0.9),
+        jax.random.key(0),
     )
     step = plan.train_step(lambda p, b: lm_loss(model, p, b))
     losses = []
@@ -159,17 +167,21 @@ def test_context_parallel_trains_the_same_model(mesh_kw, stage, mode, packed, wi
     causal layout, all-gather or ring attention, packed rows, a sliding window, tp, ZeRO-3 over dp x cp)
     equal the dp=8 run's."""
     cfg = dataclasses.replace(CFG, context_mode=mode, sliding_window=window)
-    check_same(train(mesh_kw, stage=stage, cfg=cfg, packed=packed), reference(dataclasses.replace(CFG, sliding_window=window), packed))
+    check_same(
+        train(mesh_kw, stage=stage, cfg=cfg, packed=packed),
+        reference(dataclasses.replace(CFG, sliding_window=window), packed),
+    )
 
 
-def compiled_text(mesh_kw, mode="all-gather", stage=3):
+def compiled_text(mesh_kw, mode="all-gather", stage=3, rules=None, partitioned=False):
     cfg = dataclasses.replace(CFG, context_mode=mode)
     model = Decoder(cfg)
-    plan = zjax.Plan(zjax.make_mesh(**mesh_kw), stage=stage, precision="fp32")
+    plan = zjax.Plan(zjax.make_mesh(**mesh_kw), stage=stage, precision="fp32", rules=rules)
     init = lambda r: model.init(r, jnp.zeros((1, SEQ), jnp.int32))["params"]  # noqa: E731
     state = plan.abstract_state(init, optax.adam(1e-3), jax.random.key(0))
     batch = jax.ShapeDtypeStruct((ROWS, SEQ + 1), jnp.int32)
-    return state, plan.train_step(lambda p, b: lm_loss(model, p, b)).lower(state, batch).compile()
+    lowered = plan.train_step(lambda p, b: lm_loss(model, p, b)).lower(state, batch)
+    return state, (lowered.compile() if not partitioned else partitioned_hlo(lowered)[1])
 
 
 def test_zero_shards_state_over_dp_and_cp_and_cp_moves_keys_and_values():
@@ -184,3 +196,27 @@ def test_zero_shards_state_over_dp_and_cp_and_cp_moves_keys_and_values():
     assert not any(c.kind == "collective-permute" for c in gathered)
     by_axes = count_collectives(compiled.as_text(), dict(state.layout.mesh.shape)).by_axes
     assert by_axes.get(("cp",), 0) > 0, by_axes  # K/V gathers, dK/dV reduce-scatters
+
+
+def tp_collectives(rules):
+    state, text = compiled_text({"dp": 4, "tp": 2}, stage=0, rules=rules, partitioned=True)
+    found = collectives(text)  # as GSPMD partitioned the step (XLA:CPU later lowers a reduce-scatter to an all-reduce)
+    mesh = dict(state.layout.mesh.shape)
+    return [c for c in found if spanned_axes(c.groups, mesh) == ("tp",)]
+
+
+def test_sequence_parallelism_turns_tp_all_reduces_into_reduce_scatters_and_changes_no_number():
+    """tp=2: with sequence parallelism (the default) the residual stream is split over tp, so each
+    tensor-parallel region ends in a reduce-scatter over tp, not an all-reduce, and the model trains the
+    same (fp32, 1e-5) as with it off."""
+    off = zjax.Rules(sequence_parallel=False)
+    check_same(train({"dp": 4, "tp": 2}), train({"dp": 4, "tp": 2}, rules=off))
+    with_sp, without = tp_collectives(None), tp_collectives(off)
+    act = ROWS // 4 * SEQ * CFG.embed * 4  # one data shard's residual stream in fp32
+    layer = lambda cs, kind: [c for c in cs if c.in_loop and c.kind == kind and c.bytes >= act // 2]  # noqa: E731
+    assert layer(without, "all-reduce") and not layer(without, "reduce-scatter")
+    # regions start with all-gathers and end with reduce-scatters (forward and backward): no all-reduce in the layers
+    assert layer(with_sp, "reduce-scatter") and not layer(with_sp, "all-reduce")
+    assert layer(with_sp, "all-gather")
+    volume = lambda cs: sum(c.volume * c.trips for c in cs)  # noqa: E731
+    assert volume(with_sp) <= volume(without)

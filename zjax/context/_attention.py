@@ -37,7 +37,12 @@ CONTEXT_MODES: tuple[str, ...] = ("all-gather", "ring")
 F32 = jnp.float32
 
 
-def attention_implementation(dtype, *, packed: bool = False, length: int = 0, blocks: Blocks = Blocks()) -> Implementation:
+DEFAULT_BLOCKS = Blocks()
+
+
+def attention_implementation(
+    dtype, *, packed: bool = False, length: int = 0, blocks: Blocks = DEFAULT_BLOCKS
+) -> Implementation:
     """The local attention for a row of ``length`` tokens: ``"cudnn"`` for bf16/fp16 unpacked rows on a mesh of
     GPUs, else ``"blocked"`` for packed rows and rows longer than one key block, else ``"xla"``."""
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -50,7 +55,7 @@ def attention_implementation(dtype, *, packed: bool = False, length: int = 0, bl
     return "blocked" if packed or length > blocks.k else "xla"
 
 
-def _dense(q, k, v, segment_ids, window, implementation: Implementation) -> jax.Array:
+def _dense(q, k, v, segment_ids, window, implementation: Literal["cudnn", "xla"]) -> jax.Array:
     mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
     local = None if window is None else (window, 0)
     if implementation == "xla" and q.dtype == jnp.float16 and mesh_platform() == "cpu":
@@ -100,6 +105,12 @@ def _shift(x, cp: int):
     return jax.lax.ppermute(x, CP, [(i, (i + 1) % cp) for i in range(cp)])
 
 
+def _pass_on(chunk: Chunk, cp: int) -> Chunk:
+    """The chunk after one ring step: K, V and segment ids from the previous rank."""
+    segments = None if chunk.segments is None else _shift(chunk.segments, cp)
+    return Chunk(_shift(chunk.k, cp), _shift(chunk.v, cp), chunk.order, segments)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def _ring(q, qi, qs, chunk: Chunk, table, window, scale, blocks, cp):
     return _ring_fwd(q, qi, qs, chunk, table, window, scale, blocks, cp)[0]
@@ -111,11 +122,16 @@ def _ring_fwd(q, qi, qs, chunk, table, window, scale, blocks, cp):
     out, lse = jnp.zeros((b, sq, kh, g, d), F32), jnp.full((b, kh, g, sq), -jnp.inf, F32)
     cur = chunk
     for t in range(cp):
-        visiting = cur._replace(index=table[(rank - t) % cp])
+        visiting = cur._replace(order=table[(rank - t) % cp])
         o_t, lse_t = block_forward(q, qi, qs, visiting, window=window, scale=scale, blocks=blocks)
         out, lse = merge(out, lse, o_t, lse_t)
         if t < cp - 1:
-            cur = Chunk(_shift(cur.k, cp), _shift(cur.v, cp), cur.index, None if cur.segments is None else _shift(cur.segments, cp))
+            cur = Chunk(
+                _shift(cur.k, cp),
+                _shift(cur.v, cp),
+                cur.order,
+                None if cur.segments is None else _shift(cur.segments, cp),
+            )
     out = out.astype(q.dtype)
     return out, (q, qi, qs, chunk, table, out, lse)
 
@@ -128,7 +144,7 @@ def _ring_bwd(window, scale, blocks, cp, res, d_out):
     dk, dv = jnp.zeros(chunk.k.shape, F32), jnp.zeros(chunk.v.shape, F32)
     cur = chunk
     for t in range(cp):
-        visiting = cur._replace(index=table[(rank - t) % cp])
+        visiting = cur._replace(order=table[(rank - t) % cp])
         dq_t, dk_t, dv_t = block_backward(
             q, qi, qs, visiting, d_out, lse, delta, window=window, scale=scale, blocks=blocks
         )
@@ -136,7 +152,12 @@ def _ring_bwd(window, scale, blocks, cp, res, d_out):
         # the chunk's gradients travel with it; after cp shifts they are back on the chunk's own rank
         dk, dv = _shift(dk + dk_t, cp), _shift(dv + dv_t, cp)
         if t < cp - 1:
-            cur = Chunk(_shift(cur.k, cp), _shift(cur.v, cp), cur.index, None if cur.segments is None else _shift(cur.segments, cp))
+            cur = Chunk(
+                _shift(cur.k, cp),
+                _shift(cur.v, cp),
+                cur.order,
+                None if cur.segments is None else _shift(cur.segments, cp),
+            )
     grads = Chunk(dk.astype(chunk.k.dtype), dv.astype(chunk.v.dtype), None, None)
     return dq.astype(q.dtype), None, None, grads, None
 
@@ -181,7 +202,7 @@ def attention(
     load_balanced: bool = False,
     context_mode: ContextMode = "all-gather",
     implementation: Implementation | None = None,
-    blocks: Blocks = Blocks(),
+    blocks: Blocks = DEFAULT_BLOCKS,
 ) -> jax.Array:
     """Causal attention of ``q [batch, seq, heads, head_dim]`` over ``k, v [batch, seq, kv_heads, head_dim]``
     (grouped-query when ``kv_heads < heads``), logits and softmax in fp32, for any ``cp``.
@@ -228,7 +249,7 @@ def attention(
     chosen = implementation or attention_implementation(
         q.dtype, packed=segment_ids is not None, length=length, blocks=blocks
     )
-    if chosen != "blocked":
+    if chosen == "cudnn" or chosen == "xla":
         return _dense(q, k, v, segment_ids, window, chosen)
     if cpu_half:
         q5, k, v = (x.astype(F32) for x in (q5, k, v))

@@ -45,7 +45,7 @@ class Chunk(NamedTuple):
 
     k: jax.Array
     v: jax.Array
-    index: jax.Array
+    order: jax.Array
     segments: jax.Array | None
 
 
@@ -88,6 +88,12 @@ def _seg_blocks(s: jax.Array | None, block: int):
     return None if s is None else _split(s, 1, block)
 
 
+def _key_blocks(chunk: Chunk, block: int) -> tuple:
+    """The chunk's keys, values, indices and segment ids cut into key blocks (the block index leading)."""
+    return (_split(chunk.k, 1, block), _split(chunk.v, 1, block), chunk.order.reshape(-1, block),
+            _seg_blocks(chunk.segments, block))  # fmt: skip
+
+
 def block_forward(
     q: jax.Array, qi: jax.Array, qs: jax.Array | None, chunk: Chunk, *, window: int | None, scale: float, blocks: Blocks
 ) -> tuple[jax.Array, jax.Array]:
@@ -96,8 +102,7 @@ def block_forward(
     b, sq, kh, g, d = q.shape
     sk = chunk.k.shape[1]
     bq, bk = block_size(sq, blocks.q), block_size(sk, blocks.k)
-    ks_all = _seg_blocks(chunk.segments, bk)
-    k_xs = (_split(chunk.k, 1, bk), _split(chunk.v, 1, bk), chunk.index.reshape(-1, bk), ks_all)
+    k_xs = _key_blocks(chunk, bk)
 
     def one_q(xs):
         qb, qib, qsb = xs
@@ -106,15 +111,15 @@ def block_forward(
             kb, vb, kib, ksb = kx
 
             def visit(c):
-                m, l, acc = c
+                m, total, acc = c
                 s = jnp.where(_mask(qib, kib, qsb, ksb, window), _scores(qb, kb, scale), -jnp.inf)
                 m_new = jnp.maximum(m, jnp.max(s, axis=-1))
                 safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
                 p = jnp.exp(s - safe[..., None])
                 corr = jnp.exp(m - safe)
-                l = l * corr + jnp.sum(p, axis=-1)
+                total = total * corr + jnp.sum(p, axis=-1)
                 pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(vb.dtype), vb, preferred_element_type=F32)
-                return m_new, l, acc * corr[..., None] + pv
+                return m_new, total, acc * corr[..., None] + pv
 
             return jax.lax.cond(_visible(qib, kib, window), visit, lambda c: c, carry), None
 
@@ -123,10 +128,11 @@ def block_forward(
             jnp.zeros((b, kh, g, bq), F32),
             jnp.zeros((b, kh, g, bq, d), F32),
         )
-        (m, l, acc), _ = jax.lax.scan(step, init, k_xs)
-        seen = l > 0
-        out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
-        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+        (m, total, acc), _ = jax.lax.scan(step, init, k_xs)
+        seen = total > 0
+        safe_total = jnp.where(seen, total, 1.0)
+        out = jnp.where(seen[..., None], acc / safe_total[..., None], 0.0)
+        lse = jnp.where(seen, m + jnp.log(safe_total), -jnp.inf)
         return jnp.einsum("bkgqd->bqkgd", out), lse
 
     outs, lses = jax.lax.map(one_q, (_split(q, 1, bq), qi.reshape(-1, bq), _seg_blocks(qs, bq)))
@@ -150,7 +156,12 @@ def block_backward(
     ``lse`` and ``delta = sum(d_out * out, -1)`` (both ``[B, K, G, Sq]``) and ``d_out [B, Sq, K, G, D]``."""
     sq, sk = q.shape[1], chunk.k.shape[1]
     bq, bk = block_size(sq, blocks.q), block_size(sk, blocks.k)
-    k_xs = (_split(chunk.k, 1, bk), _split(chunk.v, 1, bk), chunk.index.reshape(-1, bk), _seg_blocks(chunk.segments, bk))
+    k_xs = (
+        _split(chunk.k, 1, bk),
+        _split(chunk.v, 1, bk),
+        chunk.order.reshape(-1, bk),
+        _seg_blocks(chunk.segments, bk),
+    )
     lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
 
     def one_q(dkv, xs):

@@ -10,11 +10,15 @@ model's inputs and targets (:func:`load_balance`); attention masks use each slot
 
 from __future__ import annotations
 
+import math
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..sharding._axes import CP, TP
+from ..sharding._rules import RESIDUAL_SEQ
 
 
 def context_size() -> int:
@@ -31,7 +35,7 @@ def _nearest(length: int, multiple: int) -> str:
 def check_length(length: int, cp: int, *, balanced: bool, tp: int = 1, what: str = "sequence length") -> None:
     """Raise ``ValueError`` unless ``length`` splits over ``cp`` (into ``2 x cp`` chunks when ``balanced``)
     and, when ``tp > 1`` (sequence parallelism), over ``cp x tp``."""
-    parts = (2 * cp if balanced and cp > 1 else cp) * tp
+    parts = math.lcm(2 * cp if balanced and cp > 1 else cp, cp * tp)
     if parts > 1 and (length % parts or length < parts):
         why = []
         if cp > 1:
@@ -42,6 +46,21 @@ def check_length(length: int, cp: int, *, balanced: bool, tp: int = 1, what: str
             f"{what} {length} cannot be split over {' and '.join(why)}: it must be a multiple of {parts}. "
             f"Use {_nearest(length, parts)}, or a smaller {CP if cp > 1 else TP}."
         )
+
+
+def check_sequence(length: int, *, balanced: bool) -> None:
+    """:func:`check_length` for the mesh and activation rules the model is traced under: ``cp`` from the mesh,
+    and the other axes the residual stream's sequence is split over (``tp`` with sequence parallelism)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(mesh.shape)
+    try:
+        spec = nn.logical_to_mesh_axes((RESIDUAL_SEQ,))
+    except ValueError:  # the user's activation rules do not name it: nothing more is split
+        spec = None
+    entry = spec[0] if spec is not None and len(spec) else None
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    others = math.prod(sizes.get(a, 1) for a in axes if a != CP)
+    check_length(length, int(sizes.get(CP, 1)), balanced=balanced, tp=others)
 
 
 def balanced_order(length: int, cp: int) -> np.ndarray:

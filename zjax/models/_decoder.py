@@ -20,8 +20,9 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from .. import pipeline
-from ..context import CONTEXT_MODES, attention
+from ..context import CONTEXT_MODES, attention, check_sequence
 from ..remat import RematPolicy, gather_checkpoint, linen_scan, partition_checkpoint
+from ..sharding._rules import RESIDUAL_SEQ
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,8 @@ class DecoderConfig:
     ``rope_scaling`` set the rotary frequencies; ``tie_embeddings`` reads the output head from the
     embedding table; ``qkv_bias`` adds Qwen2's q/k/v biases; ``sliding_window`` limits each token to itself and
     the ``sliding_window`` positions before it (Mistral). ``context_mode`` says how attention reaches the keys
-    of other ``cp`` ranks (``"all-gather"`` or ``"ring"``, :func:`zjax.context.attention`). ``scan`` stacks layers with ``nn.scan``; ``remat`` names
+    of other ``cp`` ranks (``"all-gather"`` or ``"ring"``, :func:`zjax.context.attention`). ``scan`` stacks
+    layers with ``nn.scan``; ``remat`` names
     the checkpointing policy of each layer (:data:`zjax.remat.POLICIES`).
     """
 
@@ -172,9 +174,34 @@ class RMSNorm(nn.Module):
 
 
 def _constrain(x: jax.Array) -> jax.Array:
-    """Keep the residual stream split over the batch: without it, GSPMD may copy the parameters'
-    ZeRO-3 sharding onto activations and compute the whole batch on every device."""
+    """Keep the residual stream split over the batch (without it, GSPMD may copy the parameters' ZeRO-3
+    sharding onto activations and compute the whole batch on every device) and along the sequence over cp,
+    and over tp too with sequence parallelism (``residual_seq``, :class:`zjax.Rules`)."""
+    return nn.with_logical_constraint(x, ("batch", RESIDUAL_SEQ, "embed"))
+
+
+@jax.custom_vjp
+def _region(x: jax.Array) -> jax.Array:
+    """The input of a tensor-parallel region: the sequence whole on every tp rank (an all-gather over tp
+    under sequence parallelism), still split over cp. Its cotangent, partial sums over tp, goes straight
+    back to the residual stream's layout (a reduce-scatter, Megatron's backward of the all-gather): a plain
+    constraint would make GSPMD all-reduce it to the region's layout first."""
     return nn.with_logical_constraint(x, ("batch", "seq", "embed"))
+
+
+def _region_fwd(x: jax.Array) -> tuple[jax.Array, None]:
+    return _region(x), None
+
+
+def _region_bwd(_, g: jax.Array) -> tuple[jax.Array]:
+    return (_constrain(g),)
+
+
+_region.defvjp(_region_fwd, _region_bwd)
+
+
+def _heads(x: jax.Array, heads: str) -> jax.Array:
+    return nn.with_logical_constraint(x, ("batch", "seq", heads, "head_dim"))
 
 
 def _rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
@@ -203,7 +230,7 @@ class Block(nn.Module):
         wk = _param(self, "wk", kv_shape, ("embed", "kv_heads", "head_dim"))
         wv = _param(self, "wv", kv_shape, ("embed", "kv_heads", "head_dim"))
         wo = _param(self, "wo", (c.heads, c.head_dim, c.embed), ("heads", "head_dim", "embed"))
-        h = RMSNorm(c.embed, c.norm_eps, name="attn_norm")(x)
+        h = _region(RMSNorm(c.embed, c.norm_eps, name="attn_norm")(x))
         q = jnp.einsum("bse,ehd->bshd", h, wq)
         k = jnp.einsum("bse,ehd->bshd", h, wk)
         v = jnp.einsum("bse,ehd->bshd", h, wv)
@@ -213,21 +240,25 @@ class Block(nn.Module):
             k = k + _param(self, "bk", kv_shape[1:], ("kv_heads", "head_dim"), zeros).astype(k.dtype)
             v = v + _param(self, "bv", kv_shape[1:], ("kv_heads", "head_dim"), zeros).astype(v.dtype)
         inv_freq = c.rope_frequencies()
-        q = _rope(checkpoint_name(q, "qkv_proj"), positions, inv_freq)
-        k = _rope(checkpoint_name(k, "qkv_proj"), positions, inv_freq)
-        v = checkpoint_name(v, "qkv_proj")
+        # heads split over tp, the sequence over cp: pinned (cotangents too) so that GSPMD never reshards
+        # between the sequence-split residual stream and the head-split attention by all-to-alls
+        q = _heads(_rope(checkpoint_name(q, "qkv_proj"), positions, inv_freq), "heads")
+        k = _heads(_rope(checkpoint_name(k, "qkv_proj"), positions, inv_freq), "kv_heads")
+        v = _heads(checkpoint_name(v, "qkv_proj"), "kv_heads")
         attn = attention(
             q, k, v, segment_ids=segment_ids, window=c.sliding_window, load_balanced=self.load_balanced,
-            context_mode=c.context_mode,
+            context_mode=c.context_mode,  # type: ignore[arg-type]  # validated in DecoderConfig
         )  # fmt: skip
-        x = x + checkpoint_name(jnp.einsum("bshd,hde->bse", attn, wo), "out_proj")
+        attn = _heads(attn, "heads")
+        x = _constrain(x + checkpoint_name(jnp.einsum("bshd,hde->bse", attn, wo), "out_proj"))
 
         w_gate = _param(self, "w_gate", (c.embed, c.mlp), ("embed", "mlp"))
         w_up = _param(self, "w_up", (c.embed, c.mlp), ("embed", "mlp"))
         w_down = _param(self, "w_down", (c.mlp, c.embed), ("mlp", "embed"))
-        h = RMSNorm(c.embed, c.norm_eps, name="mlp_norm")(x)
-        gate = checkpoint_name(h @ w_gate, "mlp_in")
-        up = checkpoint_name(h @ w_up, "mlp_in")
+        h = _region(RMSNorm(c.embed, c.norm_eps, name="mlp_norm")(x))
+        mlp = ("batch", "seq", "mlp")
+        gate = nn.with_logical_constraint(checkpoint_name(h @ w_gate, "mlp_in"), mlp)
+        up = nn.with_logical_constraint(checkpoint_name(h @ w_up, "mlp_in"), mlp)
         x = x + checkpoint_name((jax.nn.silu(gate) * up) @ w_down, "mlp_out")
         if partitioned:
             return partition_checkpoint(_constrain(x), axis=1), None
@@ -257,6 +288,8 @@ class Decoder(nn.Module):
         load_balanced: bool = False,
     ) -> jax.Array:
         c = self.cfg
+        if not self.is_initializing():
+            check_sequence(tokens.shape[1], balanced=load_balanced)
         embedding = _param(self, "embedding", (c.vocab, c.embed), ("vocab", "embed"), nn.initializers.normal(1.0))
         x = _constrain(jnp.take(embedding, tokens, axis=0))
         policy = RematPolicy.from_str(c.remat)
@@ -280,7 +313,9 @@ class Decoder(nn.Module):
             stage_fn = pipeline.scan_layers(lambda w, h: one.apply({"params": w}, h)[0], policy)
             x = pipeline.apply(stage_fn, self.variables["params"]["layers"], x, schedule)
         elif c.scan:
-            x, _ = linen_scan(Block, c.layers, policy, broadcast=True)(c, load_balanced, name="layers")(x, positions, segment_ids)
+            x, _ = linen_scan(Block, c.layers, policy, broadcast=True)(c, load_balanced, name="layers")(
+                x, positions, segment_ids
+            )
         else:
             block = nn.remat(Block, policy=policy.jax_policy()) if policy.remat else Block
             for i in range(c.layers):

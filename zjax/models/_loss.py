@@ -134,8 +134,6 @@ def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16
             positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
         inputs, positions, targets = (load_balance(x) for x in (inputs, positions, targets))
         segment_ids, weights = (None if x is None else load_balance(x) for x in (segment_ids, weights))
-    hidden = model.apply(
-        {"params": params}, inputs, positions, segment_ids, return_hidden=True, load_balanced=balanced
-    )
+    hidden = model.apply({"params": params}, inputs, positions, segment_ids, return_hidden=True, load_balanced=balanced)
     head = output_head(model.cfg, nn.unbox(params))  # params may carry flax's logical-axis boxes
     return chunked_cross_entropy(hidden, head, targets, weights, vocab_chunk)

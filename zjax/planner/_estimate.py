@@ -243,8 +243,11 @@ def estimate_fn(
     offload = Offload.from_value(offload)
     devices = _devices(mesh, target)
     device_mesh = make_mesh(
-        dp=(mesh.get("replica", 1), mesh.get("dp", 1)), tp=mesh.get("tp", 1), pp=mesh.get("pp", 1), cp=mesh.get("cp", 1),
-        devices=devices
+        dp=(mesh.get("replica", 1), mesh.get("dp", 1)),
+        tp=mesh.get("tp", 1),
+        pp=mesh.get("pp", 1),
+        cp=mesh.get("cp", 1),
+        devices=devices,
     )
     backend = "gpu" if target is not None else "cpu"
     device_kind = str(devices[0].device_kind)

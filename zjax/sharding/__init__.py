@@ -28,6 +28,8 @@ from ._mesh import process_spans as process_spans
 from ._mesh import zero_axes as zero_axes
 from ._mesh import zero_size as zero_size
 from ._mesh import zero_target as zero_target
+from ._rules import DEFAULT_ACTIVATION_RULES as DEFAULT_ACTIVATION_RULES
 from ._rules import DEFAULT_LOGICAL_RULES as DEFAULT_LOGICAL_RULES
+from ._rules import RESIDUAL_SEQ as RESIDUAL_SEQ
 from ._rules import Rules as Rules
 from ._simulate import simulate_cpu_devices as simulate_cpu_devices

@@ -32,9 +32,14 @@ DEFAULT_LOGICAL_RULES: tuple[tuple[str, AxisTarget], ...] = (
     ("layers", PP),  # stacked layers: split into pipeline stages (nothing when pp=1)
 )
 
+RESIDUAL_SEQ = "residual_seq"
+"""Logical name of the sequence dimension between tensor-parallel regions (the residual stream and norms)."""
+
 DEFAULT_ACTIVATION_RULES: tuple[tuple[str, AxisTarget], ...] = (
     ("batch", DP),
     ("seq", CP),  # context parallelism: the sequence split over cp (nothing when cp=1)
+    # between tensor-parallel regions (residual stream, norms): split over tp too (sequence parallelism)
+    (RESIDUAL_SEQ, (CP, TP)),
     ("embed", None),
     ("head_dim", None),
     ("vocab", TP),
@@ -107,7 +112,13 @@ class Rules:
 
     ``activations`` are the rules for ``nn.with_logical_constraint`` inside the model, active while
     zjax traces the loss (e.g. ``batch`` -> ``dp``); they keep activations split over the batch when
-    ZeRO-3 shards the weights.
+    ZeRO-3 shards the weights, and over the sequence on a mesh with ``cp``.
+
+    ``sequence_parallel`` (default on; it matters when ``tp > 1``): Megatron-style sequence parallelism,
+    the residual stream (logical ``residual_seq``) split along the sequence over ``tp`` between the
+    tensor-parallel regions, so each region ends in a reduce-scatter instead of an all-reduce and starts
+    with an all-gather: the same bytes, and the saved layer inputs and norms take ``1/tp`` of the memory.
+    ``Rules(sequence_parallel=False)`` keeps the residual stream whole on every tp rank.
 
     Example:
       >>> rules = zjax.Rules(logical={"mlp": "tp", "embed": None},
@@ -117,8 +128,11 @@ class Rules:
     logical: Any = DEFAULT_LOGICAL_RULES
     regex: Any = ()
     activations: Any = DEFAULT_ACTIVATION_RULES
+    sequence_parallel: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.sequence_parallel, bool):
+            raise TypeError(f"Rules.sequence_parallel={self.sequence_parallel!r} must be a bool.")
         object.__setattr__(self, "logical", _normalize_logical(self.logical))
         object.__setattr__(self, "activations", _normalize_logical(self.activations, "activations"))
         object.__setattr__(self, "regex", _normalize_regex(self.regex))
@@ -164,7 +178,15 @@ class Rules:
         when there is a pipeline (outside it, embeddings, head and loss are data parallel over pp)."""
         axes = data_axes(mesh) + ((PP,) if axis_size(mesh, PP) > 1 else ())
         target: AxisTarget = None if not axes else axes[0] if len(axes) == 1 else axes
-        return tuple((name, target if _as_axes(t) == (DP,) else t) for name, t in self.activations)
+        out = []
+        for name, t in self.activations:
+            if _as_axes(t) == (DP,):
+                t = target
+            elif not self.sequence_parallel and TP in _as_axes(t) and name == RESIDUAL_SEQ:
+                kept = tuple(a for a in _as_axes(t) if a != TP)
+                t = None if not kept else kept[0] if len(kept) == 1 else kept
+            out.append((name, t))
+        return tuple(out)
 
 
 def _validated(leaf: Leaf, dims: list[tuple[str, ...]], mesh: Mesh, source: str) -> PartitionSpec:
