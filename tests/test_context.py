@@ -220,3 +220,36 @@ def test_sequence_parallelism_turns_tp_all_reduces_into_reduce_scatters_and_chan
     assert layer(with_sp, "all-gather")
     volume = lambda cs: sum(c.volume * c.trips for c in cs)  # noqa: E731
     assert volume(with_sp) <= volume(without)
+
+
+# -- nested checkpointing ------------------------------------------------------------------------------------
+
+
+def nested_step(remat: str, layers: int = 16, rows: int = 64, seq: int = 128):
+    cfg = dataclasses.replace(CFG, layers=layers, remat=remat, embed=64, mlp=64, max_len=seq)
+    model = Decoder(cfg)
+    plan = zjax.Plan(zjax.make_mesh(dp=8), stage=0, precision="fp32")
+    init = lambda r: model.init(r, jnp.zeros((1, seq), jnp.int32))["params"]  # noqa: E731
+    state = plan.init(init, optax.sgd(0.1), jax.random.key(0))
+    step = plan.train_step(lambda p, b: lm_loss(model, p, b))
+    tokens = np.random.default_rng(3).integers(0, CFG.vocab, (rows, seq + 1)).astype(np.int32)
+    batch = plan.shard_batch(tokens)
+    compiled = step.lower(state, batch).compile()
+    new, metrics = step(state, batch)
+    return float(metrics["loss"]), jax.device_get(new.params), compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_nested_checkpointing_trains_the_same_model_and_keeps_fewer_layer_inputs():
+    """16 layers in groups of 4: the same loss and update as per-layer full remat (fp32), and compiled
+    temporaries smaller by at least half of the 8 layer inputs it does not keep (4 + 4 saved instead of 16)."""
+    full, nested = nested_step("full"), nested_step("nested")
+    check_same(([nested[0]], nested[1]), ([full[0]], full[1]))
+    layer_input = 64 // 8 * 128 * 64 * 4  # rows per device x seq x embed, fp32
+    assert full[2] - nested[2] >= 8 * layer_input // 2, (nested[2], full[2])
+
+
+def test_a_nested_group_that_does_not_divide_the_layers_names_the_divisors():
+    policy = zjax.remat.RematPolicy("nested3", "nested", group=3)
+    with pytest.raises(ValueError, match=r"group=3 does not divide the 16 layers; use one of \[1, 2, 4, 8, 16\]"):
+        policy.group_size(16)
+    assert zjax.remat.POLICIES["nested"].group_size(16) == 4 and zjax.remat.POLICIES["nested"].group_size(12) == 3

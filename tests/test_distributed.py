@@ -269,11 +269,11 @@ def test_launch_drops_gloo_connection_lines_even_when_two_share_a_line():
 
 def test_hsdp_mesh_and_data_axes():
     mesh = zjax.make_mesh(dp=(2, 4))
-    assert dict(mesh.shape) == {"pp": 1, "replica": 2, "dp": 4, "tp": 1}
+    assert dict(mesh.shape) == {"pp": 1, "replica": 2, "dp": 4, "cp": 1, "tp": 1}
     assert zjax.sharding.data_axes(mesh) == ("replica", "dp") and zjax.sharding.data_size(mesh) == 8
     assert zjax.sharding.batch_spec(2, mesh) == jax.sharding.PartitionSpec(("replica", "dp"), None)
     assert zjax.sharding.data_axes(zjax.make_mesh(dp=8)) == ("dp",)
-    assert zjax.sharding.process_spans(mesh) == {"pp": False, "replica": False, "dp": False, "tp": False}
+    assert zjax.sharding.process_spans(mesh) == {"pp": False, "replica": False, "dp": False, "cp": False, "tp": False}
     with pytest.raises(ValueError, match=r"dp=\(2, 2, 2\) must be an int or a \(replica, shard\) pair"):
         zjax.make_mesh(dp=(2, 2, 2))
     with pytest.raises(ValueError, match="replica=3 x dp=4 x tp=1 x pp=1 = 12 devices, but 8 are available"):

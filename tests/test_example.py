@@ -26,7 +26,7 @@ def run_example(tmp_path: Path, name: str, *flags: str) -> dict:
 def test_metrics_schema_and_determinism(tmp_path):
     a = run_example(tmp_path, "a", "--stage", "3", "--mesh", "dp=8", "--seed", "1")
     b = run_example(tmp_path, "b", "--stage", "3", "--mesh", "dp=8", "--seed", "1")
-    assert a["stage"] == 3 and a["mesh"] == {"replica": 1, "dp": 8, "tp": 1, "pp": 1}
+    assert a["stage"] == 3 and a["mesh"] == {"replica": 1, "dp": 8, "cp": 1, "tp": 1, "pp": 1}
     assert len(a["losses"]) == 4 and all(isinstance(x, float) for x in a["losses"])
     assert set(a["state_bytes_per_device"]) == {"theory", "compiled"}
     assert a["state_bytes_per_device"]["compiled"] == pytest.approx(a["state_bytes_per_device"]["theory"], rel=0.01)
@@ -43,7 +43,7 @@ def test_tp_fp16_accumulation(tmp_path):
         tmp_path, "c", "--stage", "2", "--mesh", "dp=4,tp=2", "--precision", "fp16", "--accum", "2", "--remat", "dots"
     )
     assert m["remat"] == "dots"
-    assert m["mesh"] == {"replica": 1, "dp": 4, "tp": 2, "pp": 1}
+    assert m["mesh"] == {"replica": 1, "dp": 4, "cp": 1, "tp": 2, "pp": 1}
     assert m["accum"] == 2 and m["final_step"] == 4
     assert all(math.isfinite(x) for x in m["losses"])
     # fp16 loss scaling: at most the first step overflows at the initial scale 2^15; each skip halves it

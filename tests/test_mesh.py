@@ -18,7 +18,7 @@ import zjax
 )
 def test_sizes_and_inference(kw, shape):
     mesh = zjax.make_mesh(**kw)
-    assert mesh.axis_names == ("pp", "replica", "dp", "tp")
+    assert mesh.axis_names == ("pp", "replica", "dp", "cp", "tp")
     assert tuple(mesh.devices.shape) == shape
     assert all(t == AxisType.Auto for t in mesh.axis_types)
 

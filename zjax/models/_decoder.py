@@ -21,7 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from .. import pipeline
 from ..context import CONTEXT_MODES, attention, check_sequence
-from ..remat import RematPolicy, gather_checkpoint, linen_scan, partition_checkpoint
+from ..remat import RematPolicy, gather_checkpoint, linen_scan, nested_scan, partition_checkpoint
 from ..sharding._rules import RESIDUAL_SEQ
 
 
@@ -312,10 +312,14 @@ class Decoder(nn.Module):
             one = Block(c, load_balanced)
             stage_fn = pipeline.scan_layers(lambda w, h: one.apply({"params": w}, h)[0], policy)
             x = pipeline.apply(stage_fn, self.variables["params"]["layers"], x, schedule)
+        elif c.scan and policy.kind == "nested" and not self.is_initializing():
+            one = Block(c, load_balanced)
+            layer = lambda w, h: one.apply({"params": w}, h, positions, segment_ids)[0]  # noqa: E731
+            x = nested_scan(layer, self.variables["params"]["layers"], x, policy)
         elif c.scan:
-            x, _ = linen_scan(Block, c.layers, policy, broadcast=True)(c, load_balanced, name="layers")(
-                x, positions, segment_ids
-            )
+            made = "full" if policy.kind == "nested" else policy  # init: the same stacked parameters
+            stack = linen_scan(Block, c.layers, made, broadcast=True)(c, load_balanced, name="layers")
+            x, _ = stack(x, positions, segment_ids)
         else:
             block = nn.remat(Block, policy=policy.jax_policy()) if policy.remat else Block
             for i in range(c.layers):

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from ..remat import RematPolicy
+from ..remat import RematPolicy, nested_scan
 from ..sharding._axes import DATA_AXES, DP, PP
 from ..sharding._mesh import mesh_platform
 from ..stages._placement import add_axis
@@ -338,6 +338,8 @@ def scan_layers(
     ``zero3_gather="layer"`` only the layer being applied is gathered over ``dp``.
     """
     policy = RematPolicy.from_str(remat)
+    if policy.kind == "nested":  # groups of the stage's layers (zjax.remat.nested_scan)
+        return lambda stage_layers, h: nested_scan(layer_fn, stage_layers, h, policy)
 
     def body(h: jax.Array, layer: Any) -> tuple[jax.Array, None]:
         return layer_fn(layer, h), None

@@ -12,7 +12,7 @@ from ..stages import Stage
 from ._estimate import Estimate, Row, estimate
 
 # cost order for the budget search: less communication first, then less recomputation, then fewer microbatches
-REMAT_COST = ("none", "dots_no_batch", "minimal", "dots", "save_qkv_proj", "save_out_proj", "full")
+REMAT_COST = ("none", "dots_no_batch", "minimal", "dots", "save_qkv_proj", "save_out_proj", "full", "nested")
 
 
 @dataclasses.dataclass(frozen=True)

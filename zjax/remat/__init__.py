@@ -7,5 +7,6 @@ from ._policy import POLICIES as POLICIES
 from ._policy import RematPolicy as RematPolicy
 from ._scan import LAYERS as LAYERS
 from ._scan import linen_scan as linen_scan
+from ._scan import nested_scan as nested_scan
 from ._scan import nnx_scan as nnx_scan
 from ._scan import nnx_stack as nnx_stack

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import jax
 
 PARTITIONED = "+partitioned"
-Kind = Literal["none", "full", "dots", "dots_no_batch", "names"]
+Kind = Literal["none", "full", "dots", "dots_no_batch", "names", "nested"]
 OffloadDst = Literal["pinned_host"]
 
 DECODER_NAMES = ("qkv_proj", "out_proj", "mlp_in", "mlp_out")
@@ -37,6 +37,11 @@ class RematPolicy:
       partition: ZeRO-R partitioned activation checkpoints: layer inputs saved for the backward pass
         are stored split over ``tp`` (see :func:`zjax.remat.partition_checkpoint`). Registered as
         ``NAME+partitioned``.
+      group: ``kind="nested"`` only: layers per checkpointed group (``None``: the divisor of the layer count
+        closest to its square root). Nested checkpointing (Chen et al. 2016, "sqrt(N) memory") saves the
+        input of every group only; a group's backward recomputes its layers' inputs, and each layer
+        recomputes itself (``full`` within the group): ``L / k + k`` saved layer inputs instead of ``L``, for
+        one more forward pass than ``full``. See :func:`zjax.remat.nested_scan`.
     """
 
     name: str
@@ -45,9 +50,15 @@ class RematPolicy:
     offload: tuple[str, ...] = ()
     offload_dst: str = "pinned_host"
     partition: bool = False
+    group: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("none", "full", "dots", "dots_no_batch", "names"):
+        if self.group is not None and (self.kind != "nested" or not isinstance(self.group, int) or self.group < 1):
+            raise ValueError(
+                f"RematPolicy {self.name!r}: group={self.group!r} needs kind='nested' and a positive int "
+                "(layers per checkpointed group)."
+            )
+        if self.kind not in ("none", "full", "dots", "dots_no_batch", "names", "nested"):
             raise ValueError(f"RematPolicy {self.name!r}: unknown kind {self.kind!r}.")
         if self.offload_dst != "pinned_host":
             raise ValueError(
@@ -70,7 +81,7 @@ class RematPolicy:
         cp = jax.checkpoint_policies
         if self.kind == "none":
             return None
-        if self.kind == "full":
+        if self.kind in ("full", "nested"):  # nested: each layer within its group is fully recomputed
             return cp.nothing_saveable
         if self.kind == "dots":
             return cp.dots_saveable
@@ -84,6 +95,24 @@ class RematPolicy:
                 offload_dst=self.offload_dst,
             )
         return cp.save_only_these_names(*self.save)
+
+    def group_size(self, layers: int) -> int:
+        """Layers per group of a nested policy for a stack of ``layers`` (1 for any other kind).
+
+        Raises:
+          ValueError: if an explicit ``group`` does not divide ``layers``.
+        """
+        if self.kind != "nested":
+            return 1
+        if self.group is not None:
+            if layers % self.group:
+                divisors = [d for d in range(1, layers + 1) if layers % d == 0]
+                raise ValueError(
+                    f"RematPolicy {self.name!r}: group={self.group} does not divide the {layers} layers; use one of "
+                    f"{divisors}."
+                )
+            return self.group
+        return min((d for d in range(1, layers + 1) if layers % d == 0), key=lambda d: (abs(d - layers**0.5), d))
 
     def partitioned(self) -> RematPolicy:
         """This policy with ZeRO-R partitioned checkpoints, named ``NAME+partitioned``."""
@@ -118,6 +147,7 @@ _BASE = (
     RematPolicy("save_out_proj", "names", save=("out_proj",)),
     RematPolicy("offload_minimal", "names", offload=DECODER_NAMES),
     RematPolicy("offload_qkv_proj", "names", offload=("qkv_proj",)),
+    RematPolicy("nested", "nested"),
 )
 POLICIES: dict[str, RematPolicy] = {
     p.name: p for p in (*_BASE, *(b.partitioned() for b in _BASE if b.name in ("full", "dots", "minimal")))

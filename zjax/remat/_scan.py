@@ -7,10 +7,12 @@ Python loops keep every gathered layer alive (the classic FSDP-in-XLA pitfall).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
+import jax
 from flax import nnx
 
 from ._policy import RematPolicy
@@ -34,6 +36,11 @@ def linen_scan(
       >>> x, _ = Stack(cfg, name="layers")(x, None)
     """
     policy = RematPolicy.from_str(policy)
+    if policy.kind == "nested":
+        raise ValueError(
+            f"linen_scan: remat policy {policy.name!r} groups layers into a scan of scans; apply the stacked "
+            "parameters with zjax.remat.nested_scan(layer_fn, params, x, policy) (the zjax Decoder does)."
+        )
     cls = nn.remat(block, policy=policy.jax_policy(), prevent_cse=False) if policy.remat else block
     return nn.scan(
         cls,
@@ -43,6 +50,32 @@ def linen_scan(
         length=length,
         metadata_params={nn.PARTITION_NAME: LAYERS},
     )
+
+
+def nested_scan(layer_fn: Callable[[Any, Any], Any], params: Any, x: Any, policy: str | RematPolicy = "nested") -> Any:
+    """Apply ``layer_fn(layer_params, x) -> x`` over parameters stacked on a leading ``layers`` axis with
+    nested checkpointing: a scan over groups of ``k`` layers, each group rematerialized as a whole (only its
+    input is saved), each layer within it rematerialized too (a scan of scans; Chen et al. 2016).
+
+    With ``L`` layers the forward saves ``L / k`` group inputs and a group's backward ``k`` layer inputs:
+    ``k ~ sqrt(L)`` (the policy's default) minimizes the ``L / k + k`` saved layer inputs; the price is one
+    more forward pass than ``full`` (a group is recomputed, then each of its layers again). The parameters
+    keep their ``[L, ...]`` layout (checkpoints and ZeRO shards do not change).
+
+    Example:
+      >>> x = zjax.remat.nested_scan(lambda w, h: block.apply({"params": w}, h), params["layers"], x)
+    """
+    policy = RematPolicy.from_str(policy)
+    layers = jax.tree.leaves(params)[0].shape[0]
+    k = policy.group_size(layers)
+    layer = jax.checkpoint(layer_fn, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+
+    @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+    def group(h: Any, ws: Any) -> Any:
+        return jax.lax.scan(lambda h_, w: (layer(w, h_), None), h, ws)[0]
+
+    groups = jax.tree.map(lambda w: w.reshape(layers // k, k, *w.shape[1:]), params)
+    return jax.lax.scan(lambda h, ws: (group(h, ws), None), x, groups)[0]
 
 
 def nnx_stack(make_layer: Callable[[nnx.Rngs], nnx.Module], length: int, rngs: nnx.Rngs) -> nnx.Module:
