@@ -284,7 +284,7 @@ def test_dcn_split_keeps_tp_inside_a_node():
     sizes = {"pp": 2, "replica": 4, "dp": 8, "tp": 8}
     assert zjax.sharding.dcn_split(sizes, 4) == {"pp": 1, "replica": 4, "dp": 1, "tp": 1}
     assert zjax.sharding.dcn_split(sizes, 16) == {"pp": 2, "replica": 4, "dp": 2, "tp": 1}
-    with pytest.raises(ValueError, match="cannot be divided among replica=1, pp=1 and dp=2 without putting tp"):
+    with pytest.raises(ValueError, match="cannot be divided among replica=1, pp=1 and dp=2 without putting cp or tp"):
         zjax.sharding.dcn_split({"pp": 1, "replica": 1, "dp": 2, "tp": 8}, 4)
 
 

@@ -194,10 +194,11 @@ def test_linen_scan_stacks_with_layers_name():
     assert wq.names == ("layers", "embed", "heads", "head_dim") and wq.shape[0] == TINY.layers
 
 
-def _stacked_residual_shapes(policy: str) -> tuple[set[str], int]:
+def _stacked_residual_shapes(policy: str, sequence_parallel: bool = False) -> tuple[set[str], int]:
     cfg = dataclasses.replace(TINY, layers=4, max_len=64, remat=policy)
     init_fn, loss_fn = decoder_task(cfg)
-    plan = zjax.Plan(zjax.make_mesh(dp=4, tp=2), stage=1, precision="fp32")
+    rules = zjax.Rules(sequence_parallel=sequence_parallel)
+    plan = zjax.Plan(zjax.make_mesh(dp=4, tp=2), stage=1, precision="fp32", rules=rules)
     state = plan.abstract_state(init_fn, optax.sgd(0.1), jax.random.key(0))
     batch = jax.ShapeDtypeStruct((16, cfg.max_len + 1), np.int32)
     compiled = plan.train_step(loss_fn).lower(state, batch).compile()
@@ -211,6 +212,8 @@ def test_partitioned_checkpoints_halve_saved_activations_with_tp2():
     partitioned, _ = _stacked_residual_shapes("full+partitioned")
     assert replicated == {"f32[4,4,64,64]"}  # every tp rank saves the whole sequence
     assert partitioned == {"f32[4,4,32,64]"}  # each tp rank saves its half
+    # sequence parallelism (the default rules) saves the layer inputs split over tp without ZeRO-R's gathers
+    assert _stacked_residual_shapes("full", sequence_parallel=True)[0] == {"f32[4,4,32,64]"}
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ ZeRO-3 gathers one layer at a time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import flax.linen as nn
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
 
 from .. import pipeline
 from ..context import CONTEXT_MODES, attention, check_sequence
@@ -180,24 +182,33 @@ def _constrain(x: jax.Array) -> jax.Array:
     return nn.with_logical_constraint(x, ("batch", RESIDUAL_SEQ, "embed"))
 
 
-@jax.custom_vjp
 def _region(x: jax.Array) -> jax.Array:
     """The input of a tensor-parallel region: the sequence whole on every tp rank (an all-gather over tp
     under sequence parallelism), still split over cp. Its cotangent, partial sums over tp, goes straight
     back to the residual stream's layout (a reduce-scatter, Megatron's backward of the all-gather): a plain
-    constraint would make GSPMD all-reduce it to the region's layout first."""
-    return nn.with_logical_constraint(x, ("batch", "seq", "embed"))
+    constraint would make GSPMD all-reduce it to the region's layout first. Both layouts are resolved here,
+    under the rules the forward pass sees (none inside a pipeline stage), never inside the custom VJP."""
+    if pipeline.current() is not None or not nn.get_logical_axis_rules():
+        return nn.with_logical_constraint(x, ("batch", "seq", "embed"))
+    there = nn.logical_to_mesh_axes(("batch", "seq", "embed"))
+    back = nn.logical_to_mesh_axes(("batch", RESIDUAL_SEQ, "embed"))
+    return _region_vjp(x, there, back)
 
 
-def _region_fwd(x: jax.Array) -> tuple[jax.Array, None]:
-    return _region(x), None
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _region_vjp(x: jax.Array, there: PartitionSpec, back: PartitionSpec) -> jax.Array:
+    return jax.lax.with_sharding_constraint(x, there)
 
 
-def _region_bwd(_, g: jax.Array) -> tuple[jax.Array]:
-    return (_constrain(g),)
+def _region_fwd(x: jax.Array, there: PartitionSpec, back: PartitionSpec) -> tuple[jax.Array, None]:
+    return _region_vjp(x, there, back), None
 
 
-_region.defvjp(_region_fwd, _region_bwd)
+def _region_bwd(there: PartitionSpec, back: PartitionSpec, _, g: jax.Array) -> tuple[jax.Array]:
+    return (jax.lax.with_sharding_constraint(g, back),)
+
+
+_region_vjp.defvjp(_region_fwd, _region_bwd)
 
 
 def _heads(x: jax.Array, heads: str) -> jax.Array:

@@ -313,8 +313,11 @@ def estimate_fn(
 
 
 def _data_volume(comm: Communication) -> int:
-    """The volume of collectives over data-parallel axes only (dp and/or replica: ZeRO's traffic)."""
-    return sum(v for axes, v in comm.by_axes.items() if axes and set(axes) <= {"dp", "replica"})
+    """The volume of ZeRO's traffic: collectives over the data-parallel axes (dp and/or replica, with cp where
+    ZeRO's shards span dp x cp); a collective over cp alone is attention's (keys and values), not ZeRO's."""
+    return sum(
+        v for axes, v in comm.by_axes.items() if set(axes) & {"dp", "replica"} and set(axes) <= {"dp", "replica", "cp"}
+    )
 
 
 def resolve_model(model: str | os.PathLike | DecoderConfig) -> tuple[str, DecoderConfig]:

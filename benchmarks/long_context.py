@@ -1,0 +1,111 @@
+"""Long context on the GPU compiler (deviceless XLA:GPU, H100): temporaries per device by sequence length and cp.
+
+    python benchmarks/long_context.py [--json runs/long_context.json] [--seqs 8192,32768,131072] [--cps 1,2,4,8]
+                                      [--skip-1t] [--stretch]
+
+1. Llama-3-8B, ZeRO-3, bf16 + AdamW, full remat, 8 x H100: one sequence per data-parallel group
+   (``dp = 8 / cp`` sequences per step), for each sequence length and ``cp``: state, temporaries and peak
+   per device, the bytes moved over cp per step (K/V all-gathers and their dK/dV reduce-scatters) against
+   the formula ``layers x (fwd + recompute + bwd) x (cp - 1) / cp x 2 x seq x kv_heads x head_dim x 2 bytes``.
+2. The 1T-class plan (1.1T parameters, dp=512 x tp=8 on 4,096 H100s, 2,048-token rows) at stage 3 with
+   sequence parallelism (the default).
+3. ``--stretch``: a 1,048,576-token Llama-3-8B sequence on 64 H100s (cp=64) with the nested remat policy.
+
+Needs the CUDA compiler plugin (pip install -e ".[plan-gpu]"); no GPU. Compiles are minutes each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+
+import jax
+
+jax.config.update("jax_platforms", "cpu")
+import zjax  # noqa: E402
+
+zjax.simulate_cpu_devices(8)
+from zjax.models import PRESETS, DecoderConfig  # noqa: E402
+
+LLAMA_1T = DecoderConfig(vocab=32000, embed=16384, layers=256, heads=128, head_dim=128, mlp=65536, max_len=2048)
+GB = 1e9
+
+
+def cp_formula(cfg: DecoderConfig, seq: int, cp: int, rows_per_group: int = 1) -> float:
+    """Bytes each device moves over cp per step in the all-gather mode (ZeRO-paper volume: an all-gather or
+    reduce-scatter of ``n`` bytes counts ``n x (cp - 1) / cp``): per layer, K and V gathered in the forward
+    and again in the recompute, dK and dV reduce-scattered in the backward."""
+    kv = 2 * rows_per_group * seq * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, bf16
+    return cfg.layers * 3 * kv * (cp - 1) / cp
+
+
+def one(model: DecoderConfig, mesh: dict[str, int], rows: int, seq: int, remat: str = "full") -> dict:
+    start = time.perf_counter()
+    est = zjax.planner.estimate(
+        dataclasses.replace(model, max_len=seq),
+        mesh=mesh,
+        stages=(3,),
+        remat=remat,
+        batch_size=rows,
+        seq_len=seq,
+        target="h100",
+    )
+    row = est.rows[0]
+    by_axes = {"x".join(k) or "-": v for k, v in row.comm.by_axes.items()}
+    return {
+        "mesh": mesh,
+        "seq": seq,
+        "rows": rows,
+        "remat": remat,
+        "state_gb": round(row.compiled["state"] / GB, 3),
+        "temp_gb": round(row.compiled["temp"] / GB, 3),
+        "peak_gb": round(row.compiled["total"] / GB, 3),
+        "comm_by_axes_gb": {k: round(v / GB, 4) for k, v in by_axes.items()},
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--seqs", default="8192,32768,131072")
+    ap.add_argument("--cps", default="1,2,4,8")
+    ap.add_argument("--skip-1t", action="store_true")
+    ap.add_argument("--stretch", action="store_true")
+    args = ap.parse_args()
+    cfg = PRESETS["llama3-8b"]
+    out: dict = {"device": "H100 (deviceless XLA:GPU)", "jax": jax.__version__, "llama3_8b": []}
+    print("Llama-3-8B, stage 3, bf16, full remat, 8 x H100: per device")
+    print(f"{'seq':>8} {'cp':>3} {'state GB':>9} {'temp GB':>8} {'peak GB':>8} {'cp GB/step':>10} {'formula':>8}  s")
+    for seq in [int(s) for s in args.seqs.split(",")]:
+        for cp in [int(c) for c in args.cps.split(",")]:
+            r = one(cfg, {"dp": 8 // cp, "cp": cp}, 8 // cp, seq)
+            r["cp_formula_gb"] = round(cp_formula(cfg, seq, cp) / GB, 4)
+            out["llama3_8b"].append(r)
+            got = r["comm_by_axes_gb"].get("cp", 0.0)
+            print(
+                f"{seq:>8} {cp:>3} {r['state_gb']:>9.3f} {r['temp_gb']:>8.3f} {r['peak_gb']:>8.3f} {got:>10.3f} "
+                f"{r['cp_formula_gb']:>8.3f}  {r['seconds']}",
+                flush=True,
+            )
+    if not args.skip_1t:
+        r = one(LLAMA_1T, {"dp": 512, "tp": 8}, 512, 2048)
+        out["1t"] = r
+        print(
+            f"1T-class dp=512 x tp=8, sequence parallel: temp {r['temp_gb']} GB, peak {r['peak_gb']} GB "
+            f"({r['seconds']} s)"
+        )
+    if args.stretch:
+        r = one(cfg, {"dp": 1, "cp": 64}, 1, 1 << 20, remat="nested")
+        out["stretch_1m"] = r
+        print(
+            f"1,048,576 tokens, cp=64, nested remat: temp {r['temp_gb']} GB, peak {r['peak_gb']} GB ({r['seconds']} s)"
+        )
+    if args.json:
+        zjax.write_json_atomic(args.json, out)
+
+
+if __name__ == "__main__":
+    main()
