@@ -85,6 +85,22 @@ def test_reshard_matrix(saved, from_stage, to_stage, mesh_name):
         assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
 
 
+def test_a_cp_run_restores_at_cp1_and_the_reverse(saved, tmp_path):
+    """ZeRO-3 shards state over dp x cp: a checkpoint saved at dp=8 restores at dp=2 x cp=4 and one saved there
+    restores at dp=8, bitwise, each leaf in its new layout."""
+    directory, want, tx = saved[3]
+    cp_plan = zjax.Plan(zjax.make_mesh(dp=2, cp=4), stage=3, precision="bf16")
+    with zjax.Checkpointer(directory) as ckpt:
+        state, _ = ckpt.restore(cp_plan, linen_mlp_task()[0], tx, jax.random.key(0))
+    assert_bitwise(state, want)
+    assert any("cp" in str(leaf.sharding.spec) for leaf in jax.tree.leaves(state.params))
+    with zjax.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(state, cp_plan, {"data_position": 1})
+    with zjax.Checkpointer(tmp_path) as ckpt:
+        back, _ = ckpt.restore(zjax.Plan(zjax.make_mesh(dp=8), stage=3), linen_mlp_task()[0], tx, jax.random.key(0))
+    assert_bitwise(back, want)
+
+
 def test_restore_in_a_four_device_process(saved, tmp_path):
     directory, want, _ = saved[3]
     expected = tmp_path / "want.npz"

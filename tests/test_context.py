@@ -120,15 +120,15 @@ def batches(packed: bool, steps: int = 2):
     return out
 
 
-def train(mesh_kw, *, stage=0, cfg=CFG, packed=False, steps=2, rules=None):
+def train(mesh_kw, *, stage=0, cfg=CFG, packed=False, steps=2, rules=None, accum=1, **plan_kw):
     model = Decoder(cfg)
-    plan = zjax.Plan(zjax.make_mesh(**mesh_kw), stage=stage, precision="fp32", rules=rules)
+    plan = zjax.Plan(zjax.make_mesh(**mesh_kw), stage=stage, precision="fp32", rules=rules, **plan_kw)
     state = plan.init(
         lambda r: model.init(r, jnp.zeros((1, SEQ), jnp.int32))["params"],
         optax.sgd(0.1, momentum=0.9),
         jax.random.key(0),
     )
-    step = plan.train_step(lambda p, b: lm_loss(model, p, b))
+    step = plan.train_step(lambda p, b: lm_loss(model, p, b), accum_steps=accum)
     losses = []
     for batch in batches(packed, steps):
         state, metrics = step(state, plan.shard_batch(batch))
@@ -171,6 +171,15 @@ def test_context_parallel_trains_the_same_model(mesh_kw, stage, mode, packed, wi
         train(mesh_kw, stage=stage, cfg=cfg, packed=packed),
         reference(dataclasses.replace(CFG, sliding_window=window), packed),
     )
+
+
+def test_context_parallel_composes_with_deferred_reduction_and_offload():
+    """Stage 1 with 2 microbatches (each data rank accumulates unreduced, in a shard_map over the data axes
+    with cp's attention nested inside) trains dp=4 x tp=2's model; stage 3 with the optimizer offloaded
+    trains dp=8's."""
+    want = train({"dp": 4, "tp": 2}, accum=2)  # rows: 8 = dp x accum
+    check_same(train({"dp": 4, "cp": 2}, stage=1, accum=2), want)
+    check_same(train({"dp": 2, "cp": 4}, stage=3, offload="optimizer"), reference())
 
 
 def compiled_text(mesh_kw, mode="all-gather", stage=3, rules=None, partitioned=False):

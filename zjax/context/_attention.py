@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Literal
+from typing import Any, Literal
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -165,12 +166,47 @@ def _ring_bwd(window, scale, blocks, cp, res, d_out):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
+def _entry(spec: Any, dim: int) -> Any:
+    return spec[dim] if spec is not None and dim < len(spec) else None
+
+
+def _axes_of(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _manual_specs(segments: bool) -> tuple[tuple[P, ...], P, set[str]]:
+    """The ``shard_map`` specs of ``(q5, k, v[, segment_ids])`` and of the output, over every mesh axis that
+    is not manual already, read from the activation rules the model is traced under (batch over the data
+    axes, the sequence over cp, heads over tp): inside, every collective is one of ours."""
+    mesh = jax.sharding.get_abstract_mesh()
+    free = {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t != jax.sharding.AxisType.Manual}
+    try:
+        q = nn.logical_to_mesh_axes(("batch", "seq", "heads", "head_dim"))
+        kv = nn.logical_to_mesh_axes(("batch", "seq", "kv_heads", "head_dim"))
+    except ValueError:  # no activation rules (a bare jit under the mesh): only the sequence is split
+        q = kv = P(None, CP)
+    keep = lambda e: tuple(a for a in _axes_of(e) if a in free) or None  # noqa: E731
+    batch, heads, kv_heads = keep(_entry(q, 0)), keep(_entry(q, 2)), keep(_entry(kv, 2))
+    if heads != kv_heads:
+        raise ValueError(
+            f"attention with cp > 1: the query heads are split over {heads} but the key/value heads over "
+            f"{kv_heads}; map the logical names 'heads' and 'kv_heads' to the same mesh axes in Rules.activations."
+        )
+    seq = (CP,)
+    q5 = P(batch, seq, heads, None, None)
+    kv_spec = P(batch, seq, heads, None)
+    specs = (q5, kv_spec, kv_spec) + ((P(batch, seq),) if segments else ())
+    return specs, q5, free
+
+
 def _context_parallel(q5, k, v, segment_ids, *, window, scale, blocks, balanced: bool, mode: ContextMode):
-    """The attention with the sequence split over ``cp`` (a ``shard_map`` manual over ``cp`` only: the batch,
-    heads and every other axis stay with GSPMD)."""
+    """The attention with the sequence split over ``cp``: a ``shard_map`` manual over every free mesh axis
+    (the batch, sequence and heads splits read from the activation rules), so that the only collectives
+    inside are the K/V gathers (or the ring's permutes) over ``cp`` and their transposes. (Manual over ``cp``
+    alone, jax 0.10.2 lowers the reduce-scatter's reducer with a sharding constraint inside, which XLA:CPU's
+    bf16 all-reduce promotion cannot clone: a crash.)"""
     cp, length = context_size(), q5.shape[1]
     table = original_index(length, cp, balanced)  # [cp, length / cp]: each slot's original index
-    seq = P(None, CP)
 
     def local(q5, k, v, *seg):
         qs = seg[0] if seg else None
@@ -182,12 +218,13 @@ def _context_parallel(q5, k, v, segment_ids, *, window, scale, blocks, balanced:
         return _whole(q5, qi, qs, chunk, window, scale, blocks)
 
     args = (q5, k, v) + (() if segment_ids is None else (segment_ids,))
+    in_specs, out_spec, free = _manual_specs(segment_ids is not None)
     return jax.shard_map(
         local,
         mesh=jax.sharding.get_abstract_mesh(),
-        in_specs=(seq,) * len(args),
-        out_specs=seq,
-        axis_names={CP},
+        in_specs=in_specs,
+        out_specs=out_spec,
+        axis_names=free,
         check_vma=False,
     )(*args)
 
