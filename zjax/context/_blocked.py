@@ -72,26 +72,33 @@ def _scores(qb, kb, scale: float) -> jax.Array:
     return jnp.einsum("bqkgd,bskd->bkgqs", qb, kb, preferred_element_type=F32) * scale
 
 
-def _split(x: jax.Array, axis: int, block: int) -> jax.Array:
-    """``x`` with dimension ``axis`` cut into ``[n, block]``, the block count moved to the front."""
-    shape = x.shape[:axis] + (x.shape[axis] // block, block) + x.shape[axis + 1 :]
-    return jnp.moveaxis(x.reshape(shape), axis, 0)
+def _loop(n: int, body, init):
+    """``body(i, carry)`` for ``i`` in ``0 .. n-1`` as a ``while_loop``. Not ``scan``: these loops are never
+    differentiated (their custom VJPs are), and a scan inside a layer scan makes JAX's partial evaluation keep
+    per-block residuals of the forward pass (measured: a stacked ``[nq, nk, B, K, G, bq, bk]`` score array)."""
+
+    def step(state):
+        i, carry = state
+        return i + 1, body(i, carry)
+
+    return jax.lax.while_loop(lambda state: state[0] < n, step, (jnp.int32(0), init))[1]
 
 
-def _merge_blocks(x: jax.Array, axis: int) -> jax.Array:
-    """Inverse of :func:`_split` (the block count at the front goes back before ``axis``)."""
-    x = jnp.moveaxis(x, 0, axis)
-    return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2 :])
+def _take(x: jax.Array | None, axis: int, i, size: int) -> jax.Array | None:
+    return None if x is None else jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=axis)
 
 
-def _seg_blocks(s: jax.Array | None, block: int):
-    return None if s is None else _split(s, 1, block)
+def _put(x: jax.Array, block: jax.Array, axis: int, i, size: int) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(x, block, i * size, axis=axis)
 
 
-def _key_blocks(chunk: Chunk, block: int) -> tuple:
-    """The chunk's keys, values, indices and segment ids cut into key blocks (the block index leading)."""
-    return (_split(chunk.k, 1, block), _split(chunk.v, 1, block), chunk.order.reshape(-1, block),
-            _seg_blocks(chunk.segments, block))  # fmt: skip
+def _key_block(chunk: Chunk, j, bk: int):
+    return (
+        _take(chunk.k, 1, j, bk),
+        _take(chunk.v, 1, j, bk),
+        _take(chunk.order, 0, j, bk),
+        _take(chunk.segments, 1, j, bk),
+    )
 
 
 def block_forward(
@@ -102,13 +109,13 @@ def block_forward(
     b, sq, kh, g, d = q.shape
     sk = chunk.k.shape[1]
     bq, bk = block_size(sq, blocks.q), block_size(sk, blocks.k)
-    k_xs = _key_blocks(chunk, bk)
 
-    def one_q(xs):
-        qb, qib, qsb = xs
+    def one_q(i, outs):
+        out_all, lse_all = outs
+        qb, qib, qsb = _take(q, 1, i, bq), _take(qi, 0, i, bq), _take(qs, 1, i, bq)
 
-        def step(carry, kx):
-            kb, vb, kib, ksb = kx
+        def step(j, carry):
+            kb, vb, kib, ksb = _key_block(chunk, j, bk)
 
             def visit(c):
                 m, total, acc = c
@@ -121,22 +128,22 @@ def block_forward(
                 pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(vb.dtype), vb, preferred_element_type=F32)
                 return m_new, total, acc * corr[..., None] + pv
 
-            return jax.lax.cond(_visible(qib, kib, window), visit, lambda c: c, carry), None
+            return jax.lax.cond(_visible(qib, kib, window), visit, lambda c: c, carry)
 
         init = (
             jnp.full((b, kh, g, bq), -jnp.inf, F32),
             jnp.zeros((b, kh, g, bq), F32),
             jnp.zeros((b, kh, g, bq, d), F32),
         )
-        (m, total, acc), _ = jax.lax.scan(step, init, k_xs)
+        m, total, acc = _loop(sk // bk, step, init)
         seen = total > 0
         safe_total = jnp.where(seen, total, 1.0)
         out = jnp.where(seen[..., None], acc / safe_total[..., None], 0.0)
         lse = jnp.where(seen, m + jnp.log(safe_total), -jnp.inf)
-        return jnp.einsum("bkgqd->bqkgd", out), lse
+        return _put(out_all, jnp.einsum("bkgqd->bqkgd", out), 1, i, bq), _put(lse_all, lse, 3, i, bq)
 
-    outs, lses = jax.lax.map(one_q, (_split(q, 1, bq), qi.reshape(-1, bq), _seg_blocks(qs, bq)))
-    return _merge_blocks(outs, 1), _merge_blocks(lses, 3)
+    init = (jnp.zeros((b, sq, kh, g, d), F32), jnp.full((b, kh, g, sq), -jnp.inf, F32))
+    return _loop(sq // bq, one_q, init)
 
 
 def block_backward(
@@ -156,21 +163,18 @@ def block_backward(
     ``lse`` and ``delta = sum(d_out * out, -1)`` (both ``[B, K, G, Sq]``) and ``d_out [B, Sq, K, G, D]``."""
     sq, sk = q.shape[1], chunk.k.shape[1]
     bq, bk = block_size(sq, blocks.q), block_size(sk, blocks.k)
-    k_xs = (
-        _split(chunk.k, 1, bk),
-        _split(chunk.v, 1, bk),
-        chunk.order.reshape(-1, bk),
-        _seg_blocks(chunk.segments, bk),
-    )
     lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
 
-    def one_q(dkv, xs):
-        qb, qib, qsb, dob, lseb, deltab = xs
+    def one_q(i, grads):
+        dq_all, dk_all, dv_all = grads
+        qb, qib, qsb = _take(q, 1, i, bq), _take(qi, 0, i, bq), _take(qs, 1, i, bq)
+        dob, lseb, deltab = _take(d_out, 1, i, bq), _take(lse_safe, 3, i, bq), _take(delta, 3, i, bq)
 
-        def step(dq, kx):
-            kb, vb, kib, ksb = kx
+        def step(j, carry):
+            kb, vb, kib, ksb = _key_block(chunk, j, bk)
 
-            def visit(dq):
+            def visit(c):
+                dq, dk_all, dv_all = c
                 mask = _mask(qib, kib, qsb, ksb, window)
                 p = jnp.where(mask, jnp.exp(_scores(qb, kb, scale) - lseb[..., None]), 0.0)
                 dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(dob.dtype), dob, preferred_element_type=F32)
@@ -178,29 +182,17 @@ def block_backward(
                 ds = (p * (dp - deltab[..., None]) * scale).astype(qb.dtype)
                 dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, kb, preferred_element_type=F32)
                 dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, qb, preferred_element_type=F32)
-                return dq, (dk, dv)
+                dk_all = _put(dk_all, _take(dk_all, 1, j, bk) + dk, 1, j, bk)
+                dv_all = _put(dv_all, _take(dv_all, 1, j, bk) + dv, 1, j, bk)
+                return dq, dk_all, dv_all
 
-            def skip(dq):
-                zero = jnp.zeros(kb.shape, F32)
-                return dq, (zero, zero)
+            return jax.lax.cond(_visible(qib, kib, window), visit, lambda c: c, carry)
 
-            return jax.lax.cond(_visible(qib, kib, window), visit, skip, dq)
-
-        dq, (dks, dvs) = jax.lax.scan(step, jnp.zeros(qb.shape, F32), k_xs)
-        dk, dv = dkv
-        return (dk + _merge_blocks(dks, 1), dv + _merge_blocks(dvs, 1)), dq
+        dq, dk_all, dv_all = _loop(sk // bk, step, (jnp.zeros(qb.shape, F32), dk_all, dv_all))
+        return _put(dq_all, dq, 1, i, bq), dk_all, dv_all
 
     zeros = jnp.zeros(chunk.k.shape, F32)
-    q_xs = (
-        _split(q, 1, bq),
-        qi.reshape(-1, bq),
-        _seg_blocks(qs, bq),
-        _split(d_out, 1, bq),
-        _split(lse_safe, 3, bq),
-        _split(delta, 3, bq),
-    )
-    (dk, dv), dqs = jax.lax.scan(one_q, (zeros, zeros), q_xs)
-    return _merge_blocks(dqs, 1), dk, dv
+    return _loop(sq // bq, one_q, (jnp.zeros(q.shape, F32), zeros, zeros))
 
 
 def merge(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array) -> tuple[jax.Array, jax.Array]:
