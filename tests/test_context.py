@@ -164,11 +164,12 @@ def reference(cfg=CFG, packed=False):
 @pytest.mark.parametrize(
     ("mesh_kw", "stage", "mode", "packed", "window"),
     [
-        ({"dp": 4, "cp": 2}, 0, "all-gather", False, None),
+        # the fast suite keeps one all-gather and one ring case; the slow step runs every layout
+        pytest.param({"dp": 4, "cp": 2}, 0, "all-gather", False, None, marks=pytest.mark.slow),
         ({"dp": 2, "cp": 4}, 3, "all-gather", True, None),
         ({"dp": 2, "cp": 4}, 3, "ring", True, None),
-        ({"dp": 4, "cp": 2}, 3, "ring", False, 5),
-        ({"dp": 2, "cp": 2, "tp": 2}, 3, "all-gather", True, 5),
+        pytest.param({"dp": 4, "cp": 2}, 3, "ring", False, 5, marks=pytest.mark.slow),
+        pytest.param({"dp": 2, "cp": 2, "tp": 2}, 3, "all-gather", True, 5, marks=pytest.mark.slow),
     ],
 )
 def test_context_parallel_trains_the_same_model(mesh_kw, stage, mode, packed, window):
@@ -182,6 +183,7 @@ def test_context_parallel_trains_the_same_model(mesh_kw, stage, mode, packed, wi
     )
 
 
+@pytest.mark.slow
 def test_context_parallel_composes_with_deferred_reduction_and_offload():
     """Stage 1 with 2 microbatches (each data rank accumulates unreduced, in a shard_map over the data axes
     with cp's attention nested inside) trains dp=4 x tp=2's model; stage 3 with the optimizer offloaded

@@ -19,6 +19,7 @@ from ..models._hf_config import config_path, read_hf_config
 from ..offload import Offload
 from ..pipeline import Pipeline
 from ..sharding._mesh import make_mesh
+from ..sharding._rules import Rules
 from ..stages import Stage
 from ._gpu import cost_analysis, cudnn_for_target, gpu_devices
 from ._hlo import Communication, count_collectives, partitioned_hlo
@@ -230,6 +231,7 @@ def estimate_fn(
     pipeline: Pipeline | None = None,
     target: str | None = None,
     offload: str | Offload = "none",
+    rules: Rules | None = None,
 ) -> Estimate:
     """Estimate a user's model: ``init_fn``/``loss_fn`` as for :meth:`zjax.Plan.init`, ``batch`` a tree of
     ``ShapeDtypeStruct`` (global shapes). Nothing is allocated; every stage is compiled ahead of time.
@@ -239,7 +241,8 @@ def estimate_fn(
     for that many GPUs that are not there (``pip install "zjax[plan-gpu]"``); without it, XLA:CPU on
     simulated devices. Every row says which compiler produced it. ``offload`` (``"optimizer"``,
     ``"optimizer+params"``) estimates ZeRO-Offload plans: rows then show device memory, and the host
-    bytes and PCIe traffic computed from the placements."""
+    bytes and PCIe traffic computed from the placements. ``rules`` (default ``zjax.Rules()``) places
+    parameters and activations, e.g. ``Rules(sequence_parallel=False)``."""
     offload = Offload.from_value(offload)
     devices = _devices(mesh, target)
     device_mesh = make_mesh(
@@ -259,7 +262,7 @@ def estimate_fn(
         schedule = pipeline if pipeline is not None or stages_pp == 1 else Pipeline(2 * stages_pp)
         if schedule is not None and schedule.refusal(Stage.from_value(stage)) is not None:
             schedule = dataclasses.replace(schedule, zero3_gather="step")  # the mode does not run at this stage
-        plan = Plan(device_mesh, stage=stage, precision=precision, pipeline=schedule, offload=offload)
+        plan = Plan(device_mesh, stage=stage, precision=precision, pipeline=schedule, offload=offload, rules=rules)
         state = plan.abstract_state(init_fn, tx, jax.random.key(0))
         step = plan.train_step(loss_fn, accum_steps=accum)
         if target is not None:  # the scheduled GPU program: async collectives, real reduce-scatters, bf16
@@ -348,6 +351,7 @@ def estimate(
     pipeline: Pipeline | None = None,
     target: str | None = None,
     offload: str | Offload = "none",
+    rules: Rules | None = None,
 ) -> Estimate:
     """Estimate a decoder preset (``zjax.models.PRESETS``, e.g. ``"llama2-7b"``) or a ``DecoderConfig``.
 
@@ -373,4 +377,5 @@ def estimate(
         pipeline=pipeline,
         target=target,
         offload=offload,
+        rules=rules,
     )
