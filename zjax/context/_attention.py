@@ -127,12 +127,7 @@ def _ring_fwd(q, qi, qs, chunk, table, window, scale, blocks, cp):
         o_t, lse_t = block_forward(q, qi, qs, visiting, window=window, scale=scale, blocks=blocks)
         out, lse = merge(out, lse, o_t, lse_t)
         if t < cp - 1:
-            cur = Chunk(
-                _shift(cur.k, cp),
-                _shift(cur.v, cp),
-                cur.order,
-                None if cur.segments is None else _shift(cur.segments, cp),
-            )
+            cur = _pass_on(cur, cp)
     out = out.astype(q.dtype)
     return out, (q, qi, qs, chunk, table, out, lse)
 
@@ -153,12 +148,7 @@ def _ring_bwd(window, scale, blocks, cp, res, d_out):
         # the chunk's gradients travel with it; after cp shifts they are back on the chunk's own rank
         dk, dv = _shift(dk + dk_t, cp), _shift(dv + dv_t, cp)
         if t < cp - 1:
-            cur = Chunk(
-                _shift(cur.k, cp),
-                _shift(cur.v, cp),
-                cur.order,
-                None if cur.segments is None else _shift(cur.segments, cp),
-            )
+            cur = _pass_on(cur, cp)
     grads = Chunk(dk.astype(chunk.k.dtype), dv.astype(chunk.v.dtype), None, None)
     return dq.astype(q.dtype), None, None, grads, None
 
