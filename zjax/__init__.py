@@ -1,6 +1,7 @@
 """zjax: train large models with JAX/XLA without running out of accelerator memory."""
 
 from . import checkpoint as checkpoint
+from . import context as context
 from . import data as data
 from . import distributed as distributed
 from . import hf as hf

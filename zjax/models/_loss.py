@@ -116,7 +116,8 @@ def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16
     and optional ``positions``, ``segment_ids`` (packed sequences: attention stays within a segment, and
     a target from another segment than its input is not scored) and ``loss_mask`` (weights of the targets),
     each ``[B, S+1]`` aligned with ``tokens``. Logits are built about ``vocab_chunk`` vocabulary entries at a
-    time (:func:`chunked_cross_entropy`; ``None``: whole).
+    time (:func:`chunked_cross_entropy`; ``None``: whole). On a mesh with ``cp > 1`` the rows are put in the
+    load-balanced causal layout (:func:`zjax.context.load_balance`) before the model splits them over ``cp``.
     """
     tokens, positions, segment_ids, loss_mask = read_batch(batch)
     weights = None if loss_mask is None else loss_mask[:, 1:].astype(jnp.float32)
