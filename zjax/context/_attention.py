@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from .. import pipeline
 from ..sharding._axes import CP
 from ..sharding._mesh import in_manual_data_axes, mesh_platform
+from ..sharding._rules import _as_axes
 from ._blocked import Blocks, Chunk, block_backward, block_forward, merge
 from ._sequence import check_length, context_size, original_index
 
@@ -160,10 +161,6 @@ def _entry(spec: Any, dim: int) -> Any:
     return spec[dim] if spec is not None and dim < len(spec) else None
 
 
-def _axes_of(entry: Any) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _manual_specs(segments: bool) -> tuple[tuple[P, ...], P, set[str]]:
     """The ``shard_map`` specs of ``(q5, k, v[, segment_ids])`` and of the output, over every mesh axis that
     is not manual already, read from the activation rules the model is traced under (batch over the data
@@ -175,7 +172,7 @@ def _manual_specs(segments: bool) -> tuple[tuple[P, ...], P, set[str]]:
         kv = nn.logical_to_mesh_axes(("batch", "seq", "kv_heads", "head_dim"))
     except ValueError:  # no activation rules (a bare jit under the mesh): only the sequence is split
         q = kv = P(None, CP)
-    keep = lambda e: tuple(a for a in _axes_of(e) if a in free) or None  # noqa: E731
+    keep = lambda e: tuple(a for a in _as_axes(e) if a in free) or None  # noqa: E731
     batch, heads, kv_heads = keep(_entry(q, 0)), keep(_entry(q, 2)), keep(_entry(kv, 2))
     if heads != kv_heads:
         raise ValueError(

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..sharding._axes import CP, TP
-from ..sharding._rules import RESIDUAL_SEQ
+from ..sharding._rules import RESIDUAL_SEQ, _as_axes
 
 
 def context_size() -> int:
@@ -58,8 +58,7 @@ def check_sequence(length: int, *, balanced: bool) -> None:
     except ValueError:  # the user's activation rules do not name it: nothing more is split
         spec = None
     entry = spec[0] if spec is not None and len(spec) else None
-    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    others = math.prod(sizes.get(a, 1) for a in axes if a != CP)
+    others = math.prod(sizes.get(a, 1) for a in _as_axes(entry) if a != CP)
     check_length(length, int(sizes.get(CP, 1)), balanced=balanced, tp=others)
 
 

@@ -48,8 +48,7 @@ class DecoderConfig:
     embedding table; ``qkv_bias`` adds Qwen2's q/k/v biases; ``sliding_window`` limits each token to itself and
     the ``sliding_window`` positions before it (Mistral). ``context_mode`` says how attention reaches the keys
     of other ``cp`` ranks (``"all-gather"`` or ``"ring"``, :func:`zjax.context.attention`). ``scan`` stacks
-    layers with ``nn.scan``; ``remat`` names
-    the checkpointing policy of each layer (:data:`zjax.remat.POLICIES`).
+    layers with ``nn.scan``; ``remat`` names the checkpointing policy of each layer (:data:`zjax.remat.POLICIES`).
     """
 
     vocab: int = 256
