@@ -1,15 +1,25 @@
-"""Pipeline parallelism over the mesh axis ``pp``: GPipe and circular schedules inside one ``lax.scan``.
+"""Pipeline parallelism over the mesh axis ``pp``: GPipe, circular, 1F1B, interleaved 1F1B and zero-bubble.
 
-Example (inside a model's forward pass; the plan sets the schedule)::
+Example (inside a model's loss; the plan sets the schedule)::
 
-    plan = zjax.Plan(zjax.make_mesh(dp=2, pp=4), stage=3, pipeline=zjax.Pipeline(microbatches=8))
-    h = zjax.pipeline.apply(stage_fn, params["layers"], h)    # stage_fn(stage_layers, h) -> h
+    plan = zjax.Plan(zjax.make_mesh(dp=2, pp=4), stage=3,
+                     pipeline=zjax.Pipeline(microbatches=8, schedule="1f1b"))
+    total = zjax.pipeline.loss(stage_fn, params["layers"], batch,     # stage_fn(stage_layers, h) -> h
+                               first=embed, first_params=..., last=nll_sum, last_params=...)
+
+``zjax.pipeline.apply(stage_fn, layers, h)`` runs the layers alone (GPipe and circular schedules).
 """
 
 from ._config import GATHER_MODES as GATHER_MODES
+from ._config import TABLE_SCHEDULES as TABLE_SCHEDULES
 from ._config import Pipeline as Pipeline
 from ._engine import ITERATION_INPUT as ITERATION_INPUT
 from ._engine import apply as apply
 from ._engine import current as current
 from ._engine import scan_layers as scan_layers
 from ._engine import use as use
+from ._loss import loss as loss
+from ._schedule import SCHEDULES as SCHEDULES
+from ._schedule import Table as Table
+from ._schedule import table as schedule_table
+from ._ticks import seed as seed

@@ -1,9 +1,14 @@
-"""The pipeline schedule as data: microbatches, repeats (GPipe or circular), and its checks."""
+"""The pipeline's configuration: schedule, microbatches, repeats, gathering mode, and its checks."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+from ._schedule import SCHEDULES, table
+
+TABLE_SCHEDULES = SCHEDULES[1:]
+"""The schedules run by the table engine (:func:`zjax.pipeline.loss`); ``gpipe`` runs as one ``lax.scan``."""
 
 GATHER_MODES = ("step", "layer", "chunk")
 """How dp-split weights meet the pipeline: once per step, per use inside the loop, or per repeat's chunk
@@ -15,15 +20,23 @@ class Pipeline:
     """An SPMD pipeline over the mesh axis ``pp`` (S = its size).
 
     Layer weights stacked ``[L, ...]`` are cut into S stages along ``pp``; every stage applies its
-    ``L / (S x repeats)`` layers per visit. One ``lax.scan`` runs ``microbatches x repeats + S - 1``
-    iterations in which every stage works on a different microbatch and hands its output to the
-    next stage (one collective-permute per direction).
+    ``L / (S x repeats)`` layers per visit. Every stage works on a different microbatch at a time and
+    hands its output to the next stage (one collective-permute per direction).
 
     Args:
-      microbatches: M, microbatches per step and data-parallel rank; a multiple of S.
-      repeats: R. 1 is GPipe; R > 1 is the circular (interleaved) schedule: each stage holds R
-        chunks of layers and every microbatch loops R times around the stages, which divides the
-        bubble by R.
+      microbatches: M, microbatches per step and data-parallel rank.
+      repeats: R, chunks of layers per stage: every microbatch loops R times around the stages, which
+        divides the bubble by R (``gpipe`` with R > 1 is the circular schedule).
+      schedule: ``"gpipe"`` (the default): all forwards, then the backward pass as the transpose of one
+        ``lax.scan``; inputs of all ``M x R + S - 1`` iterations are kept, M a multiple of S.
+        ``"1f1b"``: one forward, one backward at a time after ``S - s - 1`` warm-up forwards; at most S
+        microbatches in flight whatever M, the bubble of GPipe. ``"interleaved-1f1b"`` (R > 1, M a
+        multiple of S): 1F1B over R chunks per stage, the bubble divided by R. ``"zero-bubble"`` (ZB-H1):
+        1F1B with each backward split into its input part (B) and weight part (W), the W deferred into
+        the ticks where the stage would wait; the bubble a third of 1F1B's at the memory of 1F1B's first
+        stage. The last three run the whole model per microbatch (:func:`zjax.pipeline.loss`: the loss is
+        computed by the last stage as each microbatch arrives) from a table of ticks
+        (:func:`zjax.pipeline.schedule_table`).
       zero3_gather: how weights and gradients split over ``dp`` (stages 2 and 3) meet the stages.
         ``"step"``: every stage's weights are gathered once per step, before the loop, and stay whole,
         with whole gradients, until the backward pass is done; the gradients are reduced over ``dp``
@@ -39,8 +52,9 @@ class Pipeline:
         phases that use it are done: ZeRO-3's 3 psi, with the memory of about ten whole chunks, so it
         pays with many repeats (a chunk of one or two layers). ``None`` (the default): the plan picks
         ``"layer"`` at stages 2 and 3, ``"step"`` below; ``"layer"`` is refused at stages 0 and 1,
-        ``"chunk"`` below stage 3.
-      remat: rematerialize each iteration in the backward pass, saving only its input.
+        ``"chunk"`` below stage 3. The table schedules run ``"step"`` only (the default for them).
+      remat: rematerialize each iteration in the backward pass, saving only its input (the table
+        schedules always recompute a stage's forward pass from its kept input).
       unroll: unroll the loop (for FLOP accounting: compiled cost analysis counts a loop body once;
         unrolled programs grow with M, so never for training).
     """
@@ -48,6 +62,7 @@ class Pipeline:
     microbatches: int
     repeats: int = 1
     zero3_gather: str | None = None
+    schedule: str = "gpipe"
     remat: bool = True
     unroll: bool = False
 
@@ -60,6 +75,28 @@ class Pipeline:
             raise ValueError(
                 f"Pipeline: zero3_gather={self.zero3_gather!r} is not a gathering mode; use one of {GATHER_MODES}."
             )
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Pipeline: schedule={self.schedule!r} is not a schedule; use one of {SCHEDULES}.")
+        if self.schedule == "interleaved-1f1b" and self.repeats == 1:
+            raise ValueError(
+                "Pipeline: schedule='interleaved-1f1b' interleaves chunks of layers: it needs repeats > 1 (chunks "
+                "per stage). Use repeats=2 or more, or schedule='1f1b'."
+            )
+        if self.schedule == "1f1b" and self.repeats > 1:
+            raise ValueError(
+                f"Pipeline: schedule='1f1b' with repeats={self.repeats}: chunks per stage are the interleaved "
+                "schedule; use schedule='interleaved-1f1b' (or 'zero-bubble', which takes repeats too)."
+            )
+        if self.schedule in TABLE_SCHEDULES and self.zero3_gather not in (None, "step"):
+            raise ValueError(
+                f"Pipeline: schedule={self.schedule!r} gathers weights split over dp once per step "
+                f"(zero3_gather='step'); zero3_gather={self.zero3_gather!r} runs with schedule='gpipe'."
+            )
+
+    @property
+    def tabled(self) -> bool:
+        """Whether the table engine runs this schedule (every schedule but ``gpipe``)."""
+        return self.schedule in TABLE_SCHEDULES
 
     def for_stage(self, stage: Any) -> Pipeline:
         """This schedule with its gathering mode settled for ZeRO ``stage`` (a :class:`zjax.Stage`).
@@ -72,7 +109,8 @@ class Pipeline:
           ValueError: ``"layer"`` at stage 0 or 1; ``"chunk"`` below stage 3.
         """
         if self.zero3_gather is None:
-            return dataclasses.replace(self, zero3_gather="layer" if stage.shard_gradients else "step")
+            mode = "layer" if stage.shard_gradients and not self.tabled else "step"
+            return dataclasses.replace(self, zero3_gather=mode)
         reason = self.refusal(stage)
         if reason is not None:
             raise ValueError(reason)
@@ -96,25 +134,34 @@ class Pipeline:
         return None
 
     def iterations(self, stages: int) -> int:
-        """Scan iterations per step: ``M x R + S - 1``."""
+        """GPipe's scan iterations per step: ``M x R + S - 1``."""
         return self.microbatches * self.repeats + stages - 1
 
+    def table(self, stages: int) -> Any:
+        """The schedule on ticks for ``stages`` (:func:`zjax.pipeline.schedule_table`)."""
+        return table(self.schedule, stages, self.microbatches, self.repeats)
+
     def bubble(self, stages: int) -> float:
-        """The idle fraction of every stage: ``(S - 1) / (M x R + S - 1)``."""
-        return (stages - 1) / self.iterations(stages)
+        """The largest idle fraction of a stage, counted on the schedule's table (F, B and W one tick each;
+        GPipe and 1F1B: ``(S - 1) / (M x R + S - 1)``)."""
+        return self.table(stages).bubble()
 
     def check(self, stages: int, layers: int | None = None, rows: int | None = None) -> None:
         """Raise ``ValueError`` unless this schedule fits ``stages`` (S), ``layers`` (L) and ``rows`` (per dp rank)."""
         m, r = self.microbatches, self.repeats
-        if m < stages:
+        grouped = self.schedule == "gpipe" or r > 1  # stream io, or chunks taken S microbatches at a time
+        if grouped and m < stages:
             raise ValueError(
-                f"Pipeline: microbatches={m} < pp={stages} stages: the pipeline never fills. Use at least "
-                f"{stages} microbatches (more shrink the bubble {self.bubble(stages):.0%})."
+                f"Pipeline: microbatches={m} < pp={stages} stages: schedule={self.schedule!r} with repeats={r} "
+                f"takes microbatches in groups of pp. Use at least {stages} microbatches, or schedule='1f1b' "
+                f"or 'zero-bubble' with repeats=1, which run any number (at a bubble of "
+                f"{table('1f1b', stages, m).bubble():.0%} here)."
             )
-        if m % stages:
+        if grouped and m % stages:
             raise ValueError(
-                f"Pipeline: microbatches={m} is not a multiple of pp={stages}; each stage streams "
-                f"microbatches/pp of them. Use {m + stages - m % stages} or {m - m % stages}."
+                f"Pipeline: microbatches={m} is not a multiple of pp={stages}; schedule={self.schedule!r} with "
+                f"repeats={r} takes microbatches in groups of pp. Use {m + stages - m % stages} or "
+                f"{m - m % stages}, or schedule='1f1b' or 'zero-bubble' with repeats=1."
             )
         if layers is not None and layers % (stages * r):
             raise ValueError(

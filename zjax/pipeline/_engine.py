@@ -370,30 +370,37 @@ def apply(
       layers: a pytree of layer weights stacked ``[L, ...]``, dim 0 sharded over ``pp`` (the logical
         name ``layers``), applied in their natural order ``0 .. L-1`` whatever the schedule.
       x: the global batch of activations ``[B, ...]``, split over the data axes.
-      pipeline: the schedule; by default the plan's (:func:`current`).
+      pipeline: the schedule; by default the plan's (:func:`current`). Without one (a model's
+        ``init``, or a mesh without ``pp``) the stages run one after the other on the whole batch: the
+        same function, so ``plan.init`` and a model's own ``init`` need nothing special.
 
     Returns:
       ``y[B, ...]``, split over the data axes and ``pp`` (embeddings, head and loss then run data
       parallel over both).
+
+    Raises:
+      ValueError: ``pp > 1`` in the mesh and no schedule; a table schedule (``"1f1b"`` and the like),
+        which needs the loss inside the pipeline (:func:`zjax.pipeline.loss`).
     """
     cfg = current() if pipeline is None else pipeline
+    mesh = jax.sharding.get_abstract_mesh()
+    stages = 1 if mesh.empty else dict(mesh.shape).get(PP, 1)
+    count = _layer_count(layers)
     if cfg is None:
+        if stages > 1:
+            raise ValueError(
+                f"zjax.pipeline.apply: the mesh has pp={stages} but no pipeline schedule is active: build the "
+                "plan with zjax.Plan(..., pipeline=zjax.Pipeline(microbatches=...)) and call the model inside "
+                "plan.train_step / plan.eval_step (or pass pipeline=... here)."
+            )
+        return sequential(stage_fn, layers, x, 1, 1)
+    if cfg.tabled:
         raise ValueError(
-            "zjax.pipeline.apply: no pipeline schedule; pass pipeline=zjax.Pipeline(...) or build the plan "
-            "with zjax.Plan(..., pipeline=zjax.Pipeline(microbatches=...))."
+            f"zjax.pipeline.apply: schedule={cfg.schedule!r} interleaves each microbatch's forward and backward "
+            "passes, so the pipeline must compute the loss: call zjax.pipeline.loss(stage_fn, layers, inputs, "
+            "first=..., last=...) instead (zjax.models.lm_loss does), or use schedule='gpipe'."
         )
     sizes = _mesh_sizes()
-    stages = sizes.get(PP, 1)
-    leaves = jax.tree.leaves(layers)
-    if not leaves:
-        raise ValueError("zjax.pipeline.apply: layers has no arrays.")
-    count = leaves[0].shape[0]
-    for path, leaf in jax.tree_util.tree_flatten_with_path(layers)[0]:
-        if leaf.shape[:1] != (count,):
-            raise ValueError(
-                f"zjax.pipeline.apply: layer weight {jax.tree_util.keystr(path)} has shape {leaf.shape}; every "
-                f"leaf must be stacked on a leading layers dim of size {count}."
-            )
     data = tuple(a for a in DATA_AXES if sizes.get(a, 1) > 1)
     ranks = math.prod(sizes[a] for a in data)
     cfg.check(stages, count, x.shape[0] // ranks if x.shape[0] % ranks == 0 else None)
@@ -402,16 +409,7 @@ def apply(
             f"zjax.pipeline.apply: batch of {x.shape[0]} rows does not split over data parallelism ({ranks}) x "
             f"microbatches ({cfg.microbatches}); use a multiple of {ranks * cfg.microbatches}."
         )
-    lps = count // (stages * cfg.repeats)
-
-    def by_visit(w: jax.Array) -> jax.Array:
-        # natural order [L, ...] -> [R, S, Lps, ...]: layer (r*S + s)*Lps + j is stage s's j-th on visit r
-        w = w.reshape(cfg.repeats, stages, lps, *w.shape[1:])
-        if cfg.repeats == 1:
-            return w  # each stage's contiguous block: S stays over pp, nothing moves
-        return jax.lax.with_sharding_constraint(w, P(None, PP, *([P.UNCONSTRAINED] * (w.ndim - 2))))
-
-    stacked = jax.tree.map(by_visit, layers)
+    stacked = by_visit(layers, cfg.repeats, stages)
     x = jax.lax.with_sharding_constraint(x, P((*data, PP)))
     s_, k_, rest = stages, cfg.microbatches // stages, x.shape[1:]
     # The data axes over which the weights are whole on every rank get the manual region below; with
@@ -449,6 +447,41 @@ def apply(
         axis_names=set(region),
         check_vma=False,
     )(jax.tree.unflatten(treedef, entered), x)
+
+
+def _layer_count(layers: Any) -> int:
+    """L, the leading dim every leaf of ``layers`` shares."""
+    leaves = jax.tree.leaves(layers)
+    if not leaves:
+        raise ValueError("zjax.pipeline: layers has no arrays.")
+    count = leaves[0].shape[0]
+    for path, leaf in jax.tree_util.tree_flatten_with_path(layers)[0]:
+        if leaf.shape[:1] != (count,):
+            raise ValueError(
+                f"zjax.pipeline: layer weight {jax.tree_util.keystr(path)} has shape {leaf.shape}; every "
+                f"leaf must be stacked on a leading layers dim of size {count}."
+            )
+    return count
+
+
+def by_visit(layers: Any, repeats: int, stages: int) -> Any:
+    """Natural order ``[L, ...]`` -> ``[R, S, Lps, ...]``: layer ``(r*S + s)*Lps + j`` is stage ``s``'s
+    ``j``-th on visit ``r``."""
+
+    def one(w: jax.Array) -> jax.Array:
+        w = w.reshape(repeats, stages, w.shape[0] // (repeats * stages), *w.shape[1:])
+        if repeats == 1 or stages == 1:
+            return w  # each stage's contiguous block: S stays over pp, nothing moves
+        return jax.lax.with_sharding_constraint(w, P(None, PP, *([P.UNCONSTRAINED] * (w.ndim - 2))))
+
+    return jax.tree.map(one, layers)
+
+
+def sequential(stage_fn: Callable, layers: Any, x: jax.Array, repeats: int, stages: int) -> jax.Array:
+    """The pipeline's function without a pipeline: every (visit, stage) chunk of layers in turn, one scan."""
+    chunks = jax.tree.map(lambda w: w.reshape(repeats * stages, -1, *w.shape[2:]), by_visit(layers, repeats, stages))
+    h, _ = jax.lax.scan(lambda h, w: (stage_fn(w, h), None), x, chunks)
+    return h
 
 
 def _enter(w: jax.Array, dp_dim: int | None, region: tuple[str, ...], sizes: dict[str, int]) -> tuple[P, jax.Array]:

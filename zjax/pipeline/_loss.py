@@ -1,0 +1,96 @@
+"""``zjax.pipeline.loss``: a whole model through the pipeline, its loss computed by the last stage."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ..sharding._axes import DATA_AXES, PP
+from . import _ticks
+from ._config import Pipeline
+from ._engine import _layer_count, apply, by_visit, current
+
+
+def loss(
+    stage_fn: Callable[[Any, jax.Array], jax.Array],
+    layers: Any,
+    inputs: Any,
+    *,
+    first: Callable[[Any, Any], jax.Array],
+    first_params: Any,
+    last: Callable[[Any, jax.Array, Any], jax.Array],
+    last_params: Any,
+    pipeline: Pipeline | None = None,
+) -> jax.Array:
+    """``last(last_params, layers(first(first_params, inputs)), inputs)`` summed over microbatches.
+
+    The whole model in the pipeline: stage 0 starts each microbatch with ``first`` (an embedding, say),
+    the stacked ``layers`` run in stages as in :func:`apply`, and the last stage ends it with ``last``,
+    which returns the microbatch's loss as a sum (a mean would weigh microbatches wrongly). Every schedule
+    runs through here; ``"1f1b"``, ``"interleaved-1f1b"`` and ``"zero-bubble"`` need it, since their
+    backward passes start while other microbatches' forwards still run.
+
+    Args:
+      stage_fn: ``stage_fn(stage_layers, h) -> h`` as for :func:`apply`.
+      layers: layer weights stacked ``[L, ...]`` (dim 0 over ``pp``).
+      inputs: a pytree of arrays ``[B, ...]`` (tokens, targets, weights: every per-row input), split over
+        the data axes; cut into microbatches along dim 0.
+      first: ``first(first_params, inputs_mb) -> h[mb, ...]``.
+      last: ``last(last_params, h, inputs_mb) -> scalar``, the microbatch's summed loss.
+      pipeline: the schedule; by default the plan's (:func:`current`).
+
+    Returns:
+      The fp32 sum of ``last`` over all microbatches. Its gradients are made during the schedule (seeded
+      by the train step's loss scale) and returned when it is differentiated.
+    """
+    cfg = current() if pipeline is None else pipeline
+    if cfg is None or not cfg.tabled:
+        h = first(first_params, inputs)
+        y = apply(stage_fn, layers, h, cfg)
+        return jnp.asarray(last(last_params, y, inputs), jnp.float32)
+    sizes = dict(jax.sharding.get_abstract_mesh().shape)
+    stages = sizes.get(PP, 1)
+    ranks = math.prod(sizes.get(a, 1) for a in DATA_AXES)
+    rows = jax.tree.leaves(inputs)[0].shape[0]
+    cfg.check(stages, _layer_count(layers), rows // ranks if rows % ranks == 0 else None)
+    if rows % (ranks * cfg.microbatches):
+        raise ValueError(
+            f"zjax.pipeline.loss: batch of {rows} rows does not split over data parallelism ({ranks}) x "
+            f"microbatches ({cfg.microbatches}); use a multiple of {ranks * cfg.microbatches}."
+        )
+    dtypes = jax.tree.map(lambda a: a.dtype, (layers, first_params, last_params))
+    scale = _ticks._SEED.get()
+    scale = jnp.float32(1.0) if scale is None else jnp.asarray(scale, jnp.float32)
+
+    def table_run(layers, fp, lp, inputs, scale):
+        stacked = by_visit(layers, cfg.repeats, stages)
+        value, dw, dfp, dlp = _ticks.run(stage_fn, first, last, cfg, stacked, fp, lp, inputs, scale)
+        dw = jax.tree.map(lambda g, w: g.reshape(w.shape), dw, layers)
+        return value, (dw, dfp, dlp)
+
+    @jax.custom_vjp
+    def run(layers, fp, lp, inputs, scale):
+        m_, s_ = cfg.microbatches, stages
+        if m_ >= s_ and m_ % s_ == 0:  # forward only (eval): GPipe's scan keeps nothing
+            scan = dataclasses.replace(cfg, schedule="gpipe", zero3_gather="step")
+            h = apply(stage_fn, layers, first(fp, inputs), scan)
+            return jnp.asarray(last(lp, h, inputs), jnp.float32)
+        return table_run(layers, fp, lp, inputs, scale)[0]
+
+    def fwd(layers, fp, lp, inputs, scale):
+        value, grads = table_run(layers, fp, lp, inputs, scale)
+        return value, (grads, scale)
+
+    def bwd(res, g):
+        grads, scale = res
+        k = g / scale
+        scaled = jax.tree.map(lambda a, dt: (a * k).astype(dt), grads, dtypes)
+        return (*scaled, None, None)
+
+    run.defvjp(fwd, bwd)
+    return run(layers, first_params, last_params, inputs, scale)

@@ -1,0 +1,265 @@
+"""Pipeline schedules as data: which stage runs which action of which microbatch at each tick.
+
+A schedule is an order of actions per stage: ``F`` (forward), ``B`` (the backward pass to the stage's
+input) and ``W`` (the backward pass to its weights), each on one microbatch ``m`` and one chunk ``c``
+of the stage's layers (``c < v``, the interleaved schedules' repeats). :func:`table` places every
+action on the earliest tick at which its inputs exist, in lockstep (a value sent at tick ``t`` arrives
+at ``t + 1``; one action per stage per tick, each costing one tick: the split of the backward pass
+into B and W keeps the three alike). The engine runs that table as it is, so the bubble counted here,
+idle ticks over all ticks, is the program's.
+
+- ``gpipe``: all forwards, then all backwards (every microbatch's input kept until its W).
+- ``1f1b`` (PipeDream-Flush): ``S - s - 1`` warm-up forwards on stage ``s``, then one forward, one
+  backward (B then W) at a time; at most ``S - s`` microbatches in flight.
+- ``interleaved-1f1b`` (Megatron-LM's): ``v`` chunks per stage, forwards in groups of ``S``
+  microbatches per chunk; the bubble shrinks by ``v`` for ``v`` times the stage-to-stage messages.
+- ``zero-bubble`` (ZB-H1, Qi et al. 2023): 1F1B's order of F and B, with each W deferred into ticks
+  where the stage would otherwise wait, as long as the microbatches in flight stay within 1F1B's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+"""The schedules :class:`zjax.Pipeline` runs (``gpipe`` with ``repeats > 1`` is the circular one)."""
+
+IDLE, F, B, W = 0, 1, 2, 3
+ACTIONS = ".FBW"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Table:
+    """A schedule placed on ticks: ``kind[t, s]`` (IDLE, F, B or W), ``micro[t, s]`` and ``chunk[t, s]``."""
+
+    schedule: str
+    stages: int
+    microbatches: int
+    chunks: int
+    kind: np.ndarray
+    micro: np.ndarray
+    chunk: np.ndarray
+
+    @property
+    def ticks(self) -> int:
+        return int(self.kind.shape[0])
+
+    def idle(self) -> np.ndarray:
+        """Idle ticks per stage."""
+        return np.sum(self.kind == IDLE, axis=0)
+
+    def bubble(self) -> float:
+        """The largest idle fraction of any stage: idle ticks / ticks."""
+        return float(np.max(self.idle()) / self.ticks)
+
+    def in_flight(self) -> np.ndarray:
+        """Per stage, the most microbatch-chunks whose forward ran and whose W has not: the inputs it keeps."""
+        live = np.cumsum(self.kind == F, axis=0) - np.cumsum(self.kind == W, axis=0)
+        return np.max(live, axis=0)
+
+    def __str__(self) -> str:
+        rows = [
+            " ".join(
+                f"{ACTIONS[k]}{m}" + (f".{c}" if self.chunks > 1 else "") if k else "." * (2 + 2 * (self.chunks > 1))
+                for k, m, c in zip(self.kind[:, s], self.micro[:, s], self.chunk[:, s], strict=True)
+            )
+            for s in range(self.stages)
+        ]
+        return "\n".join(f"stage {s}: {row}" for s, row in enumerate(rows))
+
+
+def _forwards(m_: int, s_: int, v: int, schedule: str) -> list[tuple[int, int]]:
+    """The (microbatch, chunk) order of the forwards (the backwards take it with chunks reversed)."""
+    if schedule == "gpipe" or v == 1:  # chunk-major: every microbatch visits chunk c before any visits c + 1
+        return [(m, c) for c in range(v) for m in range(m_)]
+    # groups of S microbatches per chunk (Megatron-LM's interleaving; v = 1 is plain 1F1B)
+    return [(g * s_ + i, c) for g in range(m_ // s_) for c in range(v) for i in range(s_)]
+
+
+def _backwards(m_: int, s_: int, v: int, schedule: str) -> list[tuple[int, int]]:
+    if schedule == "gpipe" or v == 1:
+        return [(m, c) for c in reversed(range(v)) for m in range(m_)]
+    return [(g * s_ + i, c) for g in range(m_ // s_) for c in reversed(range(v)) for i in range(s_)]
+
+
+def _warmup(schedule: str, s_: int, stage: int, v: int, total: int) -> int:
+    """Forwards stage ``stage`` runs before its first backward."""
+    if schedule == "gpipe":
+        return total
+    if v == 1:
+        return min(s_ - stage - 1, total)
+    return min((s_ - stage - 1) * 2 + (v - 1) * s_, total)
+
+
+@functools.lru_cache(maxsize=64)
+def table(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> Table:
+    """Place ``schedule`` for ``stages`` (S), ``microbatches`` (M) and ``chunks`` (v) on ticks."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"Pipeline: schedule={schedule!r} is not one of {SCHEDULES}.")
+    s_, m_, v = stages, microbatches, chunks
+    defer = schedule == "zero-bubble"
+    orders: list[list[tuple[int, int, int]]] = []
+    fwd, bwd = _forwards(m_, s_, v, schedule), _backwards(m_, s_, v, schedule)
+    for stage in range(s_):
+        w = _warmup(schedule, s_, stage, v, len(fwd))
+        order = [(F, *a) for a in fwd[:w]]
+        for i in range(len(fwd) - w):
+            order += [(F, *fwd[w + i]), (B, *bwd[i])] + ([] if defer else [(W, *bwd[i])])
+        for i in range(len(fwd) - w, len(bwd)):
+            order += [(B, *bwd[i])] + ([] if defer else [(W, *bwd[i])])
+        orders.append(order)
+    # ZB-H1: every stage may hold as many inputs as 1F1B's first stage (its peak), so the later stages defer
+    # their W into the cool-down and the backward chain runs ahead at one tick per stage
+    caps = [_warmup("1f1b", s_, 0, v, len(fwd)) + 1] * s_
+    return _place(schedule, s_, m_, v, orders, caps if defer else None)
+
+
+def _place(
+    schedule: str, s_: int, m_: int, v: int, orders: list[list[tuple[int, int, int]]], caps: list[int] | None
+) -> Table:
+    """Lockstep list scheduling: each stage runs its next action once what it needs was done on an earlier
+    tick. With ``caps`` (zero-bubble), W actions are not in the orders: a stage runs its oldest pending W when
+    its next action must wait, or when another forward would hold more than ``caps[s]`` inputs."""
+    done: dict[tuple[int, int, int, int], int] = {}  # (kind, stage, m, c) -> tick
+    after = B if caps is not None else W
+
+    def ready(kind: int, stage: int, m: int, c: int, t: int) -> bool:
+        if kind == F:
+            need = (F, stage - 1, m, c) if stage > 0 else (F, s_ - 1, m, c - 1) if c > 0 else None
+        elif kind == B:  # the next stage's backward; a fused one (B then W, as one) is done after its W
+            if stage < s_ - 1:
+                need = (after, stage + 1, m, c)
+            else:
+                need = (after, 0, m, c + 1) if c < v - 1 else (F, stage, m, c)
+        else:
+            need = (B, stage, m, c)
+        return need is None or done.get(need, t) < t
+
+    cursor = [0] * s_
+    pending: list[list[tuple[int, int]]] = [[] for _ in range(s_)]
+    live = [0] * s_
+    rows: list[list[tuple[int, int, int]]] = []
+    limit = 4 * (m_ * v + s_) * 3 + 8
+    while any(cursor[s] < len(orders[s]) or pending[s] for s in range(s_)):
+        t = len(rows)
+        if t > limit:
+            raise RuntimeError(f"pipeline schedule {schedule!r} does not finish (S={s_}, M={m_}, v={v}).")
+        row = []
+        for s in range(s_):
+            action = orders[s][cursor[s]] if cursor[s] < len(orders[s]) else None
+            run = None
+            if action is not None and ready(*action[:1], s, *action[1:], t):
+                full = caps is not None and action[0] == F and live[s] >= caps[s]
+                run = action if not full else None
+            if run is None and pending[s] and (action is None or caps is not None):
+                run = (W, *pending[s].pop(0))
+            elif run is not None:
+                cursor[s] += 1
+            if run is None:
+                row.append((IDLE, 0, 0))
+                continue
+            kind, m, c = run
+            done[(kind, s, m, c)] = t
+            live[s] += 1 if kind == F else -1 if kind == W else 0
+            if kind == B and caps is not None:
+                pending[s].append((m, c))
+            row.append(run)
+        rows.append(row)
+    grid = np.asarray(rows, dtype=np.int32)  # [T, S, 3]
+    return Table(schedule, s_, m_, v, grid[..., 0], grid[..., 1], grid[..., 2])
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Slots:
+    """Where the engine keeps each microbatch's stage input (``x``) and output gradient (``g``), per tick
+    and stage: ``recv_*`` (the slot an arriving message goes to), ``read_*`` (the slot the action reads),
+    ``store_*`` (the slot an action's own result goes to: a first stage's input, a last stage's loss
+    gradient). Slot ``n_*`` is scratch (writes there are dropped); ``first``/``last`` flag the actions that
+    start from the inputs or end in the loss."""
+
+    n_x: int
+    n_g: int
+    recv_x: np.ndarray
+    recv_g: np.ndarray
+    read_x: np.ndarray
+    read_g: np.ndarray
+    store_x: np.ndarray
+    store_g: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+
+
+def _colour(intervals: list[tuple[int, int, object]]) -> tuple[dict[object, int], int]:
+    """Interval-graph colouring: a slot per key, reused once its interval (inclusive ticks) is over."""
+    free: list[int] = []
+    busy: list[tuple[int, int]] = []  # (end, slot)
+    slot_of: dict[object, int] = {}
+    count = 0
+    for start, end, key in sorted(intervals, key=lambda x: (x[0], x[1])):
+        for item in sorted(busy):
+            if item[0] < start:
+                busy.remove(item)
+                free.append(item[1])
+        if free:
+            slot = min(free)
+            free.remove(slot)
+        else:
+            slot, count = count, count + 1
+        busy.append((end, slot))
+        slot_of[key] = slot
+    return slot_of, count
+
+
+@functools.lru_cache(maxsize=64)
+def slots(tab: Table) -> Slots:
+    """The buffers' slot plan for ``tab`` (static: the engine indexes it per tick)."""
+    s_, v, shape = tab.stages, tab.chunks, tab.kind.shape
+    at: dict[tuple[int, int, int, int], int] = {}
+    for t in range(tab.ticks):
+        for s in range(s_):
+            if tab.kind[t, s]:
+                at[(int(tab.kind[t, s]), s, int(tab.micro[t, s]), int(tab.chunk[t, s]))] = t
+    is_first = lambda s, c: s == 0 and c == 0  # noqa: E731
+    is_last = lambda s, c: s == s_ - 1 and c == v - 1  # noqa: E731
+    x_iv: list[list[tuple[int, int, object]]] = [[] for _ in range(s_)]
+    g_iv: list[list[tuple[int, int, object]]] = [[] for _ in range(s_)]
+    for (kind, s, m, c), t in at.items():
+        if kind != W:
+            continue
+        if is_first(s, c):
+            x_start = at[(F, s, m, c)]
+        else:
+            x_start = at[(F, s - 1, m, c) if s > 0 else (F, s_ - 1, m, c - 1)] + 1
+        if is_last(s, c):
+            g_start = at[(F, s, m, c)]
+        else:
+            g_start = at[(B, s + 1, m, c) if s < s_ - 1 else (B, 0, m, c + 1)] + 1
+        x_iv[s].append((x_start, t, (m, c)))
+        g_iv[s].append((g_start, t, (m, c)))
+    colours = [(_colour(x_iv[s]), _colour(g_iv[s])) for s in range(s_)]
+    n_x = max([1] + [cx[1] for cx, _ in colours])
+    n_g = max([1] + [cg[1] for _, cg in colours])
+    recv_x, read_x, store_x = (np.full(shape, n_x, np.int32) for _ in range(3))
+    recv_g, read_g, store_g = (np.full(shape, n_g, np.int32) for _ in range(3))
+    first, last = np.zeros(shape, bool), np.zeros(shape, bool)
+    for (kind, s, m, c), t in at.items():
+        xs, gs = colours[s][0][0].get((m, c)), colours[s][1][0].get((m, c))
+        first[t, s], last[t, s] = is_first(s, c), is_last(s, c)
+        read_x[t, s] = xs
+        if kind != F:
+            read_g[t, s] = gs
+        if kind == F:
+            if is_first(s, c):
+                store_x[t, s] = xs
+            if is_last(s, c):
+                store_g[t, s] = gs
+            else:  # the next stage (or stage 0's next chunk) receives the output at t + 1
+                nxt, nc = (s + 1, c) if s < s_ - 1 else (0, c + 1)
+                recv_x[t + 1, nxt] = colours[nxt][0][0][(m, nc)]
+        if kind == B and not is_first(s, c):
+            prv, pc = (s - 1, c) if s > 0 else (s_ - 1, c - 1)
+            recv_g[t + 1, prv] = colours[prv][1][0][(m, pc)]
+    return Slots(n_x, n_g, recv_x, recv_g, read_x, read_g, store_x, store_g, first, last)

@@ -1,0 +1,197 @@
+"""The table engine: a pipeline whose forward and backward passes follow a schedule's table tick by tick.
+
+:func:`loss` runs a whole model (``first`` on the inputs, the stacked layers in stages, ``last`` to a
+scalar) as one ``lax.scan`` over the table's ticks, inside a ``shard_map`` manual over ``pp`` and the
+data axes. On every tick each stage looks up its action (:mod:`._schedule`) and runs it in a
+``lax.switch``: F applies the stage's chunk to a microbatch (stage 0 starts from ``first``, the last
+stage ends in ``last`` and its gradient), B pulls the output gradient back to the stage's input, W to
+its weights, both by ``jax.vjp`` on the stage's function recomputed from the kept input. Then every
+stage sends its F output forward and its B output backward (two ``ppermute``s over ``pp``). Inputs
+and gradients wait in slot buffers sized by the table, so memory follows the schedule's microbatches
+in flight, not the number of microbatches.
+
+The gradients are made in the forward pass (the schedule interleaves F, B and W), so :func:`loss` is a
+``custom_vjp`` whose backward pass only scales them by the loss's cotangent. They are seeded with
+:func:`seed` (the train step's loss scale) so that fp16 loss scaling protects them as it protects the
+GPipe engine's. Without differentiation (``eval_step``) the loss runs the forward-only scan engine.
+
+The data axes are manual here: every data-parallel rank keeps whole weights and whole gradients for
+the step (gathered over ``dp`` once at the start at stages 2 and 3, reduced once at the end): ZeRO's
+traffic, with the memory of stage 1 for the layers during the step (``zero3_gather="step"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from ..sharding._axes import DATA_AXES, PP
+from . import _schedule
+from ._config import Pipeline
+
+_SEED: contextvars.ContextVar[Any] = contextvars.ContextVar("zjax_pipeline_seed", default=None)
+
+
+@contextlib.contextmanager
+def seed(scale: Any) -> Iterator[None]:
+    """Seed the table engine's backward pass with ``scale`` (the loss scale) while a loss is traced."""
+    token = _SEED.set(scale)
+    try:
+        yield
+    finally:
+        _SEED.reset(token)
+
+
+def _zeros(tree: Any, dtype: Any = None) -> Any:
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, dtype or a.dtype), tree)
+
+
+def _tick_loop(
+    stage_fn: Callable, first: Callable, last: Callable, cfg: Pipeline, stages: int,
+    w: Any, fp: Any, lp: Any, inputs: Any, scale: jax.Array,
+) -> tuple:  # fmt: skip
+    """One device's part of the schedule (inside the manual region): ``w`` its chunks ``[v, Lps, ...]``, ``fp``
+    and ``lp`` whole, ``inputs`` its rows. Returns ``(loss, dw, dfp, dlp)`` summed over its microbatches."""
+    tab = _schedule.table(cfg.schedule, stages, cfg.microbatches, cfg.repeats)
+    plan = _schedule.slots(tab)
+    m_ = cfg.microbatches
+    mbs = jax.tree.map(lambda a: a.reshape(m_, a.shape[0] // m_, *a.shape[1:]), inputs)
+    probe = jax.eval_shape(first, fp, jax.tree.map(lambda a: a[0], mbs))
+    h_zero = jnp.zeros(probe.shape, probe.dtype)
+    ring = cfg.repeats > 1
+    fwd_pairs = [(i, (i + 1) % stages) for i in range(stages if ring else stages - 1)]
+    bwd_pairs = [((i + 1) % stages, i) for i in range(stages if ring else stages - 1)]
+    stage = jax.lax.axis_index(PP)
+    columns = {
+        "kind": tab.kind, "micro": tab.micro, "chunk": tab.chunk, "recv_x": plan.recv_x, "recv_g": plan.recv_g,
+        "read_x": plan.read_x, "read_g": plan.read_g, "store_x": plan.store_x, "store_g": plan.store_g,
+        "first": plan.first, "last": plan.last,
+    }  # fmt: skip
+    xs = {k: jnp.asarray(v) for k, v in columns.items()}
+
+    def run_stage(wc: Any, x: jax.Array) -> jax.Array:
+        return stage_fn(wc, x)
+
+    def idle(row, mb, wc, x, dy, acc):
+        return h_zero, h_zero, h_zero, h_zero, acc
+
+    def forward(row, mb, wc, x, dy, acc):
+        x = jax.lax.cond(row["first"], lambda: first(fp, mb).astype(h_zero.dtype), lambda: x)
+        y = run_stage(wc, x)
+
+        def with_loss():
+            value, pull = jax.vjp(lambda lp_, y_: last(lp_, y_, mb), lp, y)
+            dlp, dy = pull(scale.astype(value.dtype))
+            return value.astype(jnp.float32), jax.tree.map(lambda a: a.astype(jnp.float32), dlp), dy
+
+        value, dlp, dy = jax.lax.cond(
+            row["last"], with_loss, lambda: (jnp.float32(0), _zeros(lp, jnp.float32), jnp.zeros_like(y))
+        )
+        loss, dw, dfp, dlp_acc = acc
+        return y, h_zero, x, dy, (loss + value, dw, dfp, jax.tree.map(jnp.add, dlp_acc, dlp))
+
+    def backward(row, mb, wc, x, dy, acc):
+        _, pull = jax.vjp(lambda x_: run_stage(wc, x_), x)
+        (dx,) = pull(dy)
+
+        def into_first():
+            _, pull_first = jax.vjp(lambda fp_: first(fp_, mb).astype(h_zero.dtype), fp)
+            (dfp,) = pull_first(dx)
+            return jax.tree.map(lambda a: a.astype(jnp.float32), dfp)
+
+        dfp = jax.lax.cond(row["first"], into_first, lambda: _zeros(fp, jnp.float32))
+        loss, dw, dfp_acc, dlp = acc
+        return h_zero, dx, h_zero, h_zero, (loss, dw, jax.tree.map(jnp.add, dfp_acc, dfp), dlp)
+
+    def weights(row, mb, wc, x, dy, acc):
+        _, pull = jax.vjp(lambda w_: run_stage(w_, x), wc)
+        (dwc,) = pull(dy)
+        loss, dw, dfp, dlp = acc
+        c = row["chunk"]
+        dw = jax.tree.map(lambda a, g: a.at[c].add(g.astype(a.dtype)), dw, dwc)
+        return h_zero, h_zero, h_zero, h_zero, (loss, dw, dfp, dlp)
+
+    branches = [idle, forward, backward, weights]  # indexed by _schedule.IDLE, F, B, W
+
+    def tick(carry, columns):
+        xbuf, gbuf, fmsg, bmsg, acc = carry
+        row = jax.tree.map(lambda a: a[stage], columns)
+        xbuf = xbuf.at[row["recv_x"]].set(fmsg)
+        gbuf = gbuf.at[row["recv_g"]].set(bmsg)
+        mb = jax.tree.map(lambda a: a[row["micro"]], mbs)
+        wc = jax.tree.map(lambda a: a[row["chunk"]], w)
+        y, dx, x_new, dy_new, acc = jax.lax.switch(
+            row["kind"], branches, row, mb, wc, xbuf[row["read_x"]], gbuf[row["read_g"]], acc
+        )
+        xbuf = xbuf.at[row["store_x"]].set(x_new)
+        gbuf = gbuf.at[row["store_g"]].set(dy_new)
+        fmsg = jax.lax.ppermute(y, PP, fwd_pairs) if fwd_pairs else h_zero
+        bmsg = jax.lax.ppermute(dx, PP, bwd_pairs) if bwd_pairs else h_zero
+        return (xbuf, gbuf, fmsg, bmsg, acc), None
+
+    acc = (jnp.float32(0), _zeros(w, jnp.float32), _zeros(fp, jnp.float32), _zeros(lp, jnp.float32))
+    carry = (
+        jnp.zeros((plan.n_x + 1, *probe.shape), probe.dtype),  # + 1: the scratch slot
+        jnp.zeros((plan.n_g + 1, *probe.shape), probe.dtype),
+        h_zero,
+        h_zero,
+        acc,
+    )
+    with nn.logical_axis_rules(()):  # the model's activation constraints do not apply per stage
+        (_, _, _, _, acc), _ = jax.lax.scan(tick, carry, xs)
+    return acc
+
+
+def run(
+    stage_fn: Callable, first: Callable, last: Callable, cfg: Pipeline, stacked: Any, fp: Any, lp: Any, inputs: Any,
+    scale: jax.Array,
+) -> tuple:  # fmt: skip
+    """The schedule over the mesh: ``(loss, dw, dfp, dlp)`` with ``stacked`` leaves ``[R, S, Lps, ...]``;
+    gradients fp32, seeded with ``scale``, summed over every rank."""
+    sizes = dict(jax.sharding.get_abstract_mesh().shape)
+    stages = sizes.get(PP, 1)
+    data = tuple(a for a in DATA_AXES if sizes.get(a, 1) > 1)
+    n = math.prod(sizes[a] for a in data)
+    lead = data or None
+    every = (*data, PP)
+    free = lambda nd: [P.UNCONSTRAINED] * nd  # noqa: E731 - tp and the like stay as they are
+
+    def copies(tree: Any, count: int, spec: Callable[[jax.Array], P]) -> tuple[Any, Any]:
+        """One copy per rank on a new leading dim (a broadcast; the gradient's sum over it is the reduction)."""
+        out = jax.tree.map(lambda a: jnp.broadcast_to(a[None], (count, *a.shape)), tree)
+        out = jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, spec(a)), out)
+        return out, jax.tree.map(lambda a: P(*[e for e in spec(a) if e is not P.UNCONSTRAINED]), out)
+
+    w_in, w_spec = copies(stacked, n, lambda a: P(lead, None, PP, *free(a.ndim - 3)))
+    fp_in, fp_spec = copies(fp, n * stages, lambda a: P(every, *free(a.ndim - 1)))
+    lp_in, lp_spec = copies(lp, n * stages, lambda a: P(every, *free(a.ndim - 1)))
+    in_rows = jax.tree.map(lambda a: P(lead), inputs)
+
+    def body(w, fp, lp, inputs, scale):
+        w = jax.tree.map(lambda a: a[0, :, 0], w)  # [R, Lps, ...]: this stage's chunks
+        fp, lp = (jax.tree.map(lambda a: a[0], t) for t in (fp, lp))
+        loss, dw, dfp, dlp = _tick_loop(stage_fn, first, last, cfg, stages, w, fp, lp, inputs, scale)
+        return (
+            loss[None],
+            jax.tree.map(lambda a: a[None, :, None], dw),
+            jax.tree.map(lambda a: a[None], dfp),
+            jax.tree.map(lambda a: a[None], dlp),
+        )
+
+    loss, dw, dfp, dlp = jax.shard_map(
+        body,
+        in_specs=(w_spec, fp_spec, lp_spec, in_rows, P()),
+        out_specs=(P(every), w_spec, fp_spec, lp_spec),
+        axis_names={*data, PP},
+        check_vma=False,
+    )(w_in, fp_in, lp_in, inputs, scale)
+    total = lambda tree: jax.tree.map(lambda a: jnp.sum(a, axis=0), tree)  # noqa: E731
+    return jnp.sum(loss), total(dw), total(dfp), total(dlp)
