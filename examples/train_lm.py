@@ -138,7 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--microbatches", type=int, default=None, help="pipeline microbatches per step (pp > 1; default 2 x pp)"
     )
-    p.add_argument("--repeats", type=int, default=1, help="pipeline repeats: 1 = GPipe, > 1 = circular schedule")
+    p.add_argument("--repeats", type=int, default=1, help="pipeline repeats: chunks of layers per stage")
+    p.add_argument(
+        "--schedule",
+        choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"),  # zjax.pipeline.SCHEDULES
+        default="gpipe",
+        help="pipeline schedule (repeats > 1: gpipe is circular; interleaved-1f1b needs repeats > 1)",
+    )
     p.add_argument(
         "--zero3-gather",
         choices=("step", "layer", "chunk"),  # zjax.pipeline.GATHER_MODES (parsed before jax starts)
@@ -267,7 +273,12 @@ def main(argv: list[str] | None = None) -> dict:
     stages = int(mesh.shape["pp"])
     pipeline = None
     if stages > 1 or args.microbatches is not None:
-        pipeline = zjax.Pipeline(args.microbatches or 2 * stages, repeats=args.repeats, zero3_gather=args.zero3_gather)
+        pipeline = zjax.Pipeline(
+            args.microbatches or 2 * stages,
+            repeats=args.repeats,
+            zero3_gather=args.zero3_gather,
+            schedule=args.schedule,
+        )
         if cfg.layers % (stages * args.repeats) and args.hf is not None:
             raise SystemExit(f"--hf: {cfg.layers} layers do not split into pp={stages} x --repeats {args.repeats}")
         if cfg.layers % (stages * args.repeats):  # deepen the preset so that every stage gets whole layers
@@ -316,9 +327,9 @@ def main(argv: list[str] | None = None) -> dict:
     log(report)
     if pipeline is not None:
         log(
-            f"pipeline: {stages} stages x {cfg.layers // stages} layers, {pipeline.microbatches} microbatches, "
-            f"{pipeline.repeats} repeat(s): {pipeline.iterations(stages)} iterations, bubble "
-            f"{pipeline.bubble(stages):.1%}"
+            f"pipeline: {pipeline.schedule}, {stages} stages x {cfg.layers // stages} layers, "
+            f"{pipeline.microbatches} microbatches, {pipeline.repeats} repeat(s): {pipeline.table(stages).ticks} "
+            f"ticks, bubble {pipeline.bubble(stages):.1%}"
         )
 
     losses: list = []  # device scalars, fetched at logged steps: one host sync per --log-every steps
@@ -416,10 +427,11 @@ def main(argv: list[str] | None = None) -> dict:
         "pipeline": None
         if pipeline is None
         else {
+            "schedule": pipeline.schedule,
             "microbatches": pipeline.microbatches,
             "repeats": pipeline.repeats,
             "zero3_gather": pipeline.zero3_gather,
-            "iterations": pipeline.iterations(stages),
+            "ticks": pipeline.table(stages).ticks,
             "bubble": pipeline.bubble(stages),
         },
         "precision": args.precision,

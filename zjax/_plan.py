@@ -19,7 +19,7 @@ from ._state import MixedPrecisionState, TrainState, Variables
 from ._step import EvalStep, LossFn, TrainStep
 from .offload._config import Offload
 from .offload._update import check_streamable
-from .pipeline import Pipeline
+from .pipeline import Pipeline, initializing
 from .sharding._annotations import Leaf, path_str, read_leaves, unbox
 from .sharding._axes import CP, DP, MESH_AXES, PP
 from .sharding._batch import shard_batch
@@ -205,7 +205,8 @@ class Plan:
         precision = self.precision
 
         def make(rng: jax.Array, given: Any = None) -> TrainState:
-            with nnx.use_eager_sharding(False):  # zjax places parameters; nnx must not on its own
+            # zjax places parameters; nnx must not on its own. A model's pipeline runs its stages in turn.
+            with nnx.use_eager_sharding(False), initializing():
                 params, model_state = _split_init(init_fn(rng))
             if given is not None:  # the caller's values (XLA drops the unused initialisation)
                 params = given
@@ -241,7 +242,7 @@ class Plan:
 
     def _abstract(self, init_fn, tx, rng) -> TrainState:
         tx = as_transformation(tx)
-        with nnx.use_eager_sharding(False):
+        with nnx.use_eager_sharding(False), initializing():
             annotated = jax.eval_shape(init_fn, rng)
         params, model_state = annotated if isinstance(annotated, Variables) else (annotated, None)
         state = jax.eval_shape(self._make_state_fn(init_fn, tx, None), rng)

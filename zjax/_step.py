@@ -277,7 +277,8 @@ class TrainStep(_CompiledFn):
             if self._takes_model_state:
                 # rebuilt inside the differentiated trace: nnx refuses to mutate variables made outside it
                 kwargs["model_state"] = jax.tree.map(lambda x: x, ms)
-            out = self.loss_fn(p, b, **kwargs)
+            with pipeline.seed(scale):  # the table schedules make their gradients in the forward pass
+                out = self.loss_fn(p, b, **kwargs)
             if self._takes_model_state:
                 if not (isinstance(out, tuple) and len(out) == 2):
                     raise ValueError(

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -305,22 +307,7 @@ class Decoder(nn.Module):
         policy = RematPolicy.from_str(c.remat)
         schedule = pipeline.current()
         if schedule is not None and not self.is_initializing():
-            if not c.scan:
-                raise ValueError("Decoder: pipeline parallelism needs scan=True (layers stacked on one axis).")
-            if positions is not None or segment_ids is not None:
-                raise ValueError(
-                    "Decoder: packed sequences (positions / segment_ids) are not supported under pipeline "
-                    "parallelism yet; train with pp=1, or pass unpacked sequences (tokens only)."
-                )
-            if policy.partition:
-                raise ValueError(
-                    f"Decoder: remat={c.remat!r} under pipeline parallelism: ZeRO-R partitioned checkpoints "
-                    "split over tp with a shard_map, which cannot run inside the pipeline's per-stage vmap. Use "
-                    f"remat={policy.name.removesuffix('+partitioned')!r} with a pipeline."
-                )
-            # each stage scans its layers, rematerialized per layer by the model's policy
-            one = Block(c, load_balanced)
-            stage_fn = pipeline.scan_layers(lambda w, h: one.apply({"params": w}, h)[0], policy)
+            stage_fn = pipeline_stage_fn(c, packed=positions is not None or segment_ids is not None)
             x = pipeline.apply(stage_fn, self.variables["params"]["layers"], x, schedule)
         elif c.scan and policy.kind == "nested" and not self.is_initializing():
             one = Block(c, load_balanced)
@@ -340,6 +327,31 @@ class Decoder(nn.Module):
             return x
         head = embedding.T if head is None else head
         return nn.with_logical_constraint(x @ head.astype(x.dtype), ("batch", "seq", "vocab"))
+
+
+def pipeline_stage_fn(c: DecoderConfig, *, packed: bool = False) -> Callable[[Any, jax.Array], jax.Array]:
+    """The ``stage_fn`` of :func:`zjax.pipeline.apply` / :func:`zjax.pipeline.loss` for a decoder: each stage
+    scans its layers, rematerialized per layer by the model's policy.
+
+    Raises:
+      ValueError: ``scan=False``, packed sequences, or a partitioned remat policy (none run in a pipeline).
+    """
+    policy = RematPolicy.from_str(c.remat)
+    if not c.scan:
+        raise ValueError("Decoder: pipeline parallelism needs scan=True (layers stacked on one axis).")
+    if packed:
+        raise ValueError(
+            "Decoder: packed sequences (positions / segment_ids) are not supported under pipeline "
+            "parallelism yet; train with pp=1, or pass unpacked sequences (tokens only)."
+        )
+    if policy.partition:
+        raise ValueError(
+            f"Decoder: remat={c.remat!r} under pipeline parallelism: ZeRO-R partitioned checkpoints "
+            "split over tp with a shard_map, which cannot run inside the pipeline's per-stage vmap. Use "
+            f"remat={policy.name.removesuffix('+partitioned')!r} with a pipeline."
+        )
+    one = Block(c, False)
+    return pipeline.scan_layers(lambda w, h: one.apply({"params": w}, h)[0], policy)
 
 
 def output_head(cfg: DecoderConfig, params) -> jax.Array:

@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from .. import pipeline
 from ..context import context_size, load_balance
-from ._decoder import output_head
+from ._decoder import DecoderConfig, RMSNorm, output_head, pipeline_stage_fn
 
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
 
@@ -68,7 +69,17 @@ def vocab_chunks(vocab: int, chunk: int | None) -> int:
 def chunked_cross_entropy(
     hidden: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array | None, vocab_chunk: int | None
 ) -> jax.Array:
-    """Weighted mean of ``-log softmax(hidden @ head)[targets]`` (fp32), the vocabulary in chunks.
+    """Weighted mean of ``-log softmax(hidden @ head)[targets]`` (fp32), the vocabulary in chunks
+    (:func:`cross_entropy_sum` over the weights' sum)."""
+    b, s, _ = hidden.shape
+    w = jnp.ones((b, s), jnp.float32) if weights is None else weights.astype(jnp.float32)
+    return cross_entropy_sum(hidden, head, targets, w, vocab_chunk) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+def cross_entropy_sum(
+    hidden: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array | None, vocab_chunk: int | None
+) -> jax.Array:
+    """Weighted sum of ``-log softmax(hidden @ head)[targets]`` (fp32), the vocabulary in chunks.
 
     ``hidden [B, S, E]`` and ``head [E, V]`` in the compute dtype. With ``n`` chunks, chunk ``j`` holds the
     vocabulary entries ``c * n + j`` (interleaved, so that a ``tp``-split vocabulary stays split); a
@@ -106,7 +117,7 @@ def chunked_cross_entropy(
         init = (jnp.full((b, s), -jnp.inf, jnp.float32), zeros, zeros)
         (top, total, target), _ = jax.lax.scan(one, init, (jnp.arange(n), heads))
         nll = top + jnp.log(total) - target
-    return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
+    return jnp.sum(nll * w)
 
 
 def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16384) -> jax.Array:
@@ -135,6 +146,37 @@ def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16
             positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
         inputs, positions, targets = (load_balance(x) for x in (inputs, positions, targets))
         segment_ids, weights = (None if x is None else load_balance(x) for x in (segment_ids, weights))
+    schedule = pipeline.current()
+    if schedule is not None and schedule.tabled:
+        packed = positions is not None or segment_ids is not None
+        # each target weighted by its share of the mean: the microbatches' sums add up to the mean, whose
+        # cotangent (the loss scale) then seeds the pipeline's backward passes at the magnitude GPipe's get
+        w = jnp.ones(inputs.shape, jnp.float32) if weights is None else weights
+        w = w / jnp.maximum(jnp.sum(w), 1.0)
+        return _pipelined_sum(model.cfg, nn.unbox(params), inputs, targets, w, vocab_chunk, packed)
     hidden = model.apply({"params": params}, inputs, positions, segment_ids, return_hidden=True, load_balanced=balanced)
     head = output_head(model.cfg, nn.unbox(params))  # params may carry flax's logical-axis boxes
     return chunked_cross_entropy(hidden, head, targets, weights, vocab_chunk)
+
+
+def _pipelined_sum(
+    cfg: DecoderConfig, params: Any, inputs: jax.Array, targets: jax.Array, weights: jax.Array,
+    vocab_chunk: int | None, packed: bool,
+) -> jax.Array:  # fmt: skip
+    """The weighted loss sum of a decoder run whole through :func:`zjax.pipeline.loss` (the table
+    schedules): the embedding on stage 0, the final norm, head and cross-entropy on the last stage."""
+    stage_fn = pipeline_stage_fn(cfg, packed=packed)
+    norm = RMSNorm(cfg.embed, cfg.norm_eps)
+    rows = {"tokens": inputs, "targets": targets, "weights": weights}
+
+    def first(embedding: jax.Array, mb: dict) -> jax.Array:
+        return jnp.take(embedding, mb["tokens"], axis=0)
+
+    def last(lp: dict, h: jax.Array, mb: dict) -> jax.Array:
+        h = norm.apply({"params": lp["final_norm"]}, h)
+        return cross_entropy_sum(h, lp["head"], mb["targets"], mb["weights"], vocab_chunk)
+
+    tail = {"final_norm": params["final_norm"], "head": output_head(cfg, params)}
+    return pipeline.loss(
+        stage_fn, params["layers"], rows, first=first, first_params=params["embedding"], last=last, last_params=tail
+    )

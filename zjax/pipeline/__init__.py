@@ -16,6 +16,7 @@ from ._config import Pipeline as Pipeline
 from ._engine import ITERATION_INPUT as ITERATION_INPUT
 from ._engine import apply as apply
 from ._engine import current as current
+from ._engine import initializing as initializing
 from ._engine import scan_layers as scan_layers
 from ._engine import use as use
 from ._loss import loss as loss

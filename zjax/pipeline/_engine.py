@@ -65,6 +65,20 @@ def use(pipeline: Pipeline | None) -> Iterator[None]:
         _CURRENT.reset(token)
 
 
+_INITIALIZING: contextvars.ContextVar[bool] = contextvars.ContextVar("zjax_pipeline_init", default=False)
+
+
+@contextlib.contextmanager
+def initializing() -> Iterator[None]:
+    """While a model's parameters are made (``plan.init``): :func:`apply` runs its stages one after the
+    other, whatever the mesh (only shapes matter, and the layers may not be sharded yet)."""
+    token = _INITIALIZING.set(True)
+    try:
+        yield
+    finally:
+        _INITIALIZING.reset(token)
+
+
 def current() -> Pipeline | None:
     """The schedule set by :func:`use` (the plan's, while its step traces the loss), or ``None``."""
     return _CURRENT.get()
@@ -386,6 +400,8 @@ def apply(
     mesh = jax.sharding.get_abstract_mesh()
     stages = 1 if mesh.empty else dict(mesh.shape).get(PP, 1)
     count = _layer_count(layers)
+    if _INITIALIZING.get():
+        return sequential(stage_fn, layers, x, 1, 1)
     if cfg is None:
         if stages > 1:
             raise ValueError(
@@ -479,7 +495,7 @@ def by_visit(layers: Any, repeats: int, stages: int) -> Any:
 
 def sequential(stage_fn: Callable, layers: Any, x: jax.Array, repeats: int, stages: int) -> jax.Array:
     """The pipeline's function without a pipeline: every (visit, stage) chunk of layers in turn, one scan."""
-    chunks = jax.tree.map(lambda w: w.reshape(repeats * stages, -1, *w.shape[2:]), by_visit(layers, repeats, stages))
+    chunks = jax.tree.map(lambda w: w.reshape(repeats * stages, *w.shape[2:]), by_visit(layers, repeats, stages))
     h, _ = jax.lax.scan(lambda h, w: (stage_fn(w, h), None), x, chunks)
     return h
 

@@ -31,7 +31,9 @@ def loss(
 
     The whole model in the pipeline: stage 0 starts each microbatch with ``first`` (an embedding, say),
     the stacked ``layers`` run in stages as in :func:`apply`, and the last stage ends it with ``last``,
-    which returns the microbatch's loss as a sum (a mean would weigh microbatches wrongly). Every schedule
+    which returns the microbatch's share of the loss: a sum over its rows, each weighted by its share of
+    the whole batch's mean (so that the sums add up to the mean, and the loss scale that seeds the
+    backward passes meets gradients of the size it meets without a pipeline). Every schedule
     runs through here; ``"1f1b"``, ``"interleaved-1f1b"`` and ``"zero-bubble"`` need it, since their
     backward passes start while other microbatches' forwards still run.
 
@@ -41,7 +43,7 @@ def loss(
       inputs: a pytree of arrays ``[B, ...]`` (tokens, targets, weights: every per-row input), split over
         the data axes; cut into microbatches along dim 0.
       first: ``first(first_params, inputs_mb) -> h[mb, ...]``.
-      last: ``last(last_params, h, inputs_mb) -> scalar``, the microbatch's summed loss.
+      last: ``last(last_params, h, inputs_mb) -> scalar``, the microbatch's share of the loss.
       pipeline: the schedule; by default the plan's (:func:`current`).
 
     Returns:

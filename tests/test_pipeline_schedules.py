@@ -1,0 +1,331 @@
+"""Pipeline schedules as tables (1F1B, interleaved 1F1B, zero-bubble) and the engine that runs them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zjax
+from zjax import pipeline
+from zjax.models import Decoder, DecoderConfig, lm_loss
+from zjax.pipeline import Pipeline, schedule_table
+from zjax.pipeline._schedule import B, F, W, slots
+from zjax.planner._hlo import collectives, partitioned_hlo, spanned_axes
+
+# -- the tables ----------------------------------------------------------------------------------------
+
+
+def check_dependencies(tab) -> None:
+    """Every (stage, microbatch, chunk) runs F, B and W once each, and after what it needs (independent of the
+    scheduler: a value made on tick t is usable from tick t + 1)."""
+    s_, v = tab.stages, tab.chunks
+    at = {}
+    for t in range(tab.ticks):
+        for s in range(s_):
+            if tab.kind[t, s]:
+                key = (int(tab.kind[t, s]), s, int(tab.micro[t, s]), int(tab.chunk[t, s]))
+                assert key not in at, key
+                at[key] = t
+    assert len(at) == 3 * s_ * tab.microbatches * v
+    for (kind, s, m, c), t in at.items():
+        if kind == F and (s, c) != (0, 0):
+            assert at[(F, s - 1, m, c) if s else (F, s_ - 1, m, c - 1)] < t
+        if kind == B:
+            assert at[(F, s, m, c)] < t
+            if (s, c) != (s_ - 1, v - 1):
+                assert at[(B, s + 1, m, c) if s < s_ - 1 else (B, 0, m, c + 1)] < t
+        if kind == W:
+            assert at[(B, s, m, c)] < t
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("microbatches", [4, 8, 16])
+def test_tables_keep_dependencies_and_the_bubbles_of_their_papers(stages, microbatches):
+    s_, m_ = stages, microbatches
+    gpipe = schedule_table("gpipe", s_, m_)
+    one = schedule_table("1f1b", s_, m_)
+    for tab in (gpipe, one):  # the backward pass fused (B then W before the previous stage's B)
+        check_dependencies(tab)
+        assert tab.bubble() == pytest.approx((s_ - 1) / (m_ + s_ - 1))
+    for v in (2, 3):
+        for name in ("interleaved-1f1b", "gpipe"):
+            tab = schedule_table(name, s_, m_, v)
+            check_dependencies(tab)
+            assert tab.bubble() == pytest.approx((s_ - 1) / (v * m_ + s_ - 1))
+    zb = schedule_table("zero-bubble", s_, m_)
+    check_dependencies(zb)
+    assert zb.bubble() <= 0.5 * one.bubble()
+    assert zb.bubble() == pytest.approx((s_ - 1) / (3 * m_ + s_ - 1))  # ZB-H1: a third of 1F1B's idle ticks
+    # memory: 1F1B keeps S - s inputs on stage s; zero-bubble at most 1F1B's peak; GPipe all M
+    assert list(one.in_flight()) == [min(s_ - s, m_) for s in range(s_)]
+    assert max(zb.in_flight()) <= max(one.in_flight())
+    assert list(gpipe.in_flight()) == [m_] * s_
+
+
+def test_1f1b_memory_is_flat_in_microbatches_and_runs_fewer_microbatches_than_stages():
+    for m_ in (8, 32, 128):
+        for name in ("1f1b", "zero-bubble"):
+            plan = slots(schedule_table(name, 4, m_))
+            assert (plan.n_x, plan.n_g) <= (4, 4)
+        assert slots(schedule_table("gpipe", 4, m_)).n_x == m_
+    tab = schedule_table("1f1b", 4, 2)  # fewer microbatches than stages: legal, just bubbly
+    check_dependencies(tab)
+    assert tab.bubble() == pytest.approx(3 / 5)
+
+
+# -- numerics: a toy model through zjax.pipeline.loss ---------------------------------------------------
+
+V, E, L = 32, 16, 8
+
+
+def toy():
+    k = jax.random.split(jax.random.key(0), 3)
+    layers = {"w": jax.random.normal(k[0], (L, E, E)) * 0.3, "b": jnp.zeros((L, E))}
+    return layers, jax.random.normal(k[1], (V, E)), jax.random.normal(k[2], (E, V)) * 0.3
+
+
+def stage_fn(w, h):
+    return jax.lax.scan(lambda h, layer: (h + jnp.tanh(h @ layer["w"] + layer["b"]), None), h, w)[0]
+
+
+def first(embedding, mb):
+    return jnp.take(embedding, mb["x"], axis=0)
+
+
+def last(head, h, mb):
+    logp = jax.nn.log_softmax(h @ head)
+    return -jnp.sum(jnp.take_along_axis(logp, mb["y"][..., None], -1))
+
+
+def toy_loss(params, tokens, cfg):
+    layers, embedding, head = params
+    rows = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+    return pipeline.loss(
+        stage_fn, layers, rows, first=first, first_params=embedding, last=last, last_params=head, pipeline=cfg
+    )
+
+
+TOKENS = np.random.RandomState(0).randint(0, V, (32, 5)).astype(np.int32)
+
+
+@pytest.mark.parametrize(
+    ("mesh_kw", "cfgs"),
+    [
+        ({"dp": 2, "pp": 4}, [Pipeline(8, schedule="1f1b"), Pipeline(8, schedule="zero-bubble"),
+                              Pipeline(8, repeats=2, schedule="interleaved-1f1b"), Pipeline(2, schedule="1f1b")]),
+        ({"dp": 2, "tp": 2, "pp": 2}, [Pipeline(4, schedule="1f1b"), Pipeline(4, repeats=2, schedule="zero-bubble"),
+                                       Pipeline(2, repeats=2, schedule="interleaved-1f1b")]),
+    ],
+)  # fmt: skip
+def test_every_schedule_gives_gpipes_loss_and_gradients(mesh_kw, cfgs):
+    mesh = zjax.make_mesh(**mesh_kw)
+    params = toy()
+    with jax.set_mesh(mesh):
+        reference = jax.jit(jax.value_and_grad(lambda p, t: toy_loss(p, t, Pipeline(mesh_kw["pp"]))))(params, TOKENS)
+        for cfg in cfgs:
+            value, grads = jax.jit(jax.value_and_grad(lambda p, t: toy_loss(p, t, cfg)))(params, TOKENS)  # noqa: B023
+            np.testing.assert_allclose(value, reference[0], rtol=1e-6)
+            for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(reference[1]), strict=True):
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+            # without differentiation (eval) the same loss
+            np.testing.assert_allclose(jax.jit(lambda p, t: toy_loss(p, t, cfg))(params, TOKENS), value, rtol=1e-6)  # noqa: B023
+
+
+def test_the_seed_scales_the_gradients_made_in_the_forward_pass_and_only_them():
+    """The train step seeds the engine with its loss scale: the loss is unscaled, its gradient the
+    cotangent's (here loss x 1024 differentiated under seed 1024, as the step does)."""
+    mesh = zjax.make_mesh(dp=2, pp=4)
+    params, cfg = toy(), Pipeline(4, schedule="1f1b")
+    with jax.set_mesh(mesh):
+        plain = jax.jit(jax.grad(lambda p, t: toy_loss(p, t, cfg)))(params, TOKENS)
+
+        def scaled(p, t):
+            with pipeline.seed(jnp.float32(1024.0)):
+                return toy_loss(p, t, cfg) * 1024.0
+
+        seeded = jax.jit(jax.grad(scaled))(params, TOKENS)
+    for a, b in zip(jax.tree.leaves(seeded), jax.tree.leaves(plain), strict=True):
+        np.testing.assert_allclose(a, 1024.0 * b, rtol=1e-5, atol=1e-3)
+
+
+def test_table_engine_collectives():
+    """In the tick loop: the two stage-to-stage permutes over pp and nothing over dp; the gradients are
+    reduced over dp once, after it."""
+    mesh = zjax.make_mesh(dp=2, pp=4)
+    cfg = Pipeline(8, schedule="zero-bubble")
+    with jax.set_mesh(mesh):
+        lowered = jax.jit(jax.grad(lambda p, t: toy_loss(p, t, cfg))).lower(toy(), TOKENS)
+    _, hlo = partitioned_hlo(lowered)
+    shape = dict(mesh.shape)
+    ops = [(c, spanned_axes(c.groups, shape)) for c in collectives(hlo)]
+    in_loop = [(c.kind, axes) for c, axes in ops if c.in_loop]
+    assert sorted(in_loop) == [("collective-permute", ("pp",))] * 2
+    assert [c for c, axes in ops if c.kind in ("all-reduce", "reduce-scatter") and "dp" in axes]
+
+
+# -- the decoder through a plan -------------------------------------------------------------------------
+
+CFG = DecoderConfig(vocab=64, embed=32, layers=8, heads=2, head_dim=16, mlp=64, max_len=16)
+
+
+def decoder_task():
+    model = Decoder(CFG)
+    return (lambda r: model.init(r, jnp.zeros((1, 16), jnp.int32))["params"]), (lambda p, b: lm_loss(model, p, b))
+
+
+def batch(seed: int, rows: int = 32) -> np.ndarray:
+    return np.random.RandomState(seed).randint(0, CFG.vocab, (rows, 17)).astype(np.int32)
+
+
+def train(plan: zjax.Plan, steps: int = 2):
+    init_fn, loss_fn = decoder_task()
+    state = plan.init(init_fn, optax.sgd(0.1, momentum=0.9), jax.random.key(0))
+    step = plan.train_step(loss_fn)
+    losses = []
+    for i in range(steps):
+        state, metrics = step(state, plan.shard_batch(batch(i)))
+        losses.append(float(metrics["loss"]))
+    evaluated = float(plan.eval_step(loss_fn)(state, plan.shard_batch(batch(0))))
+    return losses, evaluated, jax.device_get(state.params)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train(zjax.Plan(zjax.make_mesh(dp=2, pp=4), stage=0, precision="fp32", pipeline=Pipeline(8)))
+
+
+def check(reference, mesh_kw, stage, cfg):
+    losses, evaluated, params = train(zjax.Plan(zjax.make_mesh(**mesh_kw), stage=stage, precision="fp32", pipeline=cfg))
+    np.testing.assert_allclose(losses, reference[0], atol=1e-5)
+    np.testing.assert_allclose(evaluated, reference[1], atol=1e-5)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(reference[2]), strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def test_decoder_trains_under_1f1b_at_stage_3(reference):
+    """ZeRO-3 + 1F1B on dp=2 x pp=4: the losses, the eval loss and the parameters after two SGD+momentum steps
+    equal GPipe's at stage 0."""
+    check(reference, {"dp": 2, "pp": 4}, 3, Pipeline(8, schedule="1f1b"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize(
+    ("mesh_kw", "cfg"),
+    [
+        ({"dp": 2, "pp": 4}, Pipeline(8, schedule="zero-bubble")),
+        ({"dp": 2, "pp": 4}, Pipeline(8, repeats=2, schedule="interleaved-1f1b")),
+        ({"dp": 2, "tp": 2, "pp": 2}, Pipeline(4, schedule="1f1b")),
+        ({"dp": 2, "tp": 2, "pp": 2}, Pipeline(2, repeats=2, schedule="zero-bubble")),
+        ({"replica": 2, "pp": 4}, Pipeline(4, schedule="1f1b")),
+    ],
+)
+def test_decoder_grid(reference, mesh_kw, cfg, stage):
+    check(reference, mesh_kw, stage, cfg)
+
+
+def test_fp16_loss_scaling_meets_the_same_gradients_as_under_gpipe():
+    """The engine is seeded with the loss scale on the mean's share of each microbatch: fp16 at scale 2^15
+    overflows where GPipe does (nowhere here; seeded on the microbatch sums it skipped steps 1, 2 and 5)."""
+    runs = {}
+    for name in ("gpipe", "zero-bubble"):
+        init_fn, loss_fn = decoder_task()
+        plan = zjax.Plan(zjax.make_mesh(dp=2, pp=4), stage=2, precision="fp16", pipeline=Pipeline(4, schedule=name))
+        state = plan.init(init_fn, optax.adam(1e-2), jax.random.key(0))
+        step = plan.train_step(loss_fn)
+        runs[name] = []
+        for _ in range(3):
+            state, metrics = step(state, plan.shard_batch(batch(0)))
+            runs[name].append((float(metrics["loss"]), bool(metrics["skipped"]), float(metrics["loss_scale"])))
+    assert [r[1:] for r in runs["zero-bubble"]] == [r[1:] for r in runs["gpipe"]] == [(False, 2.0**15)] * 3
+    np.testing.assert_allclose([r[0] for r in runs["zero-bubble"]], [r[0] for r in runs["gpipe"]], rtol=1e-3)
+
+
+@pytest.mark.slow
+def test_1f1b_temporaries_stay_flat_in_microbatches_while_gpipes_grow():
+    """pp=4, two 128-token sequences per microbatch, the example's small preset (bf16, stage 3)."""
+    model = DecoderConfig()
+
+    def temp(cfg: Pipeline) -> int:
+        m = Decoder(model)
+        plan = zjax.Plan(zjax.make_mesh(dp=2, pp=4), stage=3, pipeline=cfg)
+        init_fn = lambda r: m.init(r, jnp.zeros((1, 128), jnp.int32))["params"]  # noqa: E731
+        state = plan.abstract_state(init_fn, optax.adamw(1e-3), jax.random.key(0))
+        rows = cfg.microbatches * 2 * 2
+        lowered = plan.train_step(lambda p, b: lm_loss(m, p, b)).lower(state, jax.ShapeDtypeStruct((rows, 129), jnp.int32))
+        return lowered.compile().memory_analysis().temp_size_in_bytes
+
+    one = {m_: temp(Pipeline(m_, schedule="1f1b")) for m_ in (8, 32)}
+    gpipe = {m_: temp(Pipeline(m_)) for m_ in (8, 32)}
+    print("temporaries, 1f1b", one, "gpipe", gpipe)
+    assert one[32] <= 1.15 * one[8]
+    assert gpipe[32] > 1.5 * gpipe[8]
+    assert one[32] <= 0.6 * gpipe[32]
+
+
+# -- a user's own model, and errors -------------------------------------------------------------------------
+
+
+class Stacked(nn.Module):
+    """A linen model of one's own whose layers are stacked and run through ``zjax.pipeline.apply``."""
+
+    @nn.compact
+    def __call__(self, x):
+        layers = {
+            "w": self.param("w", nn.with_logical_partitioning(nn.initializers.normal(0.3), ("layers", None, None)),
+                            (L, E, E)),
+            "b": self.param("b", nn.with_logical_partitioning(nn.initializers.zeros, ("layers", None)), (L, E)),
+        }  # fmt: skip
+        return pipeline.apply(stage_fn, layers, x)
+
+
+def test_a_users_model_calls_apply_under_plan_init_and_trains():
+    model = Stacked()
+    x = np.random.RandomState(0).randn(16, E).astype(np.float32)
+    loss_fn = lambda p, b: jnp.mean(model.apply({"params": p}, b) ** 2)  # noqa: E731
+    init_fn = lambda r: model.init(r, jnp.zeros((2, E)))["params"]  # noqa: E731
+    results = []
+    for mesh_kw, cfg in (({"dp": 8}, None), ({"dp": 2, "pp": 4}, Pipeline(4))):
+        plan = zjax.Plan(zjax.make_mesh(**mesh_kw), stage=3, precision="fp32", pipeline=cfg)
+        with jax.set_mesh(plan.mesh):  # init under the mesh, as a notebook might: still fine
+            state = plan.init(init_fn, optax.sgd(0.1), jax.random.key(0))
+        state, metrics = plan.train_step(loss_fn)(state, plan.shard_batch(x))
+        results.append((float(metrics["loss"]), float(plan.eval_step(loss_fn)(state, plan.shard_batch(x)))))
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-5)
+
+
+def test_schedule_errors_say_what_runs():
+    with pytest.raises(ValueError, match=r"interleaved-1f1b' .* needs repeats > 1"):
+        Pipeline(8, schedule="interleaved-1f1b")
+    with pytest.raises(ValueError, match=r"schedule='1f1b' with repeats=2: .*use schedule='interleaved-1f1b'"):
+        Pipeline(8, repeats=2, schedule="1f1b")
+    with pytest.raises(ValueError, match=r"zero3_gather='layer' runs with schedule='gpipe'"):
+        Pipeline(8, schedule="zero-bubble", zero3_gather="layer")
+    with pytest.raises(ValueError, match=r"schedule='pipedream' is not a schedule"):
+        Pipeline(8, schedule="pipedream")
+    with pytest.raises(ValueError, match=r"microbatches=6 is not a multiple of pp=4; .*'interleaved-1f1b'"):
+        Pipeline(6, repeats=2, schedule="interleaved-1f1b").check(4)
+    Pipeline(6, schedule="1f1b").check(4)  # any number of microbatches
+    modes = {s: zjax.Plan(zjax.make_mesh(dp=2, pp=4), stage=s, pipeline=Pipeline(4, schedule="1f1b")).pipeline
+             for s in range(4)}  # fmt: skip
+    assert {m.zero3_gather for m in modes.values()} == {"step"}
+    mesh = zjax.make_mesh(dp=2, pp=4)
+    x = jnp.zeros((8, E))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"must compute the loss: call zjax.pipeline.loss"):
+        pipeline.apply(stage_fn, toy()[0], x, Pipeline(4, schedule="1f1b"))
+    params = toy()
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"15 batch rows per data-parallel rank do not split into microbatches=8"):
+        toy_loss(params, np.zeros((30, 5), np.int32), Pipeline(8, schedule="1f1b"))
+
+
+def test_pipeline_table_is_printable_and_the_plan_reports_it():
+    cfg = dataclasses.replace(Pipeline(4, schedule="zero-bubble"))
+    text = str(cfg.table(2))
+    assert text.splitlines()[0].startswith("stage 0: F0 F1")
+    assert cfg.bubble(2) == pytest.approx(1 / 13)
