@@ -223,7 +223,7 @@ def test_decoder_trains_under_1f1b_at_stage_3(reference):
         ({"dp": 2, "pp": 4}, Pipeline(8, repeats=2, schedule="interleaved-1f1b")),
         ({"dp": 2, "tp": 2, "pp": 2}, Pipeline(4, schedule="1f1b")),
         ({"dp": 2, "tp": 2, "pp": 2}, Pipeline(2, repeats=2, schedule="zero-bubble")),
-        ({"replica": 2, "pp": 4}, Pipeline(4, schedule="1f1b")),
+        ({"dp": (2, 1), "pp": 4}, Pipeline(4, schedule="1f1b")),  # HSDP: replica=2
     ],
 )
 def test_decoder_grid(reference, mesh_kw, cfg, stage):
@@ -248,21 +248,29 @@ def test_fp16_loss_scaling_meets_the_same_gradients_as_under_gpipe():
 
 
 @pytest.mark.slow
-def test_1f1b_temporaries_stay_flat_in_microbatches_while_gpipes_grow():
-    """pp=4, two 128-token sequences per microbatch, the example's small preset (bf16, stage 3)."""
-    model = DecoderConfig()
+def test_1f1b_temporaries_stay_flat_in_microbatches_while_gpipes_grow(tmp_path):
+    """The example's small preset on dp=2 x pp=4, two 128-token sequences per microbatch (its defaults: bf16,
+    stage 3, AdamW): the compiled temporaries per device (``--metrics-json``) as M goes 8 -> 32."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    def temp(cfg: Pipeline) -> int:
-        m = Decoder(model)
-        plan = zjax.Plan(zjax.make_mesh(dp=2, pp=4), stage=3, pipeline=cfg)
-        init_fn = lambda r: m.init(r, jnp.zeros((1, 128), jnp.int32))["params"]  # noqa: E731
-        state = plan.abstract_state(init_fn, optax.adamw(1e-3), jax.random.key(0))
-        rows = cfg.microbatches * 2 * 2
-        lowered = plan.train_step(lambda p, b: lm_loss(m, p, b)).lower(state, jax.ShapeDtypeStruct((rows, 129), jnp.int32))
-        return lowered.compile().memory_analysis().temp_size_in_bytes
+    root = Path(__file__).resolve().parents[1]
 
-    one = {m_: temp(Pipeline(m_, schedule="1f1b")) for m_ in (8, 32)}
-    gpipe = {m_: temp(Pipeline(m_)) for m_ in (8, 32)}
+    def temp(schedule: str, m_: int) -> int:
+        out = tmp_path / f"{schedule}{m_}.json"
+        run = subprocess.run(
+            [sys.executable, "examples/train_lm.py", "--mesh", "dp=2,pp=4", "--schedule", schedule,
+             "--microbatches", str(m_), "--batch-size", str(4 * m_), "--seq-len", "128", "--steps", "1",
+             "--no-progress", "--metrics-json", str(out)],
+            cwd=root, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        return json.loads(out.read_text())["temp_bytes_per_device"]
+
+    one = {m_: temp("1f1b", m_) for m_ in (8, 32)}
+    gpipe = {m_: temp("gpipe", m_) for m_ in (8, 32)}
     print("temporaries, 1f1b", one, "gpipe", gpipe)
     assert one[32] <= 1.15 * one[8]
     assert gpipe[32] > 1.5 * gpipe[8]

@@ -123,7 +123,13 @@ def _plan_parser(sub) -> None:
         "(stage 3); with --budget a comma list of those allowed (default: all, tried after every on-device plan)",
     )
     p.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches when pp > 1 (default 2 x pp)")
-    p.add_argument("--repeats", type=int, default=1, help="pipeline repeats (1 = GPipe, > 1 = circular)")
+    p.add_argument("--repeats", type=int, default=1, help="pipeline repeats: chunks of layers per stage")
+    p.add_argument(
+        "--schedule",
+        default="gpipe",
+        help="pipeline schedule: gpipe, 1f1b, interleaved-1f1b (repeats > 1) or zero-bubble; with --budget a comma "
+        "list to choose from (smallest bubble first)",
+    )
     p.add_argument(
         "--zero3-gather",
         choices=GATHER_MODES,
@@ -170,10 +176,24 @@ def _run_plan(args: argparse.Namespace) -> int:
         return 2
     pp = args.mesh.get("pp", 1)
     pipeline = None
+    names = [n for n in args.schedule.split(",") if n]
     if pp > 1 or args.microbatches is not None:
-        from .pipeline import Pipeline
+        from .pipeline import SCHEDULES, Pipeline
 
-        pipeline = Pipeline(args.microbatches or 2 * pp, repeats=args.repeats, zero3_gather=args.zero3_gather)
+        if not names or [n for n in names if n not in SCHEDULES] or (args.budget is None and len(names) > 1):
+            print(f"zjax plan: --schedule {args.schedule}: one of {list(SCHEDULES)} (a comma list with --budget)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        try:
+            pipeline = Pipeline(
+                args.microbatches or 2 * pp,
+                repeats=args.repeats,
+                zero3_gather=args.zero3_gather,
+                schedule=names[0] if args.budget is None else "gpipe",  # --budget: fit tries each name
+            )
+        except ValueError as e:
+            print(f"zjax plan: {e}", file=sys.stderr)
+            return 2
     rows = args.mesh.get("dp", 1) * args.mesh.get("replica", 1) * (pipeline.microbatches if pipeline else 1)
     if not args.accum or min(args.accum) < 1:
         print(f"zjax plan: --accum {args.accum}: give positive microbatch counts, e.g. 1,2,4", file=sys.stderr)
@@ -209,7 +229,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             row, closest, tried, skipped = planner.fit(
                 limit.usable, args.model, mesh=args.mesh, stages=args.stages, remats=remats, accums=args.accum,
                 precision=args.precision, batch_size=batch, seq_len=args.seq_len, target=args.target,
-                offloads=offloads,
+                offloads=offloads, pipeline=pipeline, schedules=names if pipeline is not None else (),
             )  # fmt: skip
             est = type(tried[0])(**{**tried[0].__dict__, "rows": tuple(r for e in tried for r in e.rows)})
             print(est)
@@ -221,6 +241,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             if row is not None:
                 print(
                     f"fits: stage {row.stage}, remat {row.remat}, {row.accum} microbatch(es)"
+                    + (f", schedule {row.schedule}" if row.schedule else "")
                     + (f", offload {row.offload}" if row.offloaded else "")
                     + f": {row.compiled['total'] / 1e9:.3f} GB per device"
                     + (f" (+{row.offloaded / 1e9:.3f} GB in host memory)" if row.offloaded else "")

@@ -155,7 +155,8 @@ def run(
     scale: jax.Array,
 ) -> tuple:  # fmt: skip
     """The schedule over the mesh: ``(loss, dw, dfp, dlp)`` with ``stacked`` leaves ``[R, S, Lps, ...]``;
-    gradients fp32, seeded with ``scale``, summed over every rank."""
+    gradients seeded with ``scale``, accumulated in fp32 on each rank and summed over the ranks in the
+    parameters' dtypes."""
     sizes = dict(jax.sharding.get_abstract_mesh().shape)
     stages = sizes.get(PP, 1)
     data = tuple(a for a in DATA_AXES if sizes.get(a, 1) > 1)
@@ -193,5 +194,11 @@ def run(
         axis_names={*data, PP},
         check_vma=False,
     )(w_in, fp_in, lp_in, inputs, scale)
-    total = lambda tree: jax.tree.map(lambda a: jnp.sum(a, axis=0), tree)  # noqa: E731
-    return jnp.sum(loss), total(dw), total(dfp), total(dlp)
+    # the reduction over the ranks in the parameters' (compute) dtype: ZeRO's bytes, as under GPipe
+    # (lax.reduce: jnp.sum would accumulate a 16-bit sum in fp32, and the all-reduce with it)
+    def total(tree: Any, like: Any) -> Any:
+        return jax.tree.map(
+            lambda a, p: jax.lax.reduce(a.astype(p.dtype), jnp.zeros((), p.dtype), jax.lax.add, (0,)), tree, like
+        )
+
+    return jnp.sum(loss), total(dw, stacked), total(dfp, fp), total(dlp, lp)

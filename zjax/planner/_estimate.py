@@ -50,6 +50,9 @@ class Row:
     offload: str = "none"
     offloaded: int = 0  # state bytes per device in pinned host memory (computed from the plan's placements)
     device_memory: int | None = None  # the GPU target's memory per device (None: XLA:CPU)
+    schedule: str | None = None  # the pipeline schedule (pp > 1)
+    bubble: tuple[float, ...] = ()  # per pipeline stage: idle ticks / ticks of the schedule's table the step runs
+    ticks: int = 0  # the table's ticks (the pipeline loop's trip count)
 
     @property
     def over_memory(self) -> bool:
@@ -87,6 +90,10 @@ class Row:
             "compile_seconds": round(self.compile_seconds, 2),
             "backend": self.backend,
             "device_kind": self.device_kind,
+            "pipeline": None
+            if self.schedule is None
+            else {"schedule": self.schedule, "ticks": self.ticks, "bubble": max(self.bubble),
+                  "bubble_per_stage": [round(b, 4) for b in self.bubble]},
             "flops": self.flops,
             "bytes_accessed": self.bytes_accessed,
             "offload": {
@@ -169,12 +176,19 @@ class Estimate:
         hsdp = self.mesh.get("replica", 1) > 1
         if hsdp:
             head += "; x-replica = the part of comm that crosses replica groups (nodes)"
+        piped = any(r.schedule for r in self.rows)
+        if piped:
+            head += (
+                "; bubble = the most idle ticks of a pipeline stage / ticks, on the schedule's table the step runs; "
+                "pp = comm over pp (stage-to-stage messages); temp = the busiest stage's"
+            )
         columns = [("stage", ">"), ("remat", "<"), ("acc", ">"), (SEP, "<")]
         columns += [(name, ">") for name in ("params", "optim", "grads", "theory")] + [(SEP, "<")]
         columns += [(name, ">") for name in ("state", "temp", "total")] + [(SEP, "<")]
         columns += [(name, ">") for name in ("comm", "x psi", "wire")]
         columns += ([("exposed", ">")] if gpu else []) + [("compile", ">")]
         columns += [("x-replica", ">")] if hsdp else []
+        columns += [("schedule", "<"), ("bubble", ">"), ("pp", ">")] if piped else []
         columns += [("offload", "<"), ("host", ">"), ("pcie", ">")] if offloaded else []
         cells = []
         for r in self.rows:
@@ -186,6 +200,7 @@ class Estimate:
             row += [f(r.comm.exposed_volume) + ("*" if r.over_memory else "")] if gpu else []
             row += [f"{r.compile_seconds:.1f}s"]
             row += [f(r.comm.volume_across("replica"))] if hsdp else []
+            row += [r.schedule or "-", f"{max(r.bubble, default=0):.1%}", f(r.comm.volume_across("pp"))] if piped else []
             row += [r.offload, f(r.offloaded), f(r.pcie_bytes)] if offloaded else []
             cells.append(row)
         lines = [head, *text_table(columns, cells)]
@@ -308,11 +323,20 @@ def estimate_fn(
                 offload=offload.name,
                 offloaded=report.offloaded_bytes,
                 device_memory=get_target(target).memory_bytes if target is not None else None,
+                **_pipeline_fields(plan.pipeline, stages_pp),
             )
         )
     sizes = {k: int(v) for k, v in device_mesh.shape.items()}
     batch_size = int(jax.tree.leaves(batch)[0].shape[0])
     return Estimate(name, psi, sizes, precision, batch_size, tuple(rows), backend, device_kind)
+
+
+def _pipeline_fields(schedule: Pipeline | None, stages: int) -> dict[str, Any]:
+    """The schedule's name, its idle fraction per stage and its ticks, counted on the table the step runs."""
+    if schedule is None or stages == 1:
+        return {}
+    tab = schedule.table(stages)
+    return {"schedule": schedule.schedule, "bubble": tuple(float(i) / tab.ticks for i in tab.idle()), "ticks": tab.ticks}
 
 
 def _data_volume(comm: Communication) -> int:

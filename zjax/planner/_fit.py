@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 from ..models import DecoderConfig
 from ..offload import Offload
+from ..pipeline import Pipeline
 from ..stages import Stage
 from ._estimate import Estimate, Row, estimate
 
@@ -23,9 +24,11 @@ class Candidate:
     stage: int
     remat: str
     accum: int
+    schedule: str = "-"  # the pipeline schedule (pp > 1), "-" without one
 
     def describe(self) -> str:
         text = f"stage {self.stage}, remat {self.remat}, {self.accum} microbatch(es)"
+        text += f", schedule {self.schedule}" if self.schedule != "-" else ""
         return text + (f", offload {self.offload}" if self.offload != "none" else "")
 
 
@@ -52,12 +55,27 @@ def describe_skipped(skipped: Sequence[tuple[Candidate, str]]) -> list[str]:
             return ", ".join(str(v) for v in dict.fromkeys(getattr(c, field) for c in cs))
 
         what = f"stage {values('stage')} x remat {values('remat')} x {values('accum')} microbatch(es) x offload "
-        lines.append(f"{what}{values('offload')} ({len(cs)}): {reason}")
+        what += values("offload") + (f" x schedule {values('schedule')}" if cs[0].schedule != "-" else "")
+        lines.append(f"{what} ({len(cs)}): {reason}")
     return lines
 
 
-def _reason(c: Candidate, batch_size: int, mesh: dict[str, int]) -> str | None:
+def _schedule(base: Pipeline | None, c: Candidate, mesh: dict[str, int]) -> Pipeline | None:
+    """The candidate's pipeline: ``base`` (default 2 x pp microbatches) under ``c.schedule``."""
+    if c.schedule == "-":
+        return base
+    base = Pipeline(2 * mesh.get("pp", 1)) if base is None else base
+    return dataclasses.replace(base, schedule=c.schedule)
+
+
+def _reason(c: Candidate, batch_size: int, mesh: dict[str, int], base: Pipeline | None = None) -> str | None:
     """Why ``c`` cannot run at all (before compiling), or ``None``."""
+    try:
+        schedule = _schedule(base, c, mesh)
+        if schedule is not None:
+            schedule.check(mesh.get("pp", 1))
+    except ValueError as e:  # e.g. interleaved-1f1b without repeats
+        return str(e)
     data = mesh.get("dp", 1) * mesh.get("replica", 1)
     if batch_size % (c.accum * data):
         need = c.accum * data
@@ -86,11 +104,16 @@ def fit(
     seq_len: int | None = None,
     target: str | None = None,
     offloads: Sequence[str] = ("none", "optimizer", "optimizer+params"),
+    pipeline: Pipeline | None = None,
+    schedules: Sequence[str] = (),
 ) -> Fit:
-    """The cheapest (stage, remat, microbatches, offload) whose compiled per-device total fits in ``budget``.
+    """The cheapest (stage, remat, schedule, microbatches, offload) whose compiled per-device total fits in
+    ``budget``.
 
     Candidates are tried cheapest first: no offload before offload (PCIe traffic every step), then lower
-    stage (less communication), then less recomputation, then fewer microbatches. A candidate that cannot
+    stage (less communication), then less recomputation, then the pipeline schedule with the smaller
+    bubble (``schedules``, with ``pp`` > 1: ``pipeline``'s microbatches and repeats under each), then
+    fewer microbatches. A candidate that cannot
     run (microbatches that do not divide the global batch, an offload the stage does not support) is listed
     in :attr:`Fit.skipped` with the reason.
 
@@ -101,24 +124,36 @@ def fit(
       ValueError: no candidate can run at all (the message gives each reason).
     """
     order = sorted(remats, key=lambda r: REMAT_COST.index(r) if r in REMAT_COST else len(REMAT_COST))
+    pp = mesh.get("pp", 1)
+    base = pipeline if pipeline is not None or pp == 1 else Pipeline(2 * pp)
+
+    def idle(name: str) -> float:  # schedules by bubble; one that cannot run goes last (and is skipped)
+        try:
+            return dataclasses.replace(base, schedule=name).bubble(pp) if base is not None else 0.0
+        except ValueError:
+            return 1.0
+
+    tables = sorted(schedules, key=idle) if schedules and pp > 1 else ["-"]
     tried: list[Estimate] = []
     skipped: list[tuple[Candidate, str]] = []
     closest: Row | None = None
     candidates = [
-        Candidate(off, stage, remat, accum)
+        Candidate(off, stage, remat, accum, schedule)
         for off in [o for o in Offload.NAMES if o in offloads]
         for stage in sorted(stages)
         for remat in order
+        for schedule in tables
         for accum in sorted(accums)
     ]
     for c in candidates:
-        reason = _reason(c, batch_size, mesh)
+        reason = _reason(c, batch_size, mesh, base)
         if reason is not None:
             skipped.append((c, reason))
             continue
         est = estimate(
             model, mesh=mesh, stages=(c.stage,), remat=c.remat, precision=precision,
             batch_size=batch_size, seq_len=seq_len, accum=c.accum, target=target, offload=c.offload,
+            pipeline=_schedule(base, c, mesh),
         )  # fmt: skip
         tried.append(est)
         row = est.rows[0]
