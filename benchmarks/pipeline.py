@@ -1,6 +1,12 @@
 """Pipeline schedules on 8 simulated CPU devices: bubble, permutes per iteration, bytes per device, compile time.
 
-    python benchmarks/pipeline.py [--json runs/pipeline.json] [--gpu-target h100]
+    python benchmarks/pipeline.py [--json runs/pipeline.json] [--gpu-target h100] [--schedules-only]
+
+First, one row per schedule (GPipe, circular, 1F1B, interleaved 1F1B, zero-bubble) at M = 8 and 32
+microbatches of two 128-token sequences (the example's small preset, dp=2 x pp=4, ZeRO-3, bf16): the
+bubble of the table the step runs, compiled temporaries and peak per device, dp and pp bytes per step,
+the step time on this CPU (orders of magnitude only: 8 simulated devices on a few cores) and, with
+``--gpu-target``, the temporaries XLA:GPU compiles for that GPU.
 
 Compiles the train step of a small decoder (8 layers) for GPipe and the circular schedule on
 dp=2 x pp=4 (ZeRO-1, ZeRO-2 and ZeRO-3, gathering once per step or per use) and on dp=8 without a
@@ -149,11 +155,93 @@ def gpu_table(target: str) -> list[dict]:
     return out
 
 
+SCHEDULES = (("gpipe", 1), ("gpipe", 2), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 1))
+SMALL_8 = DecoderConfig(max_len=128, layers=8)  # the small preset, deepened (as the example does) for 2 chunks/stage
+
+
+def schedule_row(name: str, repeats: int, m_: int, target: str | None) -> dict:
+    """One schedule on the example's small preset: compiled bytes, bubble, traffic, CPU step time, GPU temps."""
+    import numpy as np
+
+    cfg = SMALL_8
+    model = Decoder(cfg)
+    schedule = zjax.Pipeline(m_, repeats=repeats, schedule=name)
+    plan = zjax.Plan(zjax.make_mesh(dp=2, pp=4), stage=3, pipeline=schedule)
+    init_fn = lambda r: model.init(r, jnp.zeros((1, 128), jnp.int32))["params"]  # noqa: E731
+    state = plan.init(init_fn, optax.adamw(1e-3), jax.random.key(0))
+    step = plan.train_step(lambda p, b: lm_loss(model, p, b))
+    rows = 2 * 2 * m_  # two sequences per microbatch and dp rank
+    tokens = np.random.RandomState(0).randint(0, cfg.vocab, (rows, 129)).astype(np.int32)
+    batch = plan.shard_batch(tokens)
+    compiled, hlo = partitioned_hlo(step.lower(state, batch))
+    report = step.memory_report(state, batch, compiled=compiled)
+    shape = dict(plan.mesh.shape)
+    ops = collectives(hlo)
+
+    def axis_bytes(axis: str) -> int:
+        return sum(c.volume * c.trips for c in ops if axis in spanned_axes(c.groups, shape))
+
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics["loss"])
+        times.append(time.perf_counter() - start)
+    row = {
+        "schedule": name,
+        "repeats": repeats,
+        "microbatches": m_,
+        "bubble": round(schedule.bubble(4), 4),
+        "ticks": schedule.table(4).ticks,
+        "in_flight_max": int(max(schedule.table(4).in_flight())),
+        "temp_bytes": report.temp_bytes,
+        "peak_bytes": report.peak_bytes,
+        "dp_bytes": axis_bytes("dp"),
+        "pp_bytes": axis_bytes("pp"),
+        "cpu_step_seconds": round(sorted(times)[1], 3),
+        "loss": float(metrics["loss"]),
+    }
+    if target is not None:
+        (gpu,) = zjax.planner.estimate(
+            cfg, mesh={"dp": 2, "pp": 4}, stages=(3,), batch_size=rows, seq_len=128, pipeline=schedule, target=target
+        ).rows
+        row |= {"gpu_target": target, "gpu_temp_bytes": gpu.compiled["temp"], "gpu_peak_bytes": gpu.compiled["total"]}
+    return row
+
+
+def schedules_table(target: str | None) -> list[dict]:
+    out = []
+    print(f"schedules: small preset at 8 layers ({SMALL_8.num_params:,} params), dp=2 x pp=4, ZeRO-3, bf16, "
+          "2 x 128 tokens per microbatch")  # fmt: skip
+    head = f"{'schedule':<22}{'M':>4}{'bubble':>8}{'ticks':>6}{'in flight':>10}{'temp MiB':>10}{'peak MiB':>10}"
+    head += f"{'dp MiB':>8}{'pp MiB':>8}{'CPU s':>7}" + (f"{'GPU temp MiB':>14}" if target else "")
+    print(head)
+    for name, repeats in SCHEDULES:
+        for m_ in (8, 32):
+            r = schedule_row(name, repeats, m_, target)
+            out.append(r)
+            label = name + (f" R={repeats}" if repeats > 1 else "")
+            print(
+                f"{label:<22}{m_:>4}{r['bubble']:>8.1%}{r['ticks']:>6}{r['in_flight_max']:>10}"
+                f"{r['temp_bytes'] / 2**20:>10.2f}{r['peak_bytes'] / 2**20:>10.2f}{r['dp_bytes'] / 2**20:>8.2f}"
+                f"{r['pp_bytes'] / 2**20:>8.2f}{r['cpu_step_seconds']:>7.2f}"
+                + (f"{r['gpu_temp_bytes'] / 2**20:>14.2f}" if target else "")
+            )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--gpu-target", default=None, help="also compile for this GPU target (e.g. h100)")
+    parser.add_argument("--schedules-only", action="store_true", help="only the table per schedule")
     args = parser.parse_args()
+    schedule_rows = schedules_table(args.gpu_target)
+    if args.schedules_only:
+        if args.json is not None:
+            zjax.write_json_atomic(args.json, {"schedules": schedule_rows})
+            print(f"written to {args.json}")
+        return
     rows = [measure({"dp": 8}, 1, None), measure({"dp": 8}, 3, None)]
     for stage, gather in ((1, None), (2, None), (3, "step"), (3, None)):  # None: the plan's default for the stage
         for m, r in ((4, 1), (8, 1), (32, 1), (4, 2), (8, 2)):
@@ -184,8 +272,10 @@ def main() -> None:
     gpu_rows = gpu_table(args.gpu_target) if args.gpu_target else []
     if args.json is not None:
         zjax.write_json_atomic(
-            args.json, {"model": CFG.__dict__, "rows": rows, "gpu_model": GPU_CFG.__dict__, "gpu_rows": gpu_rows}
-        )
+            args.json,
+            {"schedules": schedule_rows, "model": CFG.__dict__, "rows": rows, "gpu_model": GPU_CFG.__dict__,
+             "gpu_rows": gpu_rows},
+        )  # fmt: skip
         print(f"written to {args.json}")
 
 

@@ -328,7 +328,8 @@ def test_schedule_errors_say_what_runs():
     with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"must compute the loss: call zjax.pipeline.loss"):
         pipeline.apply(stage_fn, toy()[0], x, Pipeline(4, schedule="1f1b"))
     params = toy()
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"15 batch rows per data-parallel rank do not split into microbatches=8"):
+    rows = r"15 batch rows per data-parallel rank do not split into microbatches=8"
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=rows):
         toy_loss(params, np.zeros((30, 5), np.int32), Pipeline(8, schedule="1f1b"))
 
 

@@ -173,8 +173,8 @@ def _pipelined_sum(
         return jnp.take(embedding, mb["tokens"], axis=0)
 
     def last(lp: dict, h: jax.Array, mb: dict) -> jax.Array:
-        h = norm.apply({"params": lp["final_norm"]}, h)
-        return cross_entropy_sum(h, lp["head"], mb["targets"], mb["weights"], vocab_chunk)
+        normed = jnp.asarray(norm.apply({"params": lp["final_norm"]}, h))
+        return cross_entropy_sum(normed, lp["head"], mb["targets"], mb["weights"], vocab_chunk)
 
     tail = {"final_norm": params["final_norm"], "head": output_head(cfg, params)}
     return pipeline.loss(

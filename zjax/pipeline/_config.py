@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ._schedule import SCHEDULES, table
+from ._schedule import SCHEDULES, schedule_table
 
 TABLE_SCHEDULES = SCHEDULES[1:]
 """The schedules run by the table engine (:func:`zjax.pipeline.loss`); ``gpipe`` runs as one ``lax.scan``."""
@@ -139,7 +139,7 @@ class Pipeline:
 
     def table(self, stages: int) -> Any:
         """The schedule on ticks for ``stages`` (:func:`zjax.pipeline.schedule_table`)."""
-        return table(self.schedule, stages, self.microbatches, self.repeats)
+        return schedule_table(self.schedule, stages, self.microbatches, self.repeats)
 
     def bubble(self, stages: int) -> float:
         """The largest idle fraction of a stage, counted on the schedule's table (F, B and W one tick each;
@@ -155,7 +155,7 @@ class Pipeline:
                 f"Pipeline: microbatches={m} < pp={stages} stages: schedule={self.schedule!r} with repeats={r} "
                 f"takes microbatches in groups of pp. Use at least {stages} microbatches, or schedule='1f1b' "
                 f"or 'zero-bubble' with repeats=1, which run any number (at a bubble of "
-                f"{table('1f1b', stages, m).bubble():.0%} here)."
+                f"{schedule_table('1f1b', stages, m).bubble():.0%} here)."
             )
         if grouped and m % stages:
             raise ValueError(

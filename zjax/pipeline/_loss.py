@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from ..sharding._axes import DATA_AXES, PP
 from . import _ticks
 from ._config import Pipeline
-from ._engine import _layer_count, apply, by_visit, current
+from ._context import current
+from ._engine import _layer_count, apply, by_visit
 
 
 def loss(

@@ -94,8 +94,23 @@ def _warmup(schedule: str, s_: int, stage: int, v: int, total: int) -> int:
     return min((s_ - stage - 1) * 2 + (v - 1) * s_, total)
 
 
+def _before(s: int, c: int, s_: int) -> tuple[int, int]:
+    """The (stage, chunk) whose forward output the forward of (s, c) takes: the previous stage, or the last
+    stage's previous chunk (the ring)."""
+    return (s - 1, c) if s > 0 else (s_ - 1, c - 1)
+
+
+def _after(s: int, c: int, s_: int) -> tuple[int, int]:
+    """The (stage, chunk) whose input gradient the backward of (s, c) takes."""
+    return (s + 1, c) if s < s_ - 1 else (0, c + 1)
+
+
+def _key(kind: int, where: tuple[int, int], m: int) -> tuple[int, int, int, int]:
+    return (kind, where[0], m, where[1])
+
+
 @functools.lru_cache(maxsize=64)
-def table(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> Table:
+def schedule_table(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> Table:
     """Place ``schedule`` for ``stages`` (S), ``microbatches`` (M) and ``chunks`` (v) on ticks."""
     if schedule not in SCHEDULES:
         raise ValueError(f"Pipeline: schedule={schedule!r} is not one of {SCHEDULES}.")
@@ -128,12 +143,10 @@ def _place(
 
     def ready(kind: int, stage: int, m: int, c: int, t: int) -> bool:
         if kind == F:
-            need = (F, stage - 1, m, c) if stage > 0 else (F, s_ - 1, m, c - 1) if c > 0 else None
+            need = None if (stage, c) == (0, 0) else _key(F, _before(stage, c, s_), m)
         elif kind == B:  # the next stage's backward; a fused one (B then W, as one) is done after its W
-            if stage < s_ - 1:
-                need = (after, stage + 1, m, c)
-            else:
-                need = (after, 0, m, c + 1) if c < v - 1 else (F, stage, m, c)
+            last = (stage, c) == (s_ - 1, v - 1)
+            need = (F, stage, m, c) if last else _key(after, _after(stage, c, s_), m)
         else:
             need = (B, stage, m, c)
         return need is None or done.get(need, t) < t
@@ -229,14 +242,9 @@ def slots(tab: Table) -> Slots:
     for (kind, s, m, c), t in at.items():
         if kind != W:
             continue
-        if is_first(s, c):
-            x_start = at[(F, s, m, c)]
-        else:
-            x_start = at[(F, s - 1, m, c) if s > 0 else (F, s_ - 1, m, c - 1)] + 1
-        if is_last(s, c):
-            g_start = at[(F, s, m, c)]
-        else:
-            g_start = at[(B, s + 1, m, c) if s < s_ - 1 else (B, 0, m, c + 1)] + 1
+        # an input is kept from its arrival (a first stage's from its own forward) until the W
+        x_start = at[(F, s, m, c)] if is_first(s, c) else at[_key(F, _before(s, c, s_), m)] + 1
+        g_start = at[(F, s, m, c)] if is_last(s, c) else at[_key(B, _after(s, c, s_), m)] + 1
         x_iv[s].append((x_start, t, (m, c)))
         g_iv[s].append((g_start, t, (m, c)))
     colours = [(_colour(x_iv[s]), _colour(g_iv[s])) for s in range(s_)]
@@ -246,7 +254,7 @@ def slots(tab: Table) -> Slots:
     recv_g, read_g, store_g = (np.full(shape, n_g, np.int32) for _ in range(3))
     first, last = np.zeros(shape, bool), np.zeros(shape, bool)
     for (kind, s, m, c), t in at.items():
-        xs, gs = colours[s][0][0].get((m, c)), colours[s][1][0].get((m, c))
+        xs, gs = colours[s][0][0][(m, c)], colours[s][1][0][(m, c)]
         first[t, s], last[t, s] = is_first(s, c), is_last(s, c)
         read_x[t, s] = xs
         if kind != F:
@@ -256,10 +264,10 @@ def slots(tab: Table) -> Slots:
                 store_x[t, s] = xs
             if is_last(s, c):
                 store_g[t, s] = gs
-            else:  # the next stage (or stage 0's next chunk) receives the output at t + 1
-                nxt, nc = (s + 1, c) if s < s_ - 1 else (0, c + 1)
+            else:
+                nxt, nc = _after(s, c, s_)  # the next stage (or stage 0's next chunk) receives it at t + 1
                 recv_x[t + 1, nxt] = colours[nxt][0][0][(m, nc)]
         if kind == B and not is_first(s, c):
-            prv, pc = (s - 1, c) if s > 0 else (s_ - 1, c - 1)
+            prv, pc = _before(s, c, s_)
             recv_g[t + 1, prv] = colours[prv][1][0][(m, pc)]
     return Slots(n_x, n_g, recv_x, recv_g, read_x, read_g, store_x, store_g, first, last)

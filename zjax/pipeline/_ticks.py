@@ -60,7 +60,7 @@ def _tick_loop(
 ) -> tuple:  # fmt: skip
     """One device's part of the schedule (inside the manual region): ``w`` its chunks ``[v, Lps, ...]``, ``fp``
     and ``lp`` whole, ``inputs`` its rows. Returns ``(loss, dw, dfp, dlp)`` summed over its microbatches."""
-    tab = _schedule.table(cfg.schedule, stages, cfg.microbatches, cfg.repeats)
+    tab = _schedule.schedule_table(cfg.schedule, stages, cfg.microbatches, cfg.repeats)
     plan = _schedule.slots(tab)
     m_ = cfg.microbatches
     mbs = jax.tree.map(lambda a: a.reshape(m_, a.shape[0] // m_, *a.shape[1:]), inputs)
@@ -194,6 +194,7 @@ def run(
         axis_names={*data, PP},
         check_vma=False,
     )(w_in, fp_in, lp_in, inputs, scale)
+
     # the reduction over the ranks in the parameters' (compute) dtype: ZeRO's bytes, as under GPipe
     # (lax.reduce: jnp.sum would accumulate a 16-bit sum in fp32, and the all-reduce with it)
     def total(tree: Any, like: Any) -> Any:

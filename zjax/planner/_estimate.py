@@ -92,8 +92,12 @@ class Row:
             "device_kind": self.device_kind,
             "pipeline": None
             if self.schedule is None
-            else {"schedule": self.schedule, "ticks": self.ticks, "bubble": max(self.bubble),
-                  "bubble_per_stage": [round(b, 4) for b in self.bubble]},
+            else {
+                "schedule": self.schedule,
+                "ticks": self.ticks,
+                "bubble": max(self.bubble),
+                "bubble_per_stage": [round(b, 4) for b in self.bubble],
+            },
             "flops": self.flops,
             "bytes_accessed": self.bytes_accessed,
             "offload": {
@@ -200,7 +204,8 @@ class Estimate:
             row += [f(r.comm.exposed_volume) + ("*" if r.over_memory else "")] if gpu else []
             row += [f"{r.compile_seconds:.1f}s"]
             row += [f(r.comm.volume_across("replica"))] if hsdp else []
-            row += [r.schedule or "-", f"{max(r.bubble, default=0):.1%}", f(r.comm.volume_across("pp"))] if piped else []
+            bubble = f"{max(r.bubble, default=0):.1%}"
+            row += [r.schedule or "-", bubble, f(r.comm.volume_across("pp"))] if piped else []
             row += [r.offload, f(r.offloaded), f(r.pcie_bytes)] if offloaded else []
             cells.append(row)
         lines = [head, *text_table(columns, cells)]
@@ -336,7 +341,8 @@ def _pipeline_fields(schedule: Pipeline | None, stages: int) -> dict[str, Any]:
     if schedule is None or stages == 1:
         return {}
     tab = schedule.table(stages)
-    return {"schedule": schedule.schedule, "bubble": tuple(float(i) / tab.ticks for i in tab.idle()), "ticks": tab.ticks}
+    idle = tuple(float(i) / tab.ticks for i in tab.idle())
+    return {"schedule": schedule.schedule, "bubble": idle, "ticks": tab.ticks}
 
 
 def _data_volume(comm: Communication) -> int:
