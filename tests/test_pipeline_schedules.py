@@ -230,6 +230,28 @@ def test_decoder_grid(reference, mesh_kw, cfg, stage):
     check(reference, mesh_kw, stage, cfg)
 
 
+@pytest.mark.slow
+def test_accumulation_and_a_checkpoint_move_between_schedules(reference, tmp_path):
+    """Zero-bubble with two accumulation steps per step, saved after one step and restored under GPipe and
+    interleaved 1F1B: the next step's loss equals the straight GPipe run's (the model does not depend on the
+    schedule)."""
+    init_fn, loss_fn = decoder_task()
+    tx = optax.sgd(0.1, momentum=0.9)
+    mesh = zjax.make_mesh(dp=2, pp=4)
+    zb = zjax.Plan(mesh, stage=3, precision="fp32", pipeline=Pipeline(4, schedule="zero-bubble"))
+    state = zb.init(init_fn, tx, jax.random.key(0))
+    state, metrics = zb.train_step(loss_fn, accum_steps=2)(state, zb.shard_batch(batch(0)))
+    np.testing.assert_allclose(float(metrics["loss"]), reference[0][0], atol=1e-5)
+    with zjax.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(state, zb)
+    for cfg in (Pipeline(8), Pipeline(8, repeats=2, schedule="interleaved-1f1b")):
+        plan = zjax.Plan(mesh, stage=1, precision="fp32", pipeline=cfg)
+        with zjax.Checkpointer(tmp_path) as ckpt:
+            restored, _ = ckpt.restore(plan, init_fn, tx, jax.random.key(0))
+        _, metrics = plan.train_step(loss_fn)(restored, plan.shard_batch(batch(1)))
+        np.testing.assert_allclose(float(metrics["loss"]), reference[0][1], atol=1e-5)
+
+
 def test_fp16_loss_scaling_meets_the_same_gradients_as_under_gpipe():
     """The engine is seeded with the loss scale on the mean's share of each microbatch: fp16 at scale 2^15
     overflows where GPipe does (nowhere here; seeded on the microbatch sums it skipped steps 1, 2 and 5)."""
@@ -357,20 +379,21 @@ def test_plan_reports_each_rows_bubble_and_the_budget_picks_the_smallest(tmp_pat
     import json
 
     out = tmp_path / "plan.json"
-    args = ["-m", "zjax.cli", "plan", "--model", "tiny", "--mesh", "dp=2,pp=4", "--microbatches", "8"]
+    args = ["-m", "zjax.cli", "plan", "--model", "small", "--mesh", "dp=2,pp=4", "--microbatches", "8"]
     proc = run(*args, "--stages", "1,3", "--schedule", "1f1b", "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [r["pipeline"]["schedule"] for r in rows] == ["1f1b", "1f1b"]
     assert all(r["pipeline"]["bubble"] == pytest.approx(3 / 11) for r in rows)  # (S-1)/(M+S-1)
     assert all(r["pipeline"]["ticks"] == 3 * (8 + 3) for r in rows)
+    assert all(r["pipeline"]["inputs_kept_per_stage"] == [4, 3, 2, 1] for r in rows)
     assert "1f1b" in proc.stdout and "27.3%" in proc.stdout
     # --budget tries the smaller bubble first: zero-bubble fits a generous budget, so it is the answer
     proc = run(*args, "--stages", "1", "--schedule", "gpipe,zero-bubble,1f1b", "--budget", "1GB", "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     fit = json.loads(out.read_text())["fits"]
     assert fit["pipeline"] == {"schedule": "zero-bubble", "ticks": 27, "bubble": pytest.approx(3 / 27),
-                               "bubble_per_stage": [0.1111] * 4}  # fmt: skip
+                               "bubble_per_stage": [0.1111] * 4, "inputs_kept_per_stage": [4] * 4}  # fmt: skip
     assert "schedule zero-bubble" in proc.stdout
     bad = run(*args, "--schedule", "pipedream")
     assert bad.returncode == 2 and "--schedule pipedream: one of" in bad.stderr

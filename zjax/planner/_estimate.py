@@ -53,6 +53,7 @@ class Row:
     schedule: str | None = None  # the pipeline schedule (pp > 1)
     bubble: tuple[float, ...] = ()  # per pipeline stage: idle ticks / ticks of the schedule's table the step runs
     ticks: int = 0  # the table's ticks (the pipeline loop's trip count)
+    in_flight: tuple[int, ...] = ()  # per pipeline stage: the most microbatch inputs it keeps (its activations)
 
     @property
     def over_memory(self) -> bool:
@@ -97,6 +98,7 @@ class Row:
                 "ticks": self.ticks,
                 "bubble": max(self.bubble),
                 "bubble_per_stage": [round(b, 4) for b in self.bubble],
+                "inputs_kept_per_stage": list(self.in_flight),
             },
             "flops": self.flops,
             "bytes_accessed": self.bytes_accessed,
@@ -337,12 +339,15 @@ def estimate_fn(
 
 
 def _pipeline_fields(schedule: Pipeline | None, stages: int) -> dict[str, Any]:
-    """The schedule's name, its idle fraction per stage and its ticks, counted on the table the step runs."""
+    """The schedule's name, its idle fraction per stage, its ticks and the microbatch inputs each stage keeps
+    at most, counted on the table the step runs (the compiled temporaries are one SPMD program's, the busiest
+    stage's; what each stage keeps is the schedule's)."""
     if schedule is None or stages == 1:
         return {}
     tab = schedule.table(stages)
     idle = tuple(float(i) / tab.ticks for i in tab.idle())
-    return {"schedule": schedule.schedule, "bubble": idle, "ticks": tab.ticks}
+    kept = tuple(int(n) for n in tab.in_flight())
+    return {"schedule": schedule.schedule, "bubble": idle, "ticks": tab.ticks, "in_flight": kept}
 
 
 def _data_volume(comm: Communication) -> int:
