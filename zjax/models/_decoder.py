@@ -132,6 +132,11 @@ PRESETS: dict[str, DecoderConfig] = {
     "llama3-8b": _LLAMA3_8B,
     "llama3-70b": dataclasses.replace(_LLAMA3_8B, embed=8192, layers=80, heads=64, mlp=28672),
     "llama3.1-8b": dataclasses.replace(_LLAMA3_8B, max_len=131072, rope_scaling=RopeScaling()),
+    # Llama-3.2-1B's sizes: the tied-embedding preset (its 128,256 x 2,048 table is 21% of 1.24e9 parameters)
+    "llama3.2-1b": dataclasses.replace(
+        _LLAMA3_8B, embed=2048, layers=16, heads=32, head_dim=64, mlp=8192, max_len=131072,
+        rope_scaling=RopeScaling(factor=32.0), tie_embeddings=True,
+    ),  # fmt: skip
     "mistral-7b": DecoderConfig(
         vocab=32000,
         embed=4096,
@@ -284,7 +289,8 @@ class Decoder(nn.Module):
     only within their segment) serve packed sequences; ``return_hidden=True`` returns the final normed
     hidden states ``[batch, seq, embed]`` instead of logits (:func:`lm_loss` computes the logits in chunks).
     ``load_balanced=True`` says the rows are in :func:`zjax.context.load_balance`'s layout (then pass the
-    tokens' ``positions``): :func:`lm_loss` does this on a mesh with ``cp > 1``.
+    tokens' ``positions``): :func:`lm_loss` does this on a mesh with ``cp > 1``. ``inputs_embeds``
+    ``[batch, seq, embed]`` replaces the embedding lookup (the tokens then give only the shapes).
     """
 
     cfg: DecoderConfig
@@ -298,12 +304,18 @@ class Decoder(nn.Module):
         *,
         return_hidden: bool = False,
         load_balanced: bool = False,
+        inputs_embeds: jax.Array | None = None,
     ) -> jax.Array:
         c = self.cfg
         if not self.is_initializing():
             check_sequence(tokens.shape[1], balanced=load_balanced)
         embedding = _param(self, "embedding", (c.vocab, c.embed), ("vocab", "embed"), nn.initializers.normal(1.0))
-        x = _constrain(jnp.take(embedding, tokens, axis=0))
+        if inputs_embeds is not None and inputs_embeds.shape != (*tokens.shape, c.embed):
+            raise ValueError(
+                f"Decoder: inputs_embeds has shape {inputs_embeds.shape}; it must be tokens' {tuple(tokens.shape)} "
+                f"plus the embedding width {c.embed}."
+            )
+        x = _constrain(jnp.take(embedding, tokens, axis=0) if inputs_embeds is None else inputs_embeds)
         policy = RematPolicy.from_str(c.remat)
         schedule = pipeline.current()
         if schedule is not None and not self.is_initializing():

@@ -10,6 +10,7 @@ every iteration (measured: one head reduce-scatter per chunk inside the loop).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,9 +18,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from .. import pipeline
 from ..context import context_size, load_balance
+from ..sharding._axes import DATA_AXES, PP
 from ._decoder import DecoderConfig, RMSNorm, output_head, pipeline_stage_fn
 
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
@@ -154,9 +157,52 @@ def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16
         w = jnp.ones(inputs.shape, jnp.float32) if weights is None else weights
         w = w / jnp.maximum(jnp.sum(w), 1.0)
         return _pipelined_sum(model.cfg, nn.unbox(params), inputs, targets, w, vocab_chunk, packed)
+    ranks = _data_ranks()
+    if model.cfg.tie_embeddings and ranks:
+        return _tied_per_rank(model, params, (inputs, positions, segment_ids, targets, weights), balanced, vocab_chunk)
     hidden = model.apply({"params": params}, inputs, positions, segment_ids, return_hidden=True, load_balanced=balanced)
     head = output_head(model.cfg, nn.unbox(params))  # params may carry flax's logical-axis boxes
     return chunked_cross_entropy(hidden, head, targets, weights, vocab_chunk)
+
+
+def _data_ranks() -> tuple[str, ...]:
+    """The data-parallel axes (> 1) of the mesh in context, without a pipeline; ``()`` otherwise."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or dict(mesh.shape).get(PP, 1) > 1:
+        return ()
+    return tuple(a for a in DATA_AXES if dict(mesh.shape).get(a, 1) > 1)
+
+
+def _tied_per_rank(model: Any, params: Any, rows: tuple, balanced: bool, vocab_chunk: int | None) -> jax.Array:
+    """:func:`lm_loss` for a tied embedding on a data-parallel mesh: the lookup and the head use one copy of the
+    table per data-parallel rank (a broadcast on a new leading dim split over the data axes), so that the two
+    gradients meet on each rank and the table's gradient crosses the data axes once. Used twice by the
+    model, GSPMD reduces each use's gradient on its own (measured: two all-reduces of the table at stage 0,
+    ZeRO's 2 psi becoming 2.43 for a Llama-3.2-1B shape)."""
+    inputs, positions, segment_ids, targets, weights = rows
+    mesh = dict(jax.sharding.get_abstract_mesh().shape)
+    axes = _data_ranks()
+    n = math.prod(mesh[a] for a in axes)
+    table = nn.unbox(params)["embedding"]
+    copies = jnp.broadcast_to(table[None], (n, *table.shape))
+    copies = jax.lax.with_sharding_constraint(copies, P(axes, P.UNCONSTRAINED, P.UNCONSTRAINED))
+    w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights
+    by_rank = lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:])  # noqa: E731 - rows split over the axes
+    embeds = jax.vmap(lambda e, t: jnp.take(e, t, axis=0), spmd_axis_name=axes)(copies, by_rank(inputs))
+    hidden = model.apply(
+        {"params": params}, inputs, positions, segment_ids, return_hidden=True, load_balanced=balanced,
+        inputs_embeds=embeds.reshape(*inputs.shape, -1),
+    )  # fmt: skip
+
+    # inside the vmap over ranks the batch is each rank's own: its rows are not split again
+    rules = [(name, None if name == "batch" else axis) for name, axis in nn.get_logical_axis_rules()]
+
+    def one(e: jax.Array, h: jax.Array, t: jax.Array, wt: jax.Array) -> jax.Array:
+        with nn.logical_axis_rules(rules):
+            return cross_entropy_sum(h, e.T, t, wt, vocab_chunk)
+
+    total = jax.vmap(one, spmd_axis_name=axes)(copies, by_rank(hidden), by_rank(targets), by_rank(w))
+    return jnp.sum(total) / jnp.maximum(jnp.sum(w), 1.0)
 
 
 def _pipelined_sum(
