@@ -134,8 +134,15 @@ PRESETS: dict[str, DecoderConfig] = {
     "llama3.1-8b": dataclasses.replace(_LLAMA3_8B, max_len=131072, rope_scaling=RopeScaling()),
     # Llama-3.2-1B's sizes: the tied-embedding preset (its 128,256 x 2,048 table is 21% of 1.24e9 parameters)
     "llama3.2-1b": dataclasses.replace(
-        _LLAMA3_8B, embed=2048, layers=16, heads=32, head_dim=64, mlp=8192, max_len=131072,
-        rope_scaling=RopeScaling(factor=32.0), tie_embeddings=True,
+        _LLAMA3_8B,
+        embed=2048,
+        layers=16,
+        heads=32,
+        head_dim=64,
+        mlp=8192,
+        max_len=131072,
+        rope_scaling=RopeScaling(factor=32.0),
+        tie_embeddings=True,
     ),  # fmt: skip
     "mistral-7b": DecoderConfig(
         vocab=32000,
