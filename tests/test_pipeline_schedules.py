@@ -119,8 +119,9 @@ TOKENS = np.random.RandomState(0).randint(0, V, (32, 5)).astype(np.int32)
     [
         ({"dp": 2, "pp": 4}, [Pipeline(8, schedule="1f1b"), Pipeline(8, schedule="zero-bubble"),
                               Pipeline(8, repeats=2, schedule="interleaved-1f1b"), Pipeline(2, schedule="1f1b")]),
-        ({"dp": 2, "tp": 2, "pp": 2}, [Pipeline(4, schedule="1f1b"), Pipeline(4, repeats=2, schedule="zero-bubble"),
-                                       Pipeline(2, repeats=2, schedule="interleaved-1f1b")]),
+        pytest.param({"dp": 2, "tp": 2, "pp": 2}, [Pipeline(4, schedule="1f1b"),
+                     Pipeline(4, repeats=2, schedule="zero-bubble"), Pipeline(2, repeats=2, schedule="interleaved-1f1b")],
+                     marks=pytest.mark.slow),
     ],
 )  # fmt: skip
 def test_every_schedule_gives_gpipes_loss_and_gradients(mesh_kw, cfgs):
@@ -252,6 +253,7 @@ def test_accumulation_and_a_checkpoint_move_between_schedules(reference, tmp_pat
         np.testing.assert_allclose(float(metrics["loss"]), reference[0][1], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_fp16_loss_scaling_meets_the_same_gradients_as_under_gpipe():
     """The engine is seeded with the loss scale on the mean's share of each microbatch: fp16 at scale 2^15
     overflows where GPipe does (nowhere here; seeded on the microbatch sums it skipped steps 1, 2 and 5)."""
