@@ -120,8 +120,8 @@ TOKENS = np.random.RandomState(0).randint(0, V, (32, 5)).astype(np.int32)
         ({"dp": 2, "pp": 4}, [Pipeline(8, schedule="1f1b"), Pipeline(8, schedule="zero-bubble"),
                               Pipeline(8, repeats=2, schedule="interleaved-1f1b"), Pipeline(2, schedule="1f1b")]),
         pytest.param({"dp": 2, "tp": 2, "pp": 2}, [Pipeline(4, schedule="1f1b"),
-                     Pipeline(4, repeats=2, schedule="zero-bubble"), Pipeline(2, repeats=2, schedule="interleaved-1f1b")],
-                     marks=pytest.mark.slow),
+                     Pipeline(4, repeats=2, schedule="zero-bubble"),
+                     Pipeline(2, repeats=2, schedule="interleaved-1f1b")], marks=pytest.mark.slow),
     ],
 )  # fmt: skip
 def test_every_schedule_gives_gpipes_loss_and_gradients(mesh_kw, cfgs):
