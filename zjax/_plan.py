@@ -17,6 +17,7 @@ from ._loss_scale import DynamicLossScale
 from ._precision import Precision
 from ._state import MixedPrecisionState, TrainState, Variables
 from ._step import EvalStep, LossFn, TrainStep
+from .comm import QUANTIZED_COMM
 from .offload._config import Offload
 from .offload._update import check_streamable
 from .pipeline import Pipeline, initializing
@@ -75,6 +76,11 @@ class Plan:
         streams them through the device in bounded chunks for the update; ``"optimizer+params"`` also
         keeps each device's shard of the compute parameters there (stage 3). Needs an elementwise
         optimizer (adamw, lion, sgd, ``zjax.pallas.fused_adamw``; clip with ``clip_norm``).
+      quantized_comm: ``"weights"`` (stage 3, ZeRO++'s qwZ): each weight split over ``dp`` crosses it as
+        int8 blocks with fp32 scales (:mod:`zjax.comm`), forward and in the rematerialized forward, for
+        about half of ZeRO-3's gather bytes; gradients still reduce in the compute dtype and the fp32
+        master never sees quantization. The model must read its parameters through
+        :func:`zjax.comm.gathered` (``zjax.models.Decoder`` does). ``None`` (default): no quantization.
 
     Example:
       >>> plan = zjax.Plan(zjax.make_mesh(dp=-1, tp=2), stage=3, precision="bf16")
@@ -93,6 +99,7 @@ class Plan:
     reduce_dtype: Any = None
     offload: Any = None
     gpu_overlap: bool = True
+    quantized_comm: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):
@@ -150,6 +157,16 @@ class Plan:
         cast(Offload, self.offload).check(self.stage)
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ValueError(f"Plan: clip_norm={self.clip_norm} must be > 0 or None.")
+        if self.quantized_comm is not None:
+            if self.quantized_comm not in QUANTIZED_COMM:
+                raise ValueError(f"Plan: quantized_comm={self.quantized_comm!r}; use one of {QUANTIZED_COMM} or None.")
+            if not self.stage.shard_parameters or self.pipeline is not None:
+                raise ValueError(
+                    f"Plan: quantized_comm={self.quantized_comm!r} quantizes ZeRO-3's weight gathers: it needs "
+                    f"stage 3 without a pipeline (got stage {self.stage.level}"
+                    + (", a pipeline" if self.pipeline is not None else "")
+                    + "). Use stage=3, or quantized_comm=None."
+                )
 
     # -- layouts --------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import pipeline
+from . import comm, pipeline
 from ._layout import StateLayout
 from ._memory import MemoryReport, memory_report
 from ._overlap import compiler_options
@@ -109,6 +109,11 @@ def _layout_of(plan: Plan, state: TrainState, what: str) -> StateLayout:
     return layout
 
 
+def _quantizing(plan: Plan, layout: StateLayout) -> contextlib.AbstractContextManager:
+    """The plan's quantized weight gathers (:mod:`zjax.comm`) while the loss is traced, or nothing."""
+    return comm.use(layout.params.placements) if plan.quantized_comm == "weights" else contextlib.nullcontext()
+
+
 def _mismatch(error: ValueError) -> bool:
     """Whether jit rejected an argument's sharding (then the layout names the leaf)."""
     text = str(error)
@@ -193,9 +198,10 @@ class EvalStep(_CompiledFn):
     def _build(self, layout: StateLayout, state: TrainState, batch: Any) -> Any:
         def evaluate(s: TrainState, b: Any) -> Any:
             params = _on_device(layout, s.params)
-            if self._takes_model_state:
-                return self.fn(params, b, model_state=s.model_state)
-            return self.fn(params, b)
+            with _quantizing(self.plan, layout):
+                if self._takes_model_state:
+                    return self.fn(params, b, model_state=s.model_state)
+                return self.fn(params, b)
 
         # the whole state goes in (jit drops the arguments it does not use); nothing is donated
         return jax.jit(
@@ -277,7 +283,8 @@ class TrainStep(_CompiledFn):
             if self._takes_model_state:
                 # rebuilt inside the differentiated trace: nnx refuses to mutate variables made outside it
                 kwargs["model_state"] = jax.tree.map(lambda x: x, ms)
-            with pipeline.seed(scale):  # the table schedules make their gradients in the forward pass
+            # the table schedules make their gradients in the forward pass, seeded with the loss scale
+            with pipeline.seed(scale), _quantizing(self.plan, layout):
                 out = self.loss_fn(p, b, **kwargs)
             if self._takes_model_state:
                 if not (isinstance(out, tuple) and len(out) == 2):

@@ -23,7 +23,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from .. import pipeline
+from .. import comm, pipeline
 from ..context import CONTEXT_MODES, attention, check_sequence
 from ..remat import RematPolicy, gather_checkpoint, linen_scan, nested_scan, partition_checkpoint
 from ..sharding._rules import RESIDUAL_SEQ
@@ -173,7 +173,8 @@ PRESETS: dict[str, DecoderConfig] = {
 
 def _param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple[str, ...], init=None):
     init = nn.initializers.lecun_normal() if init is None else init
-    return module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
+    value = module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
+    return comm.gathered(value, (*module.path, name))  # int8 over dp under Plan(quantized_comm="weights")
 
 
 class RMSNorm(nn.Module):

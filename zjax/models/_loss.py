@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from .. import pipeline
+from .. import comm, pipeline
 from ..context import context_size, load_balance
 from ..sharding._axes import DATA_AXES, PP
-from ._decoder import DecoderConfig, RMSNorm, output_head, pipeline_stage_fn
+from ._decoder import DecoderConfig, RMSNorm, pipeline_stage_fn
 
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
 
@@ -161,8 +161,15 @@ def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16
     if model.cfg.tie_embeddings and ranks:
         return _tied_per_rank(model, params, (inputs, positions, segment_ids, targets, weights), balanced, vocab_chunk)
     hidden = model.apply({"params": params}, inputs, positions, segment_ids, return_hidden=True, load_balanced=balanced)
-    head = output_head(model.cfg, nn.unbox(params))  # params may carry flax's logical-axis boxes
+    head = _read_head(model.cfg, nn.unbox(params))
     return chunked_cross_entropy(hidden, head, targets, weights, vocab_chunk)
+
+
+def _read_head(cfg: DecoderConfig, params: Any) -> jax.Array:
+    """The output projection, read as the model reads its parameters (:func:`zjax.comm.gathered`)."""
+    if cfg.tie_embeddings:
+        return comm.gathered(params["embedding"], ("embedding",)).T
+    return comm.gathered(params["head"], ("head",))
 
 
 def _data_ranks() -> tuple[str, ...]:
@@ -183,7 +190,7 @@ def _tied_per_rank(model: Any, params: Any, rows: tuple, balanced: bool, vocab_c
     mesh = dict(jax.sharding.get_abstract_mesh().shape)
     axes = _data_ranks()
     n = math.prod(mesh[a] for a in axes)
-    table = nn.unbox(params)["embedding"]
+    table = comm.gathered(nn.unbox(params)["embedding"], ("embedding",))
     copies = jnp.broadcast_to(table[None], (n, *table.shape))
     copies = jax.lax.with_sharding_constraint(copies, P(axes, P.UNCONSTRAINED, P.UNCONSTRAINED))
     w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights
@@ -222,7 +229,7 @@ def _pipelined_sum(
         normed = jnp.asarray(norm.apply({"params": lp["final_norm"]}, h))
         return cross_entropy_sum(normed, lp["head"], mb["targets"], mb["weights"], vocab_chunk)
 
-    tail = {"final_norm": params["final_norm"], "head": output_head(cfg, params)}
+    tail = {"final_norm": params["final_norm"], "head": _read_head(cfg, params)}
     return pipeline.loss(
         stage_fn, params["layers"], rows, first=first, first_params=params["embedding"], last=last, last_params=tail
     )

@@ -254,6 +254,7 @@ def estimate_fn(
     target: str | None = None,
     offload: str | Offload = "none",
     rules: Rules | None = None,
+    quantized_comm: str | None = None,
 ) -> Estimate:
     """Estimate a user's model: ``init_fn``/``loss_fn`` as for :meth:`zjax.Plan.init`, ``batch`` a tree of
     ``ShapeDtypeStruct`` (global shapes). Nothing is allocated; every stage is compiled ahead of time.
@@ -284,7 +285,11 @@ def estimate_fn(
         schedule = pipeline if pipeline is not None or stages_pp == 1 else Pipeline(2 * stages_pp)
         if schedule is not None and schedule.refusal(Stage.from_value(stage)) is not None:
             schedule = dataclasses.replace(schedule, zero3_gather="step")  # the mode does not run at this stage
-        plan = Plan(device_mesh, stage=stage, precision=precision, pipeline=schedule, offload=offload, rules=rules)
+        quantize = quantized_comm if Stage.from_value(stage).shard_parameters else None  # stage 3's gathers
+        plan = Plan(
+            device_mesh, stage=stage, precision=precision, pipeline=schedule, offload=offload, rules=rules,
+            quantized_comm=quantize,
+        )  # fmt: skip
         state = plan.abstract_state(init_fn, tx, jax.random.key(0))
         step = plan.train_step(loss_fn, accum_steps=accum)
         if target is not None:  # the scheduled GPU program: async collectives, real reduce-scatters, bf16
@@ -387,6 +392,7 @@ def estimate(
     target: str | None = None,
     offload: str | Offload = "none",
     rules: Rules | None = None,
+    quantized_comm: str | None = None,
 ) -> Estimate:
     """Estimate a decoder preset (``zjax.models.PRESETS``, e.g. ``"llama2-7b"``) or a ``DecoderConfig``.
 
@@ -413,4 +419,5 @@ def estimate(
         target=target,
         offload=offload,
         rules=rules,
+        quantized_comm=quantized_comm,
     )
