@@ -136,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="ZeRO-Offload: optimizer state (and at stage 3 the parameters) in pinned host memory",
     )
     p.add_argument(
+        "--quantize-comm",
+        choices=("none", "weights"),  # zjax.comm.QUANTIZED_COMM
+        default="none",
+        help="stage 3: gather weights over dp as int8 blocks (ZeRO++'s qwZ)",
+    )
+    p.add_argument(
         "--microbatches", type=int, default=None, help="pipeline microbatches per step (pp > 1; default 2 x pp)"
     )
     p.add_argument("--repeats", type=int, default=1, help="pipeline repeats: chunks of layers per stage")
@@ -288,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
             model = Decoder(cfg)
     plan = zjax.Plan(
         mesh, stage=args.stage, precision=args.precision, clip_norm=args.clip_norm, pipeline=pipeline,
-        offload=args.offload,
+        offload=args.offload, quantized_comm=None if args.quantize_comm == "none" else args.quantize_comm,
     )  # fmt: skip
     pipeline = plan.pipeline  # with its gathering mode settled for the stage
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), max(2, args.steps))
@@ -435,6 +441,7 @@ def main(argv: list[str] | None = None) -> dict:
             "bubble": pipeline.bubble(stages),
         },
         "precision": args.precision,
+        "quantize_comm": args.quantize_comm,
         "offload": args.offload,
         "accum": args.accum,
         "remat": args.remat,

@@ -122,6 +122,12 @@ def _plan_parser(sub) -> None:
         help="ZeRO-Offload: none, optimizer (master + optimizer state in host memory) or optimizer+params "
         "(stage 3); with --budget a comma list of those allowed (default: all, tried after every on-device plan)",
     )
+    p.add_argument(
+        "--quantize-comm",
+        choices=("none", "weights"),
+        default="none",
+        help="stage 3 rows: gather weights over dp as int8 blocks (ZeRO++'s qwZ; zjax.comm)",
+    )
     p.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches when pp > 1 (default 2 x pp)")
     p.add_argument("--repeats", type=int, default=1, help="pipeline repeats: chunks of layers per stage")
     p.add_argument(
@@ -218,6 +224,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                     pipeline=pipeline,
                     target=args.target,
                     offload=offloads[0],
+                    quantized_comm=None if args.quantize_comm == "none" else args.quantize_comm,
                 )  # fmt: skip
                 for accum in args.accum  # every value is planned
             ]
