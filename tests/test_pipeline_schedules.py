@@ -94,21 +94,20 @@ def stage_fn(w, h):
     return jax.lax.scan(lambda h, layer: (h + jnp.tanh(h @ layer["w"] + layer["b"]), None), h, w)[0]
 
 
-def first(embedding, mb):
-    return jnp.take(embedding, mb["x"], axis=0)
+def first(edge, mb):
+    return jnp.take(edge["embedding"], mb["x"], axis=0)
 
 
-def last(head, h, mb):
-    logp = jax.nn.log_softmax(h @ head)
+def last(edge, h, mb):
+    logp = jax.nn.log_softmax(h @ edge["head"])
     return -jnp.sum(jnp.take_along_axis(logp, mb["y"][..., None], -1))
 
 
 def toy_loss(params, tokens, cfg):
     layers, embedding, head = params
     rows = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
-    return pipeline.loss(
-        stage_fn, layers, rows, first=first, first_params=embedding, last=last, last_params=head, pipeline=cfg
-    )
+    edge = {"embedding": embedding, "head": head}
+    return pipeline.loss(stage_fn, layers, rows, first=first, last=last, params=edge, pipeline=cfg)
 
 
 TOKENS = np.random.RandomState(0).randint(0, V, (32, 5)).astype(np.int32)

@@ -222,14 +222,14 @@ def _pipelined_sum(
     norm = RMSNorm(cfg.embed, cfg.norm_eps)
     rows = {"tokens": inputs, "targets": targets, "weights": weights}
 
-    def first(embedding: jax.Array, mb: dict) -> jax.Array:
-        return jnp.take(embedding, mb["tokens"], axis=0)
+    def first(edge: dict, mb: dict) -> jax.Array:
+        return jnp.take(edge["embedding"], mb["tokens"], axis=0)
 
-    def last(lp: dict, h: jax.Array, mb: dict) -> jax.Array:
-        normed = jnp.asarray(norm.apply({"params": lp["final_norm"]}, h))
-        return cross_entropy_sum(normed, lp["head"], mb["targets"], mb["weights"], vocab_chunk)
+    def last(edge: dict, h: jax.Array, mb: dict) -> jax.Array:
+        normed = jnp.asarray(norm.apply({"params": edge["final_norm"]}, h))
+        head = edge["embedding"].T if cfg.tie_embeddings else edge["head"]
+        return cross_entropy_sum(normed, head, mb["targets"], mb["weights"], vocab_chunk)
 
-    tail = {"final_norm": params["final_norm"], "head": _read_head(cfg, params)}
-    return pipeline.loss(
-        stage_fn, params["layers"], rows, first=first, first_params=params["embedding"], last=last, last_params=tail
-    )
+    # the parameters outside the layers, one tree: a tied table's two gradients meet before the reduction
+    edge = {k: params[k] for k in ("embedding", "final_norm", "head") if k in params}
+    return pipeline.loss(stage_fn, params["layers"], rows, first=first, last=last, params=edge)

@@ -5,7 +5,7 @@ Example (inside a model's loss; the plan sets the schedule)::
     plan = zjax.Plan(zjax.make_mesh(dp=2, pp=4), stage=3,
                      pipeline=zjax.Pipeline(microbatches=8, schedule="1f1b"))
     total = zjax.pipeline.loss(stage_fn, params["layers"], batch,     # stage_fn(stage_layers, h) -> h
-                               first=embed, first_params=..., last=nll_sum, last_params=...)
+                               first=embed, last=nll_sum, params=edge)      # first(edge, mb), last(edge, h, mb)
 
 ``zjax.pipeline.apply(stage_fn, layers, h)`` runs the layers alone (GPipe and circular schedules).
 """

@@ -23,12 +23,11 @@ def loss(
     inputs: Any,
     *,
     first: Callable[[Any, Any], jax.Array],
-    first_params: Any,
     last: Callable[[Any, jax.Array, Any], jax.Array],
-    last_params: Any,
+    params: Any,
     pipeline: Pipeline | None = None,
 ) -> jax.Array:
-    """``last(last_params, layers(first(first_params, inputs)), inputs)`` summed over microbatches.
+    """``last(params, layers(first(params, inputs)), inputs)`` summed over microbatches.
 
     The whole model in the pipeline: stage 0 starts each microbatch with ``first`` (an embedding, say),
     the stacked ``layers`` run in stages as in :func:`apply`, and the last stage ends it with ``last``,
@@ -43,8 +42,11 @@ def loss(
       layers: layer weights stacked ``[L, ...]`` (dim 0 over ``pp``).
       inputs: a pytree of arrays ``[B, ...]`` (tokens, targets, weights: every per-row input), split over
         the data axes; cut into microbatches along dim 0.
-      first: ``first(first_params, inputs_mb) -> h[mb, ...]``.
-      last: ``last(last_params, h, inputs_mb) -> scalar``, the microbatch's share of the loss.
+      first: ``first(params, inputs_mb) -> h[mb, ...]``.
+      last: ``last(params, h, inputs_mb) -> scalar``, the microbatch's share of the loss.
+      params: the parameters outside the layers (embedding, final norm, head); ``first`` and ``last`` each
+        read what they need. One tree, so a table both use (a tied embedding) gets one gradient, reduced
+        over the data axes once.
       pipeline: the schedule; by default the plan's (:func:`current`).
 
     Returns:
@@ -53,9 +55,9 @@ def loss(
     """
     cfg = current() if pipeline is None else pipeline
     if cfg is None or not cfg.tabled:
-        h = first(first_params, inputs)
+        h = first(params, inputs)
         y = apply(stage_fn, layers, h, cfg)
-        return jnp.asarray(last(last_params, y, inputs), jnp.float32)
+        return jnp.asarray(last(params, y, inputs), jnp.float32)
     sizes = dict(jax.sharding.get_abstract_mesh().shape)
     stages = sizes.get(PP, 1)
     ranks = math.prod(sizes.get(a, 1) for a in DATA_AXES)
@@ -66,27 +68,27 @@ def loss(
             f"zjax.pipeline.loss: batch of {rows} rows does not split over data parallelism ({ranks}) x "
             f"microbatches ({cfg.microbatches}); use a multiple of {ranks * cfg.microbatches}."
         )
-    dtypes = jax.tree.map(lambda a: a.dtype, (layers, first_params, last_params))
+    dtypes = jax.tree.map(lambda a: a.dtype, (layers, params))
     scale = _ticks._SEED.get()
     scale = jnp.float32(1.0) if scale is None else jnp.asarray(scale, jnp.float32)
 
-    def table_run(layers, fp, lp, inputs, scale):
+    def table_run(layers, ep, inputs, scale):
         stacked = by_visit(layers, cfg.repeats, stages)
-        value, dw, dfp, dlp = _ticks.run(stage_fn, first, last, cfg, stacked, fp, lp, inputs, scale)
+        value, dw, dep = _ticks.run(stage_fn, first, last, cfg, stacked, ep, inputs, scale)
         dw = jax.tree.map(lambda g, w: g.reshape(w.shape), dw, layers)
-        return value, (dw, dfp, dlp)
+        return value, (dw, dep)
 
     @jax.custom_vjp
-    def run(layers, fp, lp, inputs, scale):
+    def run(layers, ep, inputs, scale):
         m_, s_ = cfg.microbatches, stages
         if m_ >= s_ and m_ % s_ == 0:  # forward only (eval): GPipe's scan keeps nothing
             scan = dataclasses.replace(cfg, schedule="gpipe", zero3_gather="step")
-            h = apply(stage_fn, layers, first(fp, inputs), scan)
-            return jnp.asarray(last(lp, h, inputs), jnp.float32)
-        return table_run(layers, fp, lp, inputs, scale)[0]
+            h = apply(stage_fn, layers, first(ep, inputs), scan)
+            return jnp.asarray(last(ep, h, inputs), jnp.float32)
+        return table_run(layers, ep, inputs, scale)[0]
 
-    def fwd(layers, fp, lp, inputs, scale):
-        value, grads = table_run(layers, fp, lp, inputs, scale)
+    def fwd(layers, ep, inputs, scale):
+        value, grads = table_run(layers, ep, inputs, scale)
         return value, (grads, scale)
 
     def bwd(res, g):
@@ -96,4 +98,4 @@ def loss(
         return (*scaled, None, None)
 
     run.defvjp(fwd, bwd)
-    return run(layers, first_params, last_params, inputs, scale)
+    return run(layers, params, inputs, scale)

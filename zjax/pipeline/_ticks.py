@@ -56,15 +56,17 @@ def _zeros(tree: Any, dtype: Any = None) -> Any:
 
 def _tick_loop(
     stage_fn: Callable, first: Callable, last: Callable, cfg: Pipeline, stages: int,
-    w: Any, fp: Any, lp: Any, inputs: Any, scale: jax.Array,
+    w: Any, ep: Any, inputs: Any, scale: jax.Array,
 ) -> tuple:  # fmt: skip
-    """One device's part of the schedule (inside the manual region): ``w`` its chunks ``[v, Lps, ...]``, ``fp``
-    and ``lp`` whole, ``inputs`` its rows. Returns ``(loss, dw, dfp, dlp)`` summed over its microbatches."""
+    """One device's part of the schedule (inside the manual region): ``w`` its chunks ``[v, Lps, ...]``, ``ep``
+    (the parameters ``first`` and ``last`` read) whole, ``inputs`` its rows. Returns ``(loss, dw, dep)`` summed
+    over its microbatches (one accumulator for ``first`` and ``last``: a tied table's two gradients meet
+    there, before the one reduction over the ranks)."""
     tab = _schedule.schedule_table(cfg.schedule, stages, cfg.microbatches, cfg.repeats)
     plan = _schedule.slots(tab)
     m_ = cfg.microbatches
     mbs = jax.tree.map(lambda a: a.reshape(m_, a.shape[0] // m_, *a.shape[1:]), inputs)
-    probe = jax.eval_shape(first, fp, jax.tree.map(lambda a: a[0], mbs))
+    probe = jax.eval_shape(first, ep, jax.tree.map(lambda a: a[0], mbs))
     h_zero = jnp.zeros(probe.shape, probe.dtype)
     ring = cfg.repeats > 1
     fwd_pairs = [(i, (i + 1) % stages) for i in range(stages if ring else stages - 1)]
@@ -77,47 +79,44 @@ def _tick_loop(
     }  # fmt: skip
     xs = {k: jnp.asarray(v) for k, v in columns.items()}
 
-    def run_stage(wc: Any, x: jax.Array) -> jax.Array:
-        return stage_fn(wc, x)
-
     def idle(row, mb, wc, x, dy, acc):
         return h_zero, h_zero, h_zero, h_zero, acc
 
     def forward(row, mb, wc, x, dy, acc):
-        x = jax.lax.cond(row["first"], lambda: first(fp, mb).astype(h_zero.dtype), lambda: x)
-        y = run_stage(wc, x)
+        x = jax.lax.cond(row["first"], lambda: first(ep, mb).astype(h_zero.dtype), lambda: x)
+        y = stage_fn(wc, x)
 
         def with_loss():
-            value, pull = jax.vjp(lambda lp_, y_: last(lp_, y_, mb), lp, y)
-            dlp, dy = pull(scale.astype(value.dtype))
-            return value.astype(jnp.float32), jax.tree.map(lambda a: a.astype(jnp.float32), dlp), dy
+            value, pull = jax.vjp(lambda ep_, y_: last(ep_, y_, mb), ep, y)
+            dep, dy = pull(scale.astype(value.dtype))
+            return value.astype(jnp.float32), jax.tree.map(lambda a: a.astype(jnp.float32), dep), dy
 
-        value, dlp, dy = jax.lax.cond(
-            row["last"], with_loss, lambda: (jnp.float32(0), _zeros(lp, jnp.float32), jnp.zeros_like(y))
+        value, dep, dy = jax.lax.cond(
+            row["last"], with_loss, lambda: (jnp.float32(0), _zeros(ep, jnp.float32), jnp.zeros_like(y))
         )
-        loss, dw, dfp, dlp_acc = acc
-        return y, h_zero, x, dy, (loss + value, dw, dfp, jax.tree.map(jnp.add, dlp_acc, dlp))
+        loss, dw, dep_acc = acc
+        return y, h_zero, x, dy, (loss + value, dw, jax.tree.map(jnp.add, dep_acc, dep))
 
     def backward(row, mb, wc, x, dy, acc):
-        _, pull = jax.vjp(lambda x_: run_stage(wc, x_), x)
+        _, pull = jax.vjp(lambda x_: stage_fn(wc, x_), x)
         (dx,) = pull(dy)
 
         def into_first():
-            _, pull_first = jax.vjp(lambda fp_: first(fp_, mb).astype(h_zero.dtype), fp)
-            (dfp,) = pull_first(dx)
-            return jax.tree.map(lambda a: a.astype(jnp.float32), dfp)
+            _, pull_first = jax.vjp(lambda ep_: first(ep_, mb).astype(h_zero.dtype), ep)
+            (dep,) = pull_first(dx)
+            return jax.tree.map(lambda a: a.astype(jnp.float32), dep)
 
-        dfp = jax.lax.cond(row["first"], into_first, lambda: _zeros(fp, jnp.float32))
-        loss, dw, dfp_acc, dlp = acc
-        return h_zero, dx, h_zero, h_zero, (loss, dw, jax.tree.map(jnp.add, dfp_acc, dfp), dlp)
+        dep = jax.lax.cond(row["first"], into_first, lambda: _zeros(ep, jnp.float32))
+        loss, dw, dep_acc = acc
+        return h_zero, dx, h_zero, h_zero, (loss, dw, jax.tree.map(jnp.add, dep_acc, dep))
 
     def weights(row, mb, wc, x, dy, acc):
-        _, pull = jax.vjp(lambda w_: run_stage(w_, x), wc)
+        _, pull = jax.vjp(lambda w_: stage_fn(w_, x), wc)
         (dwc,) = pull(dy)
-        loss, dw, dfp, dlp = acc
+        loss, dw, dep = acc
         c = row["chunk"]
         dw = jax.tree.map(lambda a, g: a.at[c].add(g.astype(a.dtype)), dw, dwc)
-        return h_zero, h_zero, h_zero, h_zero, (loss, dw, dfp, dlp)
+        return h_zero, h_zero, h_zero, h_zero, (loss, dw, dep)
 
     branches = [idle, forward, backward, weights]  # indexed by _schedule.IDLE, F, B, W
 
@@ -137,7 +136,7 @@ def _tick_loop(
         bmsg = jax.lax.ppermute(dx, PP, bwd_pairs) if bwd_pairs else h_zero
         return (xbuf, gbuf, fmsg, bmsg, acc), None
 
-    acc = (jnp.float32(0), _zeros(w, jnp.float32), _zeros(fp, jnp.float32), _zeros(lp, jnp.float32))
+    acc = (jnp.float32(0), _zeros(w, jnp.float32), _zeros(ep, jnp.float32))
     carry = (
         jnp.zeros((plan.n_x + 1, *probe.shape), probe.dtype),  # + 1: the scratch slot
         jnp.zeros((plan.n_g + 1, *probe.shape), probe.dtype),
@@ -151,10 +150,10 @@ def _tick_loop(
 
 
 def run(
-    stage_fn: Callable, first: Callable, last: Callable, cfg: Pipeline, stacked: Any, fp: Any, lp: Any, inputs: Any,
+    stage_fn: Callable, first: Callable, last: Callable, cfg: Pipeline, stacked: Any, ep: Any, inputs: Any,
     scale: jax.Array,
 ) -> tuple:  # fmt: skip
-    """The schedule over the mesh: ``(loss, dw, dfp, dlp)`` with ``stacked`` leaves ``[R, S, Lps, ...]``;
+    """The schedule over the mesh: ``(loss, dw, dep)`` with ``stacked`` leaves ``[R, S, Lps, ...]``;
     gradients seeded with ``scale``, accumulated in fp32 on each rank and summed over the ranks in the
     parameters' dtypes."""
     sizes = dict(jax.sharding.get_abstract_mesh().shape)
@@ -172,28 +171,22 @@ def run(
         return out, jax.tree.map(lambda a: P(*[e for e in spec(a) if e is not P.UNCONSTRAINED]), out)
 
     w_in, w_spec = copies(stacked, n, lambda a: P(lead, None, PP, *free(a.ndim - 3)))
-    fp_in, fp_spec = copies(fp, n * stages, lambda a: P(every, *free(a.ndim - 1)))
-    lp_in, lp_spec = copies(lp, n * stages, lambda a: P(every, *free(a.ndim - 1)))
+    ep_in, ep_spec = copies(ep, n * stages, lambda a: P(every, *free(a.ndim - 1)))
     in_rows = jax.tree.map(lambda a: P(lead), inputs)
 
-    def body(w, fp, lp, inputs, scale):
+    def body(w, ep, inputs, scale):
         w = jax.tree.map(lambda a: a[0, :, 0], w)  # [R, Lps, ...]: this stage's chunks
-        fp, lp = (jax.tree.map(lambda a: a[0], t) for t in (fp, lp))
-        loss, dw, dfp, dlp = _tick_loop(stage_fn, first, last, cfg, stages, w, fp, lp, inputs, scale)
-        return (
-            loss[None],
-            jax.tree.map(lambda a: a[None, :, None], dw),
-            jax.tree.map(lambda a: a[None], dfp),
-            jax.tree.map(lambda a: a[None], dlp),
-        )
+        ep = jax.tree.map(lambda a: a[0], ep)
+        loss, dw, dep = _tick_loop(stage_fn, first, last, cfg, stages, w, ep, inputs, scale)
+        return loss[None], jax.tree.map(lambda a: a[None, :, None], dw), jax.tree.map(lambda a: a[None], dep)
 
-    loss, dw, dfp, dlp = jax.shard_map(
+    loss, dw, dep = jax.shard_map(
         body,
-        in_specs=(w_spec, fp_spec, lp_spec, in_rows, P()),
-        out_specs=(P(every), w_spec, fp_spec, lp_spec),
+        in_specs=(w_spec, ep_spec, in_rows, P()),
+        out_specs=(P(every), w_spec, ep_spec),
         axis_names={*data, PP},
         check_vma=False,
-    )(w_in, fp_in, lp_in, inputs, scale)
+    )(w_in, ep_in, inputs, scale)
 
     # the reduction over the ranks in the parameters' (compute) dtype: ZeRO's bytes, as under GPipe
     # (lax.reduce: jnp.sum would accumulate a 16-bit sum in fp32, and the all-reduce with it)
@@ -202,4 +195,4 @@ def run(
             lambda a, p: jax.lax.reduce(a.astype(p.dtype), jnp.zeros((), p.dtype), jax.lax.add, (0,)), tree, like
         )
 
-    return jnp.sum(loss), total(dw, stacked), total(dfp, fp), total(dlp, lp)
+    return jnp.sum(loss), total(dw, stacked), total(dep, ep)
