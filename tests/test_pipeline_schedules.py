@@ -418,3 +418,31 @@ def test_example_1f1b_prints_gpipes_losses(tmp_path, stage):
         assert result["pipeline"]["schedule"] == schedule
         losses[schedule] = result["losses"]
     np.testing.assert_allclose(losses["1f1b"], losses["gpipe"], atol=1e-5)
+
+
+def test_a_tied_table_under_1f1b_trains_like_gpipe_and_is_reduced_once():
+    """One tree of edge parameters: the tied table's lookup and head gradients meet on each rank, and the table
+    crosses the ranks in one reduction (GPipe's path, outside its scan, reduces it twice)."""
+    tied = dataclasses.replace(CFG, tie_embeddings=True)
+    model = Decoder(tied)
+    init_fn = lambda r: model.init(r, jnp.zeros((1, 16), jnp.int32))["params"]  # noqa: E731
+    loss_fn = lambda p, b: lm_loss(model, p, b)  # noqa: E731
+    runs = {}
+    for cfg in (Pipeline(4), Pipeline(4, schedule="1f1b")):
+        plan = zjax.Plan(zjax.make_mesh(dp=2, pp=4), stage=1, precision="fp32", pipeline=cfg)
+        state = plan.init(init_fn, optax.sgd(0.1), jax.random.key(0))
+        step = plan.train_step(loss_fn)
+        _, hlo = partitioned_hlo(step.lower(state, plan.shard_batch(batch(0))))
+        shape = dict(plan.mesh.shape)
+        # the reductions that cross pipeline stages with at least half the table (64 x 32 fp32) in them
+        table = [
+            c for c in collectives(hlo)
+            if c.kind in ("all-reduce", "reduce-scatter") and "pp" in spanned_axes(c.groups, shape)
+            and c.bytes >= 64 * 32 * 4 // 2
+        ]  # fmt: skip
+        state, metrics = step(state, plan.shard_batch(batch(0)))
+        runs[cfg.schedule] = (float(metrics["loss"]), jax.device_get(state.params), len(table))
+    np.testing.assert_allclose(runs["1f1b"][0], runs["gpipe"][0], atol=1e-5)
+    for got, want in zip(jax.tree.leaves(runs["1f1b"][1]), jax.tree.leaves(runs["gpipe"][1]), strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-5)
+    assert (runs["1f1b"][2], runs["gpipe"][2]) == (1, 2)
