@@ -5,8 +5,9 @@ input) and ``W`` (the backward pass to its weights), each on one microbatch ``m`
 of the stage's layers (``c < v``, the interleaved schedules' repeats). :func:`table` places every
 action on the earliest tick at which its inputs exist, in lockstep (a value sent at tick ``t`` arrives
 at ``t + 1``; one action per stage per tick, each costing one tick: the split of the backward pass
-into B and W keeps the three alike). The engine runs that table as it is, so the bubble counted here,
-idle ticks over all ticks, is the program's.
+into B and W keeps the three alike). GPipe and the 1F1B schedules take B and W as one backward pass (the
+previous stage's B waits for the W), as their papers count them; only zero-bubble separates them. The
+engine runs that table as it is, so the bubble counted here, idle ticks over all ticks, is the program's.
 
 - ``gpipe``: all forwards, then all backwards (every microbatch's input kept until its W).
 - ``1f1b`` (PipeDream-Flush): ``S - s - 1`` warm-up forwards on stage ``s``, then one forward, one
