@@ -159,7 +159,8 @@ def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16
         return _pipelined_sum(model.cfg, nn.unbox(params), inputs, targets, w, vocab_chunk, packed)
     ranks = _data_ranks()
     if model.cfg.tie_embeddings and ranks:
-        return _tied_per_rank(model, params, (inputs, positions, segment_ids, targets, weights), balanced, vocab_chunk)
+        rows = (inputs, positions, segment_ids, targets, weights)
+        return _tied_per_rank(model, params, rows, ranks, balanced, vocab_chunk)
     hidden = model.apply({"params": params}, inputs, positions, segment_ids, return_hidden=True, load_balanced=balanced)
     head = _read_head(model.cfg, nn.unbox(params))
     return chunked_cross_entropy(hidden, head, targets, weights, vocab_chunk)
@@ -180,7 +181,9 @@ def _data_ranks() -> tuple[str, ...]:
     return tuple(a for a in DATA_AXES if dict(mesh.shape).get(a, 1) > 1)
 
 
-def _tied_per_rank(model: Any, params: Any, rows: tuple, balanced: bool, vocab_chunk: int | None) -> jax.Array:
+def _tied_per_rank(
+    model: Any, params: Any, rows: tuple, axes: tuple[str, ...], balanced: bool, vocab_chunk: int | None
+) -> jax.Array:
     """:func:`lm_loss` for a tied embedding on a data-parallel mesh: the lookup and the head use one copy of the
     table per data-parallel rank (a broadcast on a new leading dim split over the data axes), so that the two
     gradients meet on each rank and the table's gradient crosses the data axes once. Used twice by the
@@ -188,7 +191,6 @@ def _tied_per_rank(model: Any, params: Any, rows: tuple, balanced: bool, vocab_c
     ZeRO's 2 psi becoming 2.43 for a Llama-3.2-1B shape)."""
     inputs, positions, segment_ids, targets, weights = rows
     mesh = dict(jax.sharding.get_abstract_mesh().shape)
-    axes = _data_ranks()
     n = math.prod(mesh[a] for a in axes)
     table = comm.gathered(nn.unbox(params)["embedding"], ("embedding",))
     copies = jnp.broadcast_to(table[None], (n, *table.shape))
