@@ -8,18 +8,20 @@ import zjax
 @pytest.mark.parametrize(
     ("kw", "shape"),
     [
-        ({}, (1, 1, 8, 1, 1)),
-        ({"dp": -1, "tp": 2}, (1, 1, 4, 1, 2)),
-        ({"dp": 2, "tp": -1}, (1, 1, 2, 1, 4)),
-        ({"dp": 8}, (1, 1, 8, 1, 1)),
-        ({"dp": 2, "cp": 4}, (1, 1, 2, 4, 1)),
-        ({"dp": (2, 4)}, (1, 2, 4, 1, 1)),
-        ({"dp": (-1, 2), "tp": 2}, (1, 2, 2, 1, 2)),
+        ({}, (1, 1, 8, 1, 1, 1)),
+        ({"dp": -1, "tp": 2}, (1, 1, 4, 1, 1, 2)),
+        ({"dp": 2, "tp": -1}, (1, 1, 2, 1, 1, 4)),
+        ({"dp": 8}, (1, 1, 8, 1, 1, 1)),
+        ({"dp": 2, "cp": 4}, (1, 1, 2, 1, 4, 1)),
+        ({"dp": 2, "ep": 4}, (1, 1, 2, 4, 1, 1)),
+        ({"dp": 2, "ep": -1, "tp": 2}, (1, 1, 2, 2, 1, 2)),
+        ({"dp": (2, 4)}, (1, 2, 4, 1, 1, 1)),
+        ({"dp": (-1, 2), "tp": 2}, (1, 2, 2, 1, 1, 2)),
     ],
 )
 def test_sizes_and_inference(kw, shape):
     mesh = zjax.make_mesh(**kw)
-    assert mesh.axis_names == ("pp", "replica", "dp", "cp", "tp")
+    assert mesh.axis_names == ("pp", "replica", "dp", "ep", "cp", "tp")
     assert tuple(mesh.devices.shape) == shape
     assert all(t == AxisType.Auto for t in mesh.axis_types)
 
@@ -27,7 +29,7 @@ def test_sizes_and_inference(kw, shape):
 def test_tp_is_innermost():
     mesh = zjax.make_mesh(dp=4, tp=2)
     # the two devices of a tp group are neighbours in jax.make_mesh's order
-    row = mesh.devices[0, 0, 0, 0]
+    row = mesh.devices[0, 0, 0, 0, 0]
     assert {d.id for d in row} == {jax.devices()[0].id, jax.devices()[1].id}
 
 

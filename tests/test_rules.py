@@ -75,8 +75,8 @@ def test_not_divisible(mesh):
 
 
 def test_unknown_logical_name(mesh):
-    leaves = [Leaf("moe/w", (8, 64), None, ("expert", "embed"))]
-    with pytest.raises(ValueError, match=r"logical axis name 'expert'.*Add \('expert', None\) to Rules.logical"):
+    leaves = [Leaf("lora/w", (8, 64), None, ("rank", "embed"))]
+    with pytest.raises(ValueError, match=r"logical axis name 'rank'.*Add \('rank', None\) to Rules.logical"):
         zjax.Rules().compute_specs(leaves, mesh)
 
 

@@ -19,6 +19,7 @@ from ._memory import MemoryReport, memory_report
 from ._overlap import compiler_options
 from ._state import MixedPrecisionState, TrainState
 from .offload._update import streamed_update
+from .sharding._axes import DATA_AXES
 from .sharding._batch import check_batch
 from .sharding._mesh import data_axes, data_size, manual_data_axes, use_mesh_platform
 from .sharding._rules import Rules
@@ -50,6 +51,10 @@ def _takes(fn: Callable, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in params
+
+
+def _named(spec: PartitionSpec) -> list[str]:
+    return [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
 
 
 def _is_spec(x: Any) -> bool:
@@ -330,6 +335,8 @@ class TrainStep(_CompiledFn):
             and self.plan.pipeline is None  # the pipeline reduces once per step at its own boundary
             and not jax.tree.leaves(model_state)  # batch statistics stay global-batch statistics
             and data_size(self.plan.mesh) > 1
+            # a parameter split over a data axis (an expert over ep) cannot enter the per-rank shard_map whole
+            and not any(set(_named(p.compute)) & set(DATA_AXES) for p in layout.params.placements)
         )
 
     def _grads_per_rank(self, layout: StateLayout, params: Any, batch: Any, scale: jax.Array, rng: jax.Array):

@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ..sharding._axes import ZERO_AXES
 from ._quantize import DEFAULT_BLOCK, dequantize, quantize
 
 QUANTIZED_COMM = ("weights",)
@@ -31,7 +30,8 @@ QUANTIZED_COMM = ("weights",)
 
 @dataclasses.dataclass(frozen=True)
 class _Active:
-    specs: dict[tuple[str, ...], tuple[Any, ...]]  # parameter path -> its compute spec, one entry per dim
+    specs: dict[tuple[str, ...], tuple[Any, ...]]  # parameter path -> its ZeRO-3 spec, one entry per dim
+    zero: dict[tuple[str, ...], frozenset[str]]  # parameter path -> the axes the stage added (not the compute spec's)
     block: int
 
 
@@ -42,11 +42,12 @@ _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("zjax_q
 def use(placements: Sequence[Any], block: int = DEFAULT_BLOCK) -> Iterator[None]:
     """Quantize the ZeRO weight gathers of the parameters placed as ``placements`` (a parameter layout's
     :class:`zjax.stages.Placement` s) while a loss is traced."""
-    specs = {}
+    specs, zero = {}, {}
     for p in placements:
-        spec = p.sharded
-        specs[tuple(p.leaf.path.split("/"))] = tuple(spec) + (None,) * (len(p.leaf.shape) - len(spec))
-    token = _ACTIVE.set(_Active(specs, block))
+        path, spec = tuple(p.leaf.path.split("/")), p.sharded
+        specs[path] = tuple(spec) + (None,) * (len(p.leaf.shape) - len(spec))
+        zero[path] = frozenset(_named(spec)) - frozenset(_named(p.compute))  # an expert's ep stays split
+    token = _ACTIVE.set(_Active(specs, zero, block))
     try:
         yield
     finally:
@@ -67,12 +68,13 @@ def gathered(value: Any, path: Sequence[str]) -> Any:
     if spec is None or len(spec) not in (value.ndim, value.ndim + 1):
         return value
     entries = list(spec[len(spec) - value.ndim :])  # one layer of a stacked parameter: without the layers entry
-    split = [(d, e) for d, e in enumerate(entries) if e is not None and set(_axes(e)) & set(ZERO_AXES)]
+    added = active.zero[tuple(path)]
+    split = [(d, e) for d, e in enumerate(entries) if e is not None and set(_axes(e)) & added]
     if not split:
         return value
     dim, entry = split[0]
-    zero = tuple(a for a in _axes(entry) if a in ZERO_AXES)
-    kept = tuple(a for a in _axes(entry) if a not in ZERO_AXES)
+    zero = tuple(a for a in _axes(entry) if a in added)
+    kept = tuple(a for a in _axes(entry) if a not in added)
     if kept and _axes(entry)[: len(kept)] != kept:  # ZeRO's axes must be the minor part of the dim's split
         return value
     whole = list(entries)
@@ -82,6 +84,10 @@ def gathered(value: Any, path: Sequence[str]) -> Any:
 
 def _axes(entry: Any) -> tuple[str, ...]:
     return entry if isinstance(entry, tuple) else (entry,)
+
+
+def _named(spec: P) -> list[str]:
+    return [a for e in spec if e is not None for a in _axes(e)]
 
 
 def _quantized_gather(x: jax.Array, split: P, whole: P, dim: int, zero: tuple[str, ...], block: int) -> jax.Array:

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama-2/3/3.1, Mistral, Qwen2 by configuration), its loss and its presets."""
+"""The Llama-family decoder (Llama-2/3/3.1, Mistral, Qwen2, Mixtral and Qwen-MoE by configuration), its loss and
+its presets."""
 
 from ._decoder import PRESETS as PRESETS
 from ._decoder import Decoder as Decoder
@@ -9,3 +10,5 @@ from ._hf_config import config_from_hf as config_from_hf
 from ._hf_config import config_to_hf as config_to_hf
 from ._hf_config import from_hf_config as from_hf_config
 from ._loss import lm_loss as lm_loss
+from ._moe import MoE as MoE
+from ._moe import MoELayer as MoELayer

@@ -4,6 +4,8 @@ One module covers Llama-2/3/3.1, Mistral and Qwen2 by configuration (:class:`Dec
 attention (``kv_heads``), the RoPE base and Llama-3.1's frequency scaling, the RMSNorm epsilon, tied or
 untied embeddings, Qwen2's q/k/v biases, Mistral's sliding window, SwiGLU. Computation follows the dtype of
 the parameters it is given (bf16 params -> bf16 matmuls); norms, RoPE, softmax and the loss run in fp32.
+``moe=MoE(...)`` replaces every layer's feed-forward block by a mixture of experts (Mixtral, Qwen2-MoE,
+Qwen3-MoE; :mod:`zjax.models._moe`).
 Layers are stacked by ``nn.scan`` (one compiled layer, parameters with a leading ``layers`` axis) so that
 ZeRO-3 gathers one layer at a time.
 """
@@ -23,10 +25,13 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from .. import comm, pipeline
+from .. import pipeline
 from ..context import CONTEXT_MODES, attention, check_sequence
 from ..remat import RematPolicy, gather_checkpoint, linen_scan, nested_scan, partition_checkpoint
+from ..sharding._axes import EP
 from ..sharding._rules import RESIDUAL_SEQ
+from ._moe import MoE, MoELayer
+from ._params import param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +56,7 @@ class DecoderConfig:
     the ``sliding_window`` positions before it (Mistral). ``context_mode`` says how attention reaches the keys
     of other ``cp`` ranks (``"all-gather"`` or ``"ring"``, :func:`zjax.context.attention`). ``scan`` stacks
     layers with ``nn.scan``; ``remat`` names the checkpointing policy of each layer (:data:`zjax.remat.POLICIES`).
+    ``moe`` (:class:`MoE`) makes every layer's feed-forward block a mixture of experts.
     """
 
     vocab: int = 256
@@ -70,6 +76,7 @@ class DecoderConfig:
     qkv_bias: bool = False
     sliding_window: int | None = None
     context_mode: str = "all-gather"
+    moe: MoE | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab", "embed", "layers", "heads", "head_dim", "mlp", "max_len"):
@@ -90,6 +97,8 @@ class DecoderConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"DecoderConfig: sliding_window={self.sliding_window} must be >= 1 or None.")
+        if self.moe is not None and not isinstance(self.moe, MoE):
+            raise TypeError(f"DecoderConfig: moe={self.moe!r} must be a zjax.models.MoE or None (a dense decoder).")
 
     @property
     def num_kv_heads(self) -> int:
@@ -97,12 +106,32 @@ class DecoderConfig:
 
     @property
     def num_params(self) -> int:
+        return self._tables() + self.layers * (self._attention() + self._feed_forward() + 2 * self.embed) + self.embed
+
+    @property
+    def num_expert_params(self) -> int:
+        """The experts' parameters (split over ``ep``); 0 for a dense decoder."""
+        return 0 if self.moe is None else self.layers * self.moe.params_per_layer(self.embed, self.mlp)[0]
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token passes through: :attr:`num_params` with ``top_k`` experts of each layer."""
+        if self.moe is None:
+            return self.num_params
+        return self.num_params - self.layers * (self._feed_forward() - self.moe.active_per_layer(self.embed, self.mlp))
+
+    def _tables(self) -> int:
+        return (1 if self.tie_embeddings else 2) * self.vocab * self.embed
+
+    def _attention(self) -> int:
         kv = self.num_kv_heads * self.head_dim
-        attn = 2 * self.embed * self.heads * self.head_dim + 2 * self.embed * kv
         bias = (self.heads * self.head_dim + 2 * kv) if self.qkv_bias else 0
-        per_layer = attn + bias + 3 * self.embed * self.mlp + 2 * self.embed
-        tables = (1 if self.tie_embeddings else 2) * self.vocab * self.embed
-        return tables + self.layers * per_layer + self.embed
+        return 2 * self.embed * self.heads * self.head_dim + 2 * self.embed * kv + bias
+
+    def _feed_forward(self) -> int:
+        if self.moe is None:
+            return 3 * self.embed * self.mlp
+        return sum(self.moe.params_per_layer(self.embed, self.mlp))
 
     def rope_frequencies(self) -> np.ndarray:
         """The rotary inverse frequencies ``[head_dim / 2]`` (fp32), Llama-3.1 scaling applied."""
@@ -171,19 +200,13 @@ PRESETS: dict[str, DecoderConfig] = {
 }
 
 
-def _param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple[str, ...], init=None):
-    init = nn.initializers.lecun_normal() if init is None else init
-    value = module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
-    return comm.gathered(value, (*module.path, name))  # int8 over dp under Plan(quantized_comm="weights")
-
-
 class RMSNorm(nn.Module):
     dim: int
     eps: float = 1e-6
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = _param(self, "scale", (self.dim,), ("norm",), nn.initializers.ones)
+        scale = param(self, "scale", (self.dim,), ("norm",), nn.initializers.ones)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (y * scale.astype(jnp.float32)).astype(x.dtype)
@@ -251,19 +274,19 @@ class Block(nn.Module):
         if positions is None:
             positions = jnp.arange(x.shape[1])[None]
         q_shape, kv_shape = (c.embed, c.heads, c.head_dim), (c.embed, c.num_kv_heads, c.head_dim)
-        wq = _param(self, "wq", q_shape, ("embed", "heads", "head_dim"))
-        wk = _param(self, "wk", kv_shape, ("embed", "kv_heads", "head_dim"))
-        wv = _param(self, "wv", kv_shape, ("embed", "kv_heads", "head_dim"))
-        wo = _param(self, "wo", (c.heads, c.head_dim, c.embed), ("heads", "head_dim", "embed"))
+        wq = param(self, "wq", q_shape, ("embed", "heads", "head_dim"))
+        wk = param(self, "wk", kv_shape, ("embed", "kv_heads", "head_dim"))
+        wv = param(self, "wv", kv_shape, ("embed", "kv_heads", "head_dim"))
+        wo = param(self, "wo", (c.heads, c.head_dim, c.embed), ("heads", "head_dim", "embed"))
         h = _region(RMSNorm(c.embed, c.norm_eps, name="attn_norm")(x))
         q = jnp.einsum("bse,ehd->bshd", h, wq)
         k = jnp.einsum("bse,ehd->bshd", h, wk)
         v = jnp.einsum("bse,ehd->bshd", h, wv)
         if c.qkv_bias:
             zeros = nn.initializers.zeros
-            q = q + _param(self, "bq", q_shape[1:], ("heads", "head_dim"), zeros).astype(q.dtype)
-            k = k + _param(self, "bk", kv_shape[1:], ("kv_heads", "head_dim"), zeros).astype(k.dtype)
-            v = v + _param(self, "bv", kv_shape[1:], ("kv_heads", "head_dim"), zeros).astype(v.dtype)
+            q = q + param(self, "bq", q_shape[1:], ("heads", "head_dim"), zeros).astype(q.dtype)
+            k = k + param(self, "bk", kv_shape[1:], ("kv_heads", "head_dim"), zeros).astype(k.dtype)
+            v = v + param(self, "bv", kv_shape[1:], ("kv_heads", "head_dim"), zeros).astype(v.dtype)
         inv_freq = c.rope_frequencies()
         # heads split over tp, the sequence over cp: pinned (cotangents too) so that GSPMD never reshards
         # between the sequence-split residual stream and the head-split attention by all-to-alls
@@ -277,17 +300,26 @@ class Block(nn.Module):
         attn = _heads(attn, "heads")
         x = _constrain(x + checkpoint_name(jnp.einsum("bshd,hde->bse", attn, wo), "out_proj"))
 
-        w_gate = _param(self, "w_gate", (c.embed, c.mlp), ("embed", "mlp"))
-        w_up = _param(self, "w_up", (c.embed, c.mlp), ("embed", "mlp"))
-        w_down = _param(self, "w_down", (c.mlp, c.embed), ("mlp", "embed"))
         h = _region(RMSNorm(c.embed, c.norm_eps, name="mlp_norm")(x))
-        mlp = ("batch", "seq", "mlp")
-        gate = nn.with_logical_constraint(checkpoint_name(h @ w_gate, "mlp_in"), mlp)
-        up = nn.with_logical_constraint(checkpoint_name(h @ w_up, "mlp_in"), mlp)
-        x = x + checkpoint_name((jax.nn.silu(gate) * up) @ w_down, "mlp_out")
+        stats = None
+        if c.moe is None:
+            w_gate = param(self, "w_gate", (c.embed, c.mlp), ("embed", "mlp"))
+            w_up = param(self, "w_up", (c.embed, c.mlp), ("embed", "mlp"))
+            w_down = param(self, "w_down", (c.mlp, c.embed), ("mlp", "embed"))
+            mlp = ("batch", "seq", "mlp")
+            gate = nn.with_logical_constraint(checkpoint_name(h @ w_gate, "mlp_in"), mlp)
+            up = nn.with_logical_constraint(checkpoint_name(h @ w_up, "mlp_in"), mlp)
+            y = (jax.nn.silu(gate) * up) @ w_down
+        else:
+            y, stats = MoELayer(c.moe, c.embed, c.mlp, name="moe")(h)
+        x = x + checkpoint_name(y, "mlp_out")
         if partitioned:
-            return partition_checkpoint(_constrain(x), axis=1), None
-        return _constrain(x), None
+            return partition_checkpoint(_constrain(x), axis=1), stats
+        return _constrain(x), stats
+
+
+MOE_STATS = "moe"
+"""The ``intermediates`` entry where a mixture-of-experts decoder sows its router statistics (per layer)."""
 
 
 class Decoder(nn.Module):
@@ -317,7 +349,14 @@ class Decoder(nn.Module):
         c = self.cfg
         if not self.is_initializing():
             check_sequence(tokens.shape[1], balanced=load_balanced)
-        embedding = _param(self, "embedding", (c.vocab, c.embed), ("vocab", "embed"), nn.initializers.normal(1.0))
+        ep = int(jax.sharding.get_abstract_mesh().shape.get(EP, 1))
+        if ep > 1 and c.moe is None:
+            raise ValueError(
+                f"Decoder: the mesh has {EP}={ep} but the model has no experts (DecoderConfig.moe is None); "
+                f"{EP} splits a mixture-of-experts layer's experts. Fold it into dp (dp x {ep}), or configure "
+                "moe=zjax.models.MoE(...)."
+            )
+        embedding = param(self, "embedding", (c.vocab, c.embed), ("vocab", "embed"), nn.initializers.normal(1.0))
         if inputs_embeds is not None and inputs_embeds.shape != (*tokens.shape, c.embed):
             raise ValueError(
                 f"Decoder: inputs_embeds has shape {inputs_embeds.shape}; it must be tokens' {tuple(tokens.shape)} "
@@ -326,6 +365,17 @@ class Decoder(nn.Module):
         x = _constrain(jnp.take(embedding, tokens, axis=0) if inputs_embeds is None else inputs_embeds)
         policy = RematPolicy.from_str(c.remat)
         schedule = pipeline.current()
+        stats = None
+        if c.moe is not None and (schedule is not None or (c.scan and policy.kind == "nested")):
+            raise ValueError(
+                "Decoder: a mixture-of-experts model "
+                + ("under pipeline parallelism" if schedule is not None else f"with remat={c.remat!r}")
+                + " is not supported yet: its layers return router statistics that "
+                + ("the pipeline's stages" if schedule is not None else "the nested scan")
+                + " do not carry. Use "
+                + ("pp=1 (ep, tp, cp and every ZeRO stage work)" if schedule is not None else "remat='full'")
+                + "."
+            )
         if schedule is not None and not self.is_initializing():
             stage_fn = pipeline_stage_fn(c, packed=positions is not None or segment_ids is not None)
             x = pipeline.apply(stage_fn, self.variables["params"]["layers"], x, schedule)
@@ -336,13 +386,18 @@ class Decoder(nn.Module):
         elif c.scan:
             made = "full" if policy.kind == "nested" else policy  # init: the same stacked parameters
             stack = linen_scan(Block, c.layers, made, broadcast=True)(c, load_balanced, name="layers")
-            x, _ = stack(x, positions, segment_ids)
+            x, stats = stack(x, positions, segment_ids)
         else:
             block = nn.remat(Block, policy=policy.jax_policy()) if policy.remat else Block
+            per_layer = []
             for i in range(c.layers):
-                x, _ = block(c, load_balanced, name=f"layer_{i}")(x, positions, segment_ids)
+                x, layer_stats = block(c, load_balanced, name=f"layer_{i}")(x, positions, segment_ids)
+                per_layer.append(layer_stats)
+            stats = None if c.moe is None else jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+        if stats is not None and not self.is_initializing():
+            self.sow("intermediates", MOE_STATS, stats)  # per layer, stacked: read by lm_loss
         x = RMSNorm(c.embed, c.norm_eps, name="final_norm")(x)
-        head = _param(self, "head", (c.embed, c.vocab), ("embed", "vocab")) if not c.tie_embeddings else None
+        head = param(self, "head", (c.embed, c.vocab), ("embed", "vocab")) if not c.tie_embeddings else None
         if return_hidden:
             return x
         head = embedding.T if head is None else head
@@ -359,6 +414,11 @@ def pipeline_stage_fn(c: DecoderConfig, *, packed: bool = False) -> Callable[[An
     policy = RematPolicy.from_str(c.remat)
     if not c.scan:
         raise ValueError("Decoder: pipeline parallelism needs scan=True (layers stacked on one axis).")
+    if c.moe is not None:
+        raise ValueError(
+            "Decoder: a mixture-of-experts model under pipeline parallelism is not supported yet (the stages do "
+            "not carry the router statistics); use pp=1: ep, tp, cp and every ZeRO stage work."
+        )
     if packed:
         raise ValueError(
             "Decoder: packed sequences (positions / segment_ids) are not supported under pipeline "

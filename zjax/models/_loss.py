@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from .. import comm, pipeline
 from ..context import context_size, load_balance
 from ..sharding._axes import DATA_AXES, PP
-from ._decoder import DecoderConfig, RMSNorm, pipeline_stage_fn
+from ._decoder import MOE_STATS, DecoderConfig, RMSNorm, pipeline_stage_fn
 
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
 
@@ -123,7 +123,7 @@ def cross_entropy_sum(
     return jnp.sum(nll * w)
 
 
-def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16384) -> jax.Array:
+def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16384) -> Any:
     """Mean next-token cross-entropy (fp32) of a :class:`~zjax.models.Decoder` on ``batch``.
 
     ``batch`` is int tokens ``[B, S+1]`` (inputs ``[:, :-1]``, targets ``[:, 1:]``) or a dict with ``tokens``
@@ -132,6 +132,10 @@ def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16
     each ``[B, S+1]`` aligned with ``tokens``. Logits are built about ``vocab_chunk`` vocabulary entries at a
     time (:func:`chunked_cross_entropy`; ``None``: whole). On a mesh with ``cp > 1`` the rows are put in the
     load-balanced causal layout (:func:`zjax.context.load_balance`) before the model splits them over ``cp``.
+
+    For a mixture-of-experts decoder (``DecoderConfig(moe=...)``) it returns ``(loss, metrics)``: the
+    cross-entropy plus the routers' weighted auxiliary losses, and the metrics of :func:`_with_experts`
+    (a train step puts them in its metrics' ``aux``).
     """
     tokens, positions, segment_ids, loss_mask = read_batch(batch)
     weights = None if loss_mask is None else loss_mask[:, 1:].astype(jnp.float32)
@@ -161,9 +165,33 @@ def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16
     if model.cfg.tie_embeddings and ranks:
         rows = (inputs, positions, segment_ids, targets, weights)
         return _tied_per_rank(model, params, rows, ranks, balanced, vocab_chunk)
-    hidden = model.apply({"params": params}, inputs, positions, segment_ids, return_hidden=True, load_balanced=balanced)
+    hidden, stats = _hidden(model, params, inputs, positions, segment_ids, load_balanced=balanced)
     head = _read_head(model.cfg, nn.unbox(params))
-    return chunked_cross_entropy(hidden, head, targets, weights, vocab_chunk)
+    return _with_experts(model.cfg, chunked_cross_entropy(hidden, head, targets, weights, vocab_chunk), stats)
+
+
+def _hidden(model: Any, params: Any, *args: Any, **kwargs: Any) -> tuple[jax.Array, Any]:
+    """The decoder's final hidden states and, for a mixture of experts, its router statistics (per layer)."""
+    if getattr(model.cfg, "moe", None) is None:
+        return model.apply({"params": params}, *args, return_hidden=True, **kwargs), None
+    hidden, sown = model.apply({"params": params}, *args, return_hidden=True, mutable=["intermediates"], **kwargs)
+    return hidden, sown["intermediates"][MOE_STATS][0]
+
+
+def _with_experts(cfg: DecoderConfig, ce: jax.Array, stats: Any) -> Any:
+    """``ce`` for a dense decoder; ``(ce + the routers' auxiliary losses, metrics)`` for a mixture of experts:
+    ``ce``, ``load_balance`` and ``z_loss`` (means over layers), ``dropped`` rows (all layers) and
+    ``expert_tokens`` ``[layers, experts]`` (rows each expert was chosen for)."""
+    if stats is None or cfg.moe is None:
+        return ce
+    metrics = {
+        "ce": ce,
+        "load_balance": jnp.mean(stats["load_balance"]),
+        "z_loss": jnp.mean(stats["z_loss"]),
+        "dropped": jnp.sum(stats["dropped"]),
+        "expert_tokens": stats["tokens"],
+    }
+    return ce + cfg.moe.loss(stats), metrics
 
 
 def _read_head(cfg: DecoderConfig, params: Any) -> jax.Array:
@@ -198,8 +226,8 @@ def _tied_per_rank(
     w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights
     by_rank = lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:])  # noqa: E731 - rows split over the axes
     embeds = jax.vmap(lambda e, t: jnp.take(e, t, axis=0), spmd_axis_name=axes)(copies, by_rank(inputs))
-    hidden = model.apply(
-        {"params": params}, inputs, positions, segment_ids, return_hidden=True, load_balanced=balanced,
+    hidden, stats = _hidden(
+        model, params, inputs, positions, segment_ids, load_balanced=balanced,
         inputs_embeds=embeds.reshape(*inputs.shape, -1),
     )  # fmt: skip
 
@@ -211,7 +239,7 @@ def _tied_per_rank(
             return cross_entropy_sum(h, e.T, t, wt, vocab_chunk)
 
     total = jax.vmap(one, spmd_axis_name=axes)(copies, by_rank(hidden), by_rank(targets), by_rank(w))
-    return jnp.sum(total) / jnp.maximum(jnp.sum(w), 1.0)
+    return _with_experts(model.cfg, jnp.sum(total) / jnp.maximum(jnp.sum(w), 1.0), stats)
 
 
 def _pipelined_sum(

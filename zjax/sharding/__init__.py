@@ -7,6 +7,7 @@ from ._annotations import unbox as unbox
 from ._axes import CP as CP
 from ._axes import DATA_AXES as DATA_AXES
 from ._axes import DP as DP
+from ._axes import EP as EP
 from ._axes import MESH_AXES as MESH_AXES
 from ._axes import PP as PP
 from ._axes import REPLICA as REPLICA

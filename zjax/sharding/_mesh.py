@@ -1,17 +1,17 @@
-"""Build the (pp, replica, dp, cp, tp) device mesh, on one process or many."""
+"""Build the (pp, replica, dp, ep, cp, tp) device mesh, on one process or many."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 
 import jax
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from ._axes import CP, DATA_AXES, DP, MESH_AXES, PP, REPLICA, TP, ZERO_AXES
+from ._axes import CP, DATA_AXES, DP, EP, MESH_AXES, PP, REPLICA, TP, ZERO_AXES
 
 
 def _resolve_sizes(sizes: dict[str, int], num_devices: int) -> dict[str, int]:
@@ -29,14 +29,15 @@ def _resolve_sizes(sizes: dict[str, int], num_devices: int) -> dict[str, int]:
     fixed = math.prod(size for size in sizes.values() if size != -1)
     if inferred:
         if num_devices % fixed:
-            given = ", ".join(f"{n}={s}" for n, s in sizes.items() if s != -1 and not (n in (REPLICA, CP) and s == 1))
+            optional = (REPLICA, EP, CP)  # named only when used
+            given = ", ".join(f"{n}={s}" for n, s in sizes.items() if s != -1 and not (n in optional and s == 1))
             raise ValueError(
                 f"make_mesh: cannot infer {inferred[0]}: {num_devices} devices are not divisible by "
                 f"{given} (product {fixed}). Choose sizes whose product divides {num_devices}."
             )
         sizes = {**sizes, inferred[0]: num_devices // fixed}
     elif fixed != num_devices:
-        given = " x ".join(f"{n}={s}" for n, s in sizes.items() if not (n in (REPLICA, CP) and s == 1))
+        given = " x ".join(f"{n}={s}" for n, s in sizes.items() if not (n in (REPLICA, EP, CP) and s == 1))
         raise ValueError(
             f"make_mesh: {given} = {fixed} devices, but {num_devices} are available. "
             f"Make the product equal {num_devices}, or pass -1 for one axis to infer it."
@@ -58,7 +59,7 @@ def _split_dp(dp: object) -> tuple[int, int]:
 
 def dcn_split(sizes: dict[str, int], num_slices: int) -> dict[str, int]:
     """How many slices (nodes) each axis spans: the slow network goes to ``replica``, then ``pp``, then
-    ``dp``; ``cp`` and ``tp`` never cross it.
+    ``dp``; ``ep``, ``cp`` and ``tp`` never cross it.
 
     Raises:
       ValueError: when the slices cannot be divided among those axes.
@@ -72,7 +73,8 @@ def dcn_split(sizes: dict[str, int], num_slices: int) -> dict[str, int]:
         raise ValueError(
             f"make_mesh: the devices span {num_slices} slices (nodes), which cannot be divided among "
             f"{REPLICA}={sizes.get(REPLICA, 1)}, {PP}={sizes.get(PP, 1)} and {DP}={sizes.get(DP, 1)} without "
-            f"putting {CP} or {TP} across the slow network. Make {REPLICA} x {PP} x {DP} a multiple of {num_slices}, "
+            f"putting {EP}, {CP} or {TP} across the slow network. Make {REPLICA} x {PP} x {DP} a multiple of "
+            f"{num_slices}, "
             f"e.g. dp=({num_slices}, -1)."
         )
     return dcn
@@ -88,12 +90,13 @@ def make_mesh(
     pp: int = 1,
     *,
     cp: int = 1,
+    ep: int = 1,
     devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
-    """Make a mesh with the named axes ``pp``, ``replica``, ``dp``, ``cp`` and ``tp`` (outermost first).
+    """Make a mesh with the named axes ``pp``, ``replica``, ``dp``, ``ep``, ``cp`` and ``tp`` (outermost first).
 
     Device order comes from :func:`jax.make_mesh`, which knows the physical topology and keeps inner
-    axes (``tp``, then ``cp``, then ``dp``) on the closest devices: with several processes the outer axes are the
+    axes (``tp``, then ``cp``, ``ep`` and ``dp``) on the closest devices: with several processes the outer axes are the
     ones that cross processes. When the devices span several slices (nodes with their own fast
     interconnect) the mesh is built with :func:`jax.experimental.mesh_utils.create_hybrid_device_mesh`
     so that only ``replica``, ``pp`` and then ``dp`` cross the slow network (see :func:`dcn_split`).
@@ -109,10 +112,13 @@ def make_mesh(
       pp: pipeline-parallel size. ``-1`` infers it.
       cp: context-parallel size: each sequence is split along its length over ``cp`` devices (attention
         gathers the keys and values it needs); ZeRO shards model state over ``dp x cp``. ``-1`` infers it.
+      ep: expert-parallel size: a mixture-of-experts model's experts are split over ``ep`` devices and tokens
+        reach them by an all-to-all; for everything else ``ep`` is one more data axis (the batch and ZeRO's
+        shards are split over ``dp x ep``). ``-1`` infers it.
       devices: the devices to use; all of ``jax.devices()`` by default.
 
     Returns:
-      A :class:`jax.sharding.Mesh` with axis names ``("pp", "replica", "dp", "cp", "tp")``.
+      A :class:`jax.sharding.Mesh` with axis names ``("pp", "replica", "dp", "ep", "cp", "tp")``.
 
     Raises:
       ValueError: if the sizes do not multiply to the number of devices, or more than one is -1.
@@ -121,10 +127,11 @@ def make_mesh(
       >>> mesh = zjax.make_mesh(dp=-1, tp=2)      # 8 devices -> dp=4, tp=2
       >>> mesh = zjax.make_mesh(dp=(2, 4))        # HSDP: 2 replicas of a 4-way ZeRO group
       >>> mesh = zjax.make_mesh(dp=2, cp=4)       # each sequence split over 4 devices
+      >>> mesh = zjax.make_mesh(dp=2, ep=4)       # experts split over 4 devices
     """
     devices = list(jax.devices() if devices is None else devices)
     replica, shard = _split_dp(dp)
-    sizes = _resolve_sizes({REPLICA: replica, DP: shard, CP: cp, TP: tp, PP: pp}, len(devices))
+    sizes = _resolve_sizes({REPLICA: replica, DP: shard, EP: ep, CP: cp, TP: tp, PP: pp}, len(devices))
     shape = tuple(sizes[name] for name in MESH_AXES)
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
     slices = _slices(devices)
@@ -142,29 +149,31 @@ def axis_size(mesh: Mesh, name: str) -> int:
 
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The mesh axes the batch is split over (``replica`` and ``dp`` where larger than 1)."""
+    """The mesh axes the batch is split over (``replica``, ``dp`` and ``ep`` where larger than 1)."""
     axes = tuple(a for a in DATA_AXES if axis_size(mesh, a) > 1)
     return axes or tuple(a for a in (DP,) if a in mesh.shape)
 
 
 def data_size(mesh: Mesh) -> int:
-    """Into how many parts the batch is split: ``replica x dp``."""
+    """Into how many parts the batch is split: ``replica x dp x ep``."""
     return math.prod(axis_size(mesh, a) for a in DATA_AXES)
 
 
-def zero_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The axes ZeRO shards model state over on ``mesh``: ``dp``, and ``cp`` when it is larger than 1."""
-    return tuple(a for a in ZERO_AXES if a == DP or axis_size(mesh, a) > 1)
+def zero_axes(mesh: Mesh, taken: Collection[str] = ()) -> tuple[str, ...]:
+    """The axes ZeRO shards model state over on ``mesh``: ``dp``, and ``ep`` and ``cp`` when larger than 1, less
+    the axes in ``taken`` (those a parameter's compute spec already splits it over: an expert's ``ep``)."""
+    return tuple(a for a in ZERO_AXES if (a == DP or axis_size(mesh, a) > 1) and a not in taken)
 
 
-def zero_size(mesh: Mesh) -> int:
-    """ZeRO's ``N``: into how many shards a stage splits model state (``dp x cp``)."""
-    return math.prod(axis_size(mesh, a) for a in ZERO_AXES)
+def zero_size(mesh: Mesh, taken: Collection[str] = ()) -> int:
+    """ZeRO's ``N``: into how many shards a stage splits model state (``dp x ep x cp``; ``dp x cp`` for the
+    experts, ``taken`` = ``("ep",)``)."""
+    return math.prod(axis_size(mesh, a) for a in ZERO_AXES if a not in taken)
 
 
-def zero_target(mesh: Mesh) -> str | tuple[str, ...]:
+def zero_target(mesh: Mesh, taken: Collection[str] = ()) -> str | tuple[str, ...]:
     """:func:`zero_axes` as one ``PartitionSpec`` entry (``"dp"`` or ``("dp", "cp")``)."""
-    axes = zero_axes(mesh)
+    axes = zero_axes(mesh, taken) or (DP,)
     return axes[0] if len(axes) == 1 else axes
 
 

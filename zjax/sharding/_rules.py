@@ -15,7 +15,7 @@ from typing import Any
 from jax.sharding import Mesh, PartitionSpec
 
 from ._annotations import Leaf
-from ._axes import CP, DATA_AXES, DP, PP, TP
+from ._axes import CP, DATA_AXES, DP, EP, PP, TP
 from ._mesh import axis_size, data_axes
 
 AxisTarget = str | tuple[str, ...] | None
@@ -26,6 +26,7 @@ DEFAULT_LOGICAL_RULES: tuple[tuple[str, AxisTarget], ...] = (
     ("mlp", TP),
     ("heads", TP),
     ("kv_heads", TP),
+    ("expert", EP),  # a mixture-of-experts layer's experts: split over ep (nothing when ep=1)
     ("embed", None),
     ("head_dim", None),
     ("norm", None),
@@ -46,6 +47,7 @@ DEFAULT_ACTIVATION_RULES: tuple[tuple[str, AxisTarget], ...] = (
     ("mlp", TP),
     ("heads", TP),
     ("kv_heads", TP),
+    ("expert", EP),
 )
 
 
@@ -108,7 +110,8 @@ class Rules:
        '/'-joined parameter path (``params/layers/mlp/kernel``) gives the leaf's ``PartitionSpec``
        of mesh axes. Unmatched, unannotated leaves are replicated.
 
-    Data parallelism (``dp``) is not a target for parameters: the ZeRO stage adds it.
+    Data parallelism (``dp``, ``replica``) is not a target for parameters: the ZeRO stage adds it. ``ep`` is
+    (logical ``expert``): it splits a mixture-of-experts layer's experts.
 
     ``activations`` are the rules for ``nn.with_logical_constraint`` inside the model, active while
     zjax traces the loss (e.g. ``batch`` -> ``dp``); they keep activations split over the batch when
@@ -199,7 +202,7 @@ def _validated(leaf: Leaf, dims: list[tuple[str, ...]], mesh: Mesh, source: str)
                     f"axis {axis!r}, which is not in the mesh {dict(mesh.shape)}. Use one of "
                     f"{list(mesh.axis_names)} or None."
                 )
-            if axis in DATA_AXES:
+            if axis in DATA_AXES and axis != EP:  # ep splits experts; the stage adds the others
                 raise ValueError(
                     f"Parameter {leaf.path!r} (shape {leaf.shape}): {source} puts dimension {dim} on "
                     f"{axis!r}. Data-parallel sharding of parameters comes from the ZeRO stage (stage=3); "

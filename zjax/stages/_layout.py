@@ -11,7 +11,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from ..sharding._annotations import Leaf
 from ..sharding._mesh import zero_target
-from ._placement import add_axis
+from ._placement import _axes, add_axis
 from ._stage import Stage
 
 
@@ -46,9 +46,11 @@ class Layout:
 
     @classmethod
     def build(cls, stage: Stage, mesh: Mesh, treedef: Any, leaves: list[Leaf], compute: list[PartitionSpec]):
-        sizes, zero = dict(mesh.shape), zero_target(mesh)
+        sizes = dict(mesh.shape)
         placements = []
         for leaf, spec in zip(leaves, compute, strict=True):
+            # ZeRO's axes less those the compute spec already uses (an expert's weights are split over ep)
+            zero = zero_target(mesh, taken={a for e in spec for a in _axes(e)})
             sharded, reason = add_axis(spec, leaf.shape, zero, sizes)
             placements.append(Placement(leaf, spec, sharded, reason))
         return cls(stage, mesh, treedef, tuple(placements))

@@ -1,0 +1,6 @@
+"""Mixture-of-experts building blocks: token dispatch over the ``ep`` mesh axis and grouped expert matmuls."""
+
+from ._dispatch import EXCHANGES as EXCHANGES
+from ._dispatch import capacity as capacity
+from ._dispatch import expert_mlp as expert_mlp
+from ._dispatch import grouped_swiglu as grouped_swiglu
