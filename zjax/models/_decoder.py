@@ -56,7 +56,8 @@ class DecoderConfig:
     the ``sliding_window`` positions before it (Mistral). ``context_mode`` says how attention reaches the keys
     of other ``cp`` ranks (``"all-gather"`` or ``"ring"``, :func:`zjax.context.attention`). ``scan`` stacks
     layers with ``nn.scan``; ``remat`` names the checkpointing policy of each layer (:data:`zjax.remat.POLICIES`).
-    ``moe`` (:class:`MoE`) makes every layer's feed-forward block a mixture of experts.
+    ``qk_norm`` RMS-normalizes each query and key head before RoPE (Qwen3). ``moe`` (:class:`MoE`) makes every
+    layer's feed-forward block a mixture of experts.
     """
 
     vocab: int = 256
@@ -76,6 +77,7 @@ class DecoderConfig:
     qkv_bias: bool = False
     sliding_window: int | None = None
     context_mode: str = "all-gather"
+    qk_norm: bool = False
     moe: MoE | None = None
 
     def __post_init__(self) -> None:
@@ -126,7 +128,8 @@ class DecoderConfig:
     def _attention(self) -> int:
         kv = self.num_kv_heads * self.head_dim
         bias = (self.heads * self.head_dim + 2 * kv) if self.qkv_bias else 0
-        return 2 * self.embed * self.heads * self.head_dim + 2 * self.embed * kv + bias
+        norms = 2 * self.head_dim if self.qk_norm else 0
+        return 2 * self.embed * self.heads * self.head_dim + 2 * self.embed * kv + bias + norms
 
     def _feed_forward(self) -> int:
         if self.moe is None:
@@ -287,6 +290,9 @@ class Block(nn.Module):
             q = q + param(self, "bq", q_shape[1:], ("heads", "head_dim"), zeros).astype(q.dtype)
             k = k + param(self, "bk", kv_shape[1:], ("kv_heads", "head_dim"), zeros).astype(k.dtype)
             v = v + param(self, "bv", kv_shape[1:], ("kv_heads", "head_dim"), zeros).astype(v.dtype)
+        if c.qk_norm:  # Qwen3: each head normalized over head_dim
+            q = RMSNorm(c.head_dim, c.norm_eps, name="q_norm")(q)
+            k = RMSNorm(c.head_dim, c.norm_eps, name="k_norm")(k)
         inv_freq = c.rope_frequencies()
         # heads split over tp, the sequence over cp: pinned (cotangents too) so that GSPMD never reshards
         # between the sequence-split residual stream and the head-split attention by all-to-alls
