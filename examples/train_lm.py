@@ -72,7 +72,7 @@ def parse_mesh(text: str) -> dict[str, int]:
     sizes = {}
     for part in filter(None, text.replace(" ", "").split(",")):
         name, eq, value = part.partition("=")
-        if not eq or name not in ("replica", "dp", "cp", "tp", "pp"):
+        if not eq or name not in ("replica", "dp", "ep", "cp", "tp", "pp"):
             raise argparse.ArgumentTypeError(f"--mesh: expected entries like dp=4,tp=2 or replica=2,dp=4, got {part!r}")
         try:
             sizes[name] = int(value)
@@ -88,10 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--mesh",
         type=parse_mesh,
         default={"dp": -1},
-        help="e.g. dp=8, dp=4,tp=2, dp=2,cp=4 (each sequence split over 4 devices), or replica=2,dp=4 for HSDP "
-        "(shard over dp, replicate over replica); default dp=all",
+        help="e.g. dp=8, dp=4,tp=2, dp=2,cp=4 (each sequence split over 4 devices), dp=2,ep=4 (experts split "
+        "over 4 devices; --preset moe-small), or replica=2,dp=4 for HSDP (shard over dp, replicate over replica); "
+        "default dp=all",
     )
-    p.add_argument("--preset", default="small", help="model size: tiny, small, medium")
+    p.add_argument("--preset", default="small", help="model size: tiny, small, medium, moe-small (8 experts, top-2)")
     p.add_argument(
         "--hf",
         type=Path,
@@ -344,7 +345,12 @@ def main(argv: list[str] | None = None) -> dict:
     end = args.steps if args.stop_at is None else min(args.steps, args.stop_at)
     quiet = args.no_progress or not main_process
     bar = tqdm(range(start, end), desc=f"zero{args.stage}", disable=quiet, file=sys.stdout)
-    evaluate = plan.eval_step(lambda params, b: lm_loss(model, params, b)) if held_out is not None else None
+
+    def eval_loss(params, b):
+        out = lm_loss(model, params, b)
+        return out[0] if isinstance(out, tuple) else out  # a mixture of experts: (loss, router metrics)
+
+    evaluate = plan.eval_step(eval_loss) if held_out is not None else None
     writer = None
     if args.log_dir is not None:
         config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}  # JSON-able run config
@@ -398,6 +404,10 @@ def main(argv: list[str] | None = None) -> dict:
             "tokens_per_second": rate,
             "mfu": mfu,
         }
+        if cfg.moe is not None:  # the routers: auxiliary losses, dropped rows, tokens per expert (all layers)
+            aux = metrics["aux"]
+            record |= {k: float(aux[k]) for k in ("ce", "load_balance", "z_loss", "dropped")}
+            record["expert_tokens"] = np.asarray(aux["expert_tokens"]).sum(axis=0)
         stats = jax.local_devices()[0].memory_stats() or {}
         if "peak_bytes_in_use" in stats:  # GPUs: the allocator's peak beside the plan's
             record |= {"device_peak_bytes": stats["peak_bytes_in_use"], "planned_peak_bytes": report.peak_bytes}
@@ -428,7 +438,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     result = {
         "stage": args.stage,
-        "mesh": {name: sizes[name] for name in ("replica", "dp", "cp", "tp", "pp")},
+        "mesh": {name: sizes[name] for name in ("replica", "dp", "ep", "cp", "tp", "pp")},
         "processes": jax.process_count(),
         "pipeline": None
         if pipeline is None
@@ -449,6 +459,7 @@ def main(argv: list[str] | None = None) -> dict:
         "preset": None if args.hf is not None else args.preset,
         "hf": None if args.hf is None else str(args.hf),
         "num_params": cfg.num_params,
+        "active_params": cfg.num_active_params,
         "losses": losses,
         "state_bytes_per_device": {"theory": report.state_theory, "compiled": report.state_compiled},
         "temp_bytes_per_device": report.temp_bytes,

@@ -165,20 +165,28 @@ def theory_bytes(plan: Plan, state: TrainState, accum_steps: int = 1) -> tuple[i
     return psi, theory
 
 
+def _named(spec: Any) -> tuple[str, ...]:
+    return tuple(a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e))
+
+
 def _theory(plan: Plan, state: TrainState, accum_steps: int) -> tuple[int, float, dict[str, int]]:
     sizes = dict(plan.mesh.shape)
-    n = zero_size(plan.mesh)  # ZeRO's N: dp x cp
     stage, precision = plan.stage, plan.precision
     layout = state.layout.params
     psi = sum(int(math.prod(p.leaf.shape)) for p in layout.placements)
-    # parameters per device after model parallelism (tp), before ZeRO's dp split
-    psi_mp = sum(math.prod(p.leaf.shape) / shard_count(p.compute, sizes) for p in layout.placements)
+    # per parameter: its elements per device after model parallelism (tp, an expert's ep), before ZeRO's split,
+    # and ZeRO's N for it (dp x ep x cp; an expert, split over ep already: dp x cp)
+    groups = [
+        (math.prod(p.leaf.shape) / shard_count(p.compute, sizes), zero_size(plan.mesh, _named(p.compute)))
+        for p in layout.placements
+    ]
+    psi_mp = sum(numel for numel, _ in groups)
     inner_bytes = sum(_nbytes(x) for x in jax.tree.leaves(state.opt_state.inner))
     opt_per_param = inner_bytes / psi if psi else 0.0
     grad_bytes = 4 if accum_steps > 1 else precision.compute_bytes  # accumulation runs in fp32
 
     def per_device(bytes_per_param: float, sharded: bool) -> int:
-        return round(psi_mp * bytes_per_param / (n if sharded else 1))
+        return round(sum(numel * bytes_per_param / (n if sharded else 1) for numel, n in groups))
 
     theory = {
         "params": per_device(precision.compute_bytes, stage.shard_parameters),

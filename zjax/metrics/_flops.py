@@ -8,9 +8,11 @@ from ..planner._targets import peak_flops
 
 def matmul_params(cfg: DecoderConfig) -> int:
     """Parameters that take part in a matmul per token: every layer's projections and the output head
-    (the embedding lookup is a gather; norms and biases are negligible and left out)."""
+    (the embedding lookup is a gather; norms and biases are negligible and left out). A mixture of experts counts
+    the experts a token passes through (``top_k``), the router and shared experts: its active parameters."""
     kv = cfg.num_kv_heads * cfg.head_dim
-    per_layer = 2 * cfg.embed * cfg.heads * cfg.head_dim + 2 * cfg.embed * kv + 3 * cfg.embed * cfg.mlp
+    ff = 3 * cfg.embed * cfg.mlp if cfg.moe is None else cfg.moe.active_per_layer(cfg.embed, cfg.mlp)
+    per_layer = 2 * cfg.embed * cfg.heads * cfg.head_dim + 2 * cfg.embed * kv + ff
     return cfg.layers * per_layer + cfg.embed * cfg.vocab
 
 

@@ -53,6 +53,9 @@ class MetricsWriter:
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         numbers = {k: v for k, v in record.items() if isinstance(v, int | float) and k != "step"}
+        for key, value in record.items():  # a vector (an MoE's tokens per expert): one scalar per entry
+            if isinstance(value, list) and all(isinstance(x, int | float) for x in value):
+                numbers |= {f"{key}/{i}": x for i, x in enumerate(value)}
         if self._tb is not None:
             for key, value in numbers.items():
                 self._tb.add_scalar(key, value, step)
@@ -79,9 +82,14 @@ class MetricsWriter:
 
 
 def _plain(value: Any) -> Any:
-    """A JSON value: numbers as Python floats/ints (NaN and infinities as None), everything else as is."""
-    if hasattr(value, "item"):
+    """A JSON value: numbers as Python floats/ints (NaN and infinities as None), arrays as nested lists of them,
+    everything else as is."""
+    if getattr(value, "ndim", 0) > 0 and hasattr(value, "tolist"):
+        value = value.tolist()
+    elif hasattr(value, "item"):
         value = value.item()
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value

@@ -159,6 +159,8 @@ PRESETS: dict[str, DecoderConfig] = {
     "tiny": DecoderConfig(embed=64, layers=2, heads=2, head_dim=32, mlp=256, max_len=64),
     "small": DecoderConfig(),
     "medium": DecoderConfig(embed=512, layers=8, heads=8, head_dim=64, mlp=2048, max_len=256),
+    # "small" with 8 experts of half its MLP, 2 per token: the same matmul work per token, 4x the MLP parameters
+    "moe-small": DecoderConfig(moe=MoE(experts=8, top_k=2, mlp=256, z_loss_weight=1e-3)),
     # the seeds' table: Llama-2-7B's sizes (6.74e9 parameters)
     "llama2-7b": dataclasses.replace(_LLAMA2_7B, norm_eps=1e-5),
     "llama3-8b": _LLAMA3_8B,
