@@ -2,13 +2,15 @@
 
 Every fp32 master leaf is made by ``jax.make_array_from_callback`` on its master sharding; the callback
 reads, through ``safetensors``' lazy slices, exactly the rows and columns its device holds (a superset
-only along a flattened head dimension). No device and no host holds a leaf that the plan shards; a
-process holds on host at most the distinct shards of one leaf that its devices need.
+only along a flattened head dimension), and of a mixture of experts' stacked experts only the experts its
+device holds (one file tensor each). No device and no host holds a leaf that the plan shards; a process
+holds on host at most the distinct shards of one leaf that its devices need.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 from typing import Any
@@ -19,22 +21,31 @@ import numpy as np
 
 from .._plan import Plan
 from .._state import TrainState
-from ..models import Decoder, config_from_hf
+from ..models import Decoder, DecoderConfig, config_from_hf
 from ..models._hf_config import config_path, read_hf_config
 from ._files import checkpoint_dir, weight_map
 from ._names import IGNORED_SUFFIXES, Tensor, tensors
 
-_COMPARED = ("vocab", "embed", "layers", "heads", "num_kv_heads", "head_dim", "mlp", "tie_embeddings", "qkv_bias")
+_COMPARED = ("vocab", "embed", "layers", "heads", "num_kv_heads", "head_dim", "tie_embeddings", "qkv_bias", "qk_norm")
+
+
+def _weight_fields(cfg: DecoderConfig) -> dict[str, Any]:
+    """The settings that decide the parameters' names and shapes: with experts, ``mlp`` is theirs (a dense
+    MLP's size that no layer uses does not count); ``experts`` is 0 for a dense model."""
+    m = cfg.moe
+    return {
+        **{k: getattr(cfg, k) for k in _COMPARED},
+        "mlp": cfg.mlp if m is None else m.expert_mlp(cfg.mlp),
+        "experts": 0 if m is None else m.experts,
+        "shared_mlp": 0 if m is None else m.shared_mlp,
+    }
 
 
 def _check_config(path: str, model: Decoder) -> None:
     file = config_path(path)
-    found = config_from_hf(read_hf_config(path), file)
-    diff = [
-        f"{k}: model {getattr(model.cfg, k)}, checkpoint {getattr(found, k)}"
-        for k in _COMPARED
-        if getattr(model.cfg, k) != getattr(found, k)
-    ]
+    found = _weight_fields(config_from_hf(read_hf_config(path), file))
+    have = _weight_fields(model.cfg)
+    diff = [f"{k}: model {have[k]}, checkpoint {found[k]}" for k in have if have[k] != found[k]]
     if diff:
         raise ValueError(
             f"zjax.hf.load: the model does not match {file}: {'; '.join(diff)}. Build the model with "
@@ -99,17 +110,21 @@ class _Reader:
 
 def _leaf(reader: _Reader, t: Tensor, shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> jax.Array:
     cache: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+    lead = len(shape) - len(t.shape)  # the layers and experts axes: one file tensor per index
 
     def block(index: tuple[slice, ...] | None) -> np.ndarray:
         index = tuple(slice(None) for _ in shape) if index is None else index
         norm = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
         key = tuple((s.start, s.stop) for s in norm)
         if key not in cache:  # replicas of a block share one host copy
-            if t.stacked:
-                rows = [reader.read(t, t.name.format(i=i), norm[1:]) for i in range(norm[0].start, norm[0].stop)]
-                cache[key] = np.stack(rows) if rows else np.zeros((0, *t.shape), np.float32)
-            else:
+            if not lead:
                 cache[key] = reader.read(t, t.name, norm)
+            else:
+                out = np.empty(tuple(s.stop - s.start for s in norm), np.float32)
+                for at in itertools.product(*(range(s.start, s.stop) for s in norm[:lead])):
+                    rel = tuple(a - s.start for a, s in zip(at, norm, strict=False))
+                    out[rel] = reader.read(t, t.name_at(at), norm[lead:])
+                cache[key] = out
         return cache[key]
 
     return jax.make_array_from_callback(shape, sharding, block)

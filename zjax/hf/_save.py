@@ -1,14 +1,16 @@
 """``zjax.hf.save``: a sharded state as a Hugging Face checkpoint, one tensor at a time, atomically.
 
-Each Hugging Face tensor (one layer of one stacked leaf) is assembled on process 0's host from the
-device shards that hold it: copies of the shards' pieces when they are all addressable, otherwise one
-cross-process gather of that tensor alone. Neither a device nor a host ever holds the whole model: the
-host holds at most one output file (``max_shard_size``) plus one tensor. Files are written into a
-temporary directory beside ``out_dir`` and renamed into place only when complete.
+Each Hugging Face tensor (one layer of one stacked leaf; one expert of one layer of a mixture of experts)
+is assembled on process 0's host from the device shards that hold it: copies of the shards' pieces when
+they are all addressable, otherwise one cross-process gather of that tensor alone. Neither a device nor a
+host ever holds the whole model: the host holds at most one output file (``max_shard_size``) plus one
+tensor. Files are written into a temporary directory beside ``out_dir`` and renamed into place only when
+complete.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -28,25 +30,31 @@ from ._names import Tensor, tensors
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _host_tensor(arr: jax.Array, layer: int | None) -> np.ndarray:
-    """``arr[layer]`` (or ``arr``) on this host, in ``arr``'s dtype."""
+@functools.partial(jax.jit, static_argnums=2)
+def _take(arr: jax.Array, at: jax.Array, lead: int) -> jax.Array:
+    """``arr[at]`` over the ``lead`` leading axes, the index traced: one compilation per leaf, not per tensor."""
+    start: list[Any] = [at[k] for k in range(lead)] + [0] * (arr.ndim - lead)
+    return jax.lax.dynamic_slice(arr, start, (1,) * lead + arr.shape[lead:]).reshape(arr.shape[lead:])
+
+
+def _host_tensor(arr: jax.Array, at: tuple[int, ...]) -> np.ndarray:
+    """``arr[at]`` on this host, in ``arr``'s dtype: ``at`` indexes the leading layers and experts axes (``()``:
+    the whole leaf)."""
+    lead = len(at)
     if not arr.is_fully_addressable:
         from jax.experimental import multihost_utils
 
-        piece = arr if layer is None else jax.jit(lambda a: a[layer])(arr)
+        piece = _take(arr, np.asarray(at, np.int32), lead) if lead else arr
         return np.asarray(multihost_utils.process_allgather(piece, tiled=True))
-    shape = arr.shape if layer is None else arr.shape[1:]
-    out = np.empty(shape, arr.dtype)
+    out = np.empty(arr.shape[lead:], arr.dtype)
     for shard in arr.addressable_shards:
         if shard.replica_id:
             continue
         index = shard.index
-        if layer is None:
-            out[index] = np.asarray(shard.data)
-            continue
-        start, stop, _ = index[0].indices(arr.shape[0])
-        if start <= layer < stop:
-            out[index[1:]] = np.asarray(shard.data[layer - start])
+        starts = [index[k].indices(arr.shape[k])[:2] for k in range(lead)]
+        if all(start <= a < stop for a, (start, stop) in zip(at, starts, strict=True)):
+            rel = tuple(a - start for a, (start, _) in zip(at, starts, strict=True))
+            out[index[lead:]] = np.asarray(shard.data[rel] if lead else shard.data)
     return out
 
 
@@ -55,7 +63,7 @@ def _to_hf(t: Tensor, x: np.ndarray, dtype: Any) -> np.ndarray:
     return np.ascontiguousarray(x.transpose(order).reshape(t.hf_shape).astype(dtype))
 
 
-def _file_plan(entries: list[tuple[Tensor, str, int | None]], itemsize: int, limit: float) -> list[list[int]]:
+def _file_plan(entries: list[tuple[Tensor, str, tuple[int, ...]]], itemsize: int, limit: float) -> list[list[int]]:
     """Entries grouped into files of at most ``limit`` bytes (a larger tensor gets a file of its own)."""
     files: list[list[int]] = [[]]
     size = 0
@@ -119,17 +127,17 @@ def save(
     leaves = {
         tuple(str(getattr(k, "key", k)) for k in p): x for p, x in jax.tree_util.tree_flatten_with_path(values)[0]
     }
-    entries: list[tuple[Tensor, str, int | None]] = []
+    entries: list[tuple[Tensor, str, tuple[int, ...]]] = []
     for t in tensors(cfg):
         if t.path not in leaves:
             raise ValueError(f"zjax.hf.save: the state has no parameter {'/'.join(t.path)}; is it this model's state?")
-        expect = ((cfg.layers,) if t.stacked else ()) + t.shape
+        expect = t.leading(cfg.layers) + t.shape
         if tuple(leaves[t.path].shape) != expect:
             raise ValueError(
                 f"zjax.hf.save: parameter {'/'.join(t.path)} has shape {tuple(leaves[t.path].shape)}; the model "
                 f"makes it {expect}. Pass the model this state trains."
             )
-        entries += [(t, n, i if t.stacked else None) for i, n in enumerate(t.names(cfg.layers))]
+        entries += [(t, t.name_at(at), at) for at in t.indices(cfg.layers)]
     groups = _file_plan(entries, np_dtype.itemsize, limit)
     names = (
         [SINGLE]
@@ -147,8 +155,8 @@ def save(
         for file, group in zip(names, groups, strict=True):
             tensors_out = {}
             for i in group:
-                t, name, layer = entries[i]
-                x = _to_hf(t, _host_tensor(leaves[t.path], layer), np_dtype)
+                t, name, at = entries[i]
+                x = _to_hf(t, _host_tensor(leaves[t.path], at), np_dtype)
                 tensors_out[name] = x
                 weight_map[name] = file
                 total += x.nbytes

@@ -8,9 +8,35 @@ import os
 from typing import Any
 
 from ._decoder import Decoder, DecoderConfig, RopeScaling
+from ._hf_moe import MOE_MODEL_TYPES, moe_from_hf, moe_to_hf
+from ._hf_moe import unsupported as _unsupported
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_DENSE = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = (*_DENSE, "qwen3", *MOE_MODEL_TYPES)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Family:
+    """What a ``model_type`` has: q/k/v biases, q/k norms, experts, and how it names a sliding window
+    (``"mistral"``: ``sliding_window`` for every layer; ``"qwen"``: ``use_sliding_window``, refused)."""
+
+    architecture: str
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    moe: bool = False
+    window: str | None = None
+
+
+_FAMILIES = {
+    "llama": _Family("LlamaForCausalLM"),
+    "mistral": _Family("MistralForCausalLM", window="mistral"),
+    "qwen2": _Family("Qwen2ForCausalLM", qkv_bias=True, window="qwen"),
+    "qwen3": _Family("Qwen3ForCausalLM", qk_norm=True, window="qwen"),
+    "mixtral": _Family("MixtralForCausalLM", moe=True, window="mistral"),
+    "qwen2_moe": _Family("Qwen2MoeForCausalLM", qkv_bias=True, moe=True, window="qwen"),
+    "qwen3_moe": _Family("Qwen3MoeForCausalLM", qk_norm=True, moe=True, window="qwen"),
+}
+_DEFAULTS = {"mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5}}  # where transformers' defaults differ
 
 
 def config_path(path: str | os.PathLike) -> str:
@@ -33,27 +59,31 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
     return hf
 
 
-def _unsupported(file: str, what: str) -> ValueError:
-    return ValueError(f"zjax.models: {file}: {what} is not supported by zjax's decoder.")
-
-
 def config_from_hf(hf: dict[str, Any], source: str = "config.json", **overrides: Any) -> DecoderConfig:
     """The :class:`DecoderConfig` of a Hugging Face config dict; ``overrides`` set zjax-only fields
-    (``remat``, ``scan``) or replace any field."""
+    (``remat``, ``scan``) or replace any field (``moe=``: a whole :class:`~zjax.models.MoE`, e.g. with a
+    capacity factor).
+
+    Raises:
+      ValueError: an unsupported ``model_type`` or setting (named with its value), or a missing field.
+    """
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
-            f"zjax.models: {source} has model_type {model_type!r}; supported model types are "
-            f"{list(SUPPORTED_MODEL_TYPES)} (Llama-2/3/3.1, Mistral, Qwen2)."
+            f"zjax.models: {source} has model_type {model_type!r}; supported model types are {list(_DENSE)} "
+            f"(Llama-2/3/3.1, Mistral, Qwen2), ['qwen3'] (Qwen3) and the mixtures of experts "
+            f"{list(MOE_MODEL_TYPES)} (Mixtral, Qwen2-MoE, Qwen3-MoE)."
         )
+    family = _FAMILIES[model_type]
+    hf = {**_DEFAULTS.get(model_type, {}), **hf}
     if hf.get("hidden_act", "silu") != "silu":
         raise _unsupported(source, f"hidden_act={hf['hidden_act']!r} (the decoder's MLP is SwiGLU with silu)")
     if hf.get("mlp_bias"):
         raise _unsupported(source, "mlp_bias=true")
-    if model_type != "qwen2" and hf.get("attention_bias"):
+    if not family.qkv_bias and hf.get("attention_bias"):
         raise _unsupported(source, "attention_bias=true (biases on q, k, v and o)")
-    if model_type == "qwen2" and hf.get("use_sliding_window"):
-        raise _unsupported(source, "use_sliding_window=true (Qwen2's per-layer windows)")
+    if family.window == "qwen" and hf.get("use_sliding_window"):
+        raise _unsupported(source, "use_sliding_window=true (Qwen's per-layer windows)")
     scaling = hf.get("rope_scaling")
     rope_scaling = None
     if scaling is not None:
@@ -84,33 +114,72 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json", **overrides:
             rope_scaling=rope_scaling,
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2",
+            qkv_bias=family.qkv_bias,
             sliding_window=(
-                int(hf["sliding_window"]) if model_type == "mistral" and hf.get("sliding_window") else None
+                int(hf["sliding_window"]) if family.window == "mistral" and hf.get("sliding_window") else None
             ),
+            qk_norm=family.qk_norm,
         )
+        if family.moe:
+            fields["moe"] = moe_from_hf(hf, model_type, source, fields["mlp"])
     except KeyError as e:
         raise ValueError(f"zjax.models: {source} has no {e.args[0]!r}, which a {model_type} config needs.") from None
     return dataclasses.replace(DecoderConfig(**fields), **overrides)
 
 
 def model_type_of(cfg: DecoderConfig) -> str:
-    """The Hugging Face ``model_type`` a config exports as."""
+    """The Hugging Face ``model_type`` a config exports as: q/k norms make a Qwen3, q/k biases (or a shared
+    expert) a Qwen2, experts otherwise a Mixtral, a sliding window otherwise a Mistral."""
+    if cfg.moe is not None:
+        if cfg.qk_norm:
+            return "qwen3_moe"
+        return "qwen2_moe" if cfg.qkv_bias or cfg.moe.shared_mlp else "mixtral"
+    if cfg.qk_norm:
+        return "qwen3"
     if cfg.qkv_bias:
         return "qwen2"
     return "mistral" if cfg.sliding_window is not None else "llama"
 
 
+def _check_family(cfg: DecoderConfig, model_type: str) -> _Family:
+    family = _FAMILIES[model_type]
+    for name, has, wants in (
+        ("qkv_bias", cfg.qkv_bias, family.qkv_bias),
+        ("qk_norm", cfg.qk_norm, family.qk_norm),
+        ("moe", cfg.moe is not None, family.moe),
+    ):
+        if has != wants:
+            value = getattr(cfg, name) if name != "moe" else cfg.moe
+            raise ValueError(
+                f"zjax.models: {name}={value} cannot be written as model_type {model_type!r} (which has "
+                f"{'' if wants else 'no '}{name}); leave model_type out to pick it from the config."
+            )
+    if cfg.sliding_window is not None and family.window != "mistral":
+        raise ValueError(
+            f"zjax.models: sliding_window={cfg.sliding_window} cannot be written as model_type {model_type!r}, "
+            "which has no window on every layer (mistral and mixtral have)."
+        )
+    return family
+
+
 def config_to_hf(cfg: DecoderConfig, dtype: str = "bfloat16", model_type: str | None = None) -> dict[str, Any]:
-    """The Hugging Face config dict of ``cfg`` (the inverse of :func:`config_from_hf`)."""
+    """The Hugging Face config dict of ``cfg`` (the inverse of :func:`config_from_hf`).
+
+    ``model_type`` defaults to :func:`model_type_of`. A Mixtral's ``intermediate_size`` is its experts' size;
+    MoE settings Hugging Face has no field for (``capacity_factor``, ``z_loss_weight``, ``exchange``) are not
+    written.
+
+    Raises:
+      ValueError: an unknown ``model_type``, or one that cannot express ``cfg`` (biases, q/k norms, experts,
+        a shared expert, a sliding window, the top-k renormalization it lacks or always has).
+    """
     model_type = model_type or model_type_of(cfg)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"zjax.models: model_type {model_type!r}; supported: {list(SUPPORTED_MODEL_TYPES)}.")
-    if cfg.qkv_bias != (model_type == "qwen2"):
-        raise ValueError(f"zjax.models: qkv_bias={cfg.qkv_bias} cannot be written as model_type {model_type!r}.")
+    family = _check_family(cfg, model_type)
     s = cfg.rope_scaling
     hf: dict[str, Any] = {
-        "architectures": [_ARCHITECTURES[model_type]],
+        "architectures": [family.architecture],
         "model_type": model_type,
         "vocab_size": cfg.vocab,
         "hidden_size": cfg.embed,
@@ -137,10 +206,14 @@ def config_to_hf(cfg: DecoderConfig, dtype: str = "bfloat16", model_type: str | 
     }
     if model_type == "llama":
         hf.update(attention_bias=False, mlp_bias=False)
-    if model_type == "mistral":
+    if family.qk_norm:  # Qwen3 (MoE): biases on q, k, v and o when attention_bias
+        hf["attention_bias"] = False
+    if family.window == "mistral":
         hf["sliding_window"] = cfg.sliding_window
-    if model_type == "qwen2":
+    if family.window == "qwen":
         hf.update(use_sliding_window=False, sliding_window=None)
+    if cfg.moe is not None:
+        hf.update(moe_to_hf(cfg.moe, model_type, cfg.mlp))
     return hf
 
 

@@ -1,0 +1,113 @@
+"""The mixture-of-experts fields of Hugging Face configs (Mixtral, Qwen2-MoE, Qwen3-MoE) <-> :class:`MoE`.
+
+Mixtral's experts have the size ``intermediate_size``; the Qwen MoEs' ``moe_intermediate_size`` (their
+``intermediate_size`` is a dense MLP's, used by no layer here: :class:`~zjax.models.DecoderConfig`'s
+``mlp``, with ``MoE.mlp`` set when the two differ). ``router_aux_loss_coef`` is the load-balancing loss
+weight (``MoE.load_balance_weight``; Hugging Face adds that loss only with ``output_router_logits``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._moe import MoE
+
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+_AUX_DEFAULT = 0.001  # router_aux_loss_coef's default in transformers' three configs
+
+
+def unsupported(file: str, what: str) -> ValueError:
+    """The error for a Hugging Face config setting ``what`` (named with its value) that the decoder lacks."""
+    return ValueError(f"zjax.models: {file}: {what} is not supported by zjax's decoder.")
+
+
+def moe_from_hf(hf: dict[str, Any], model_type: str, source: str, mlp: int) -> MoE:
+    """The :class:`MoE` of a Hugging Face config of ``model_type`` (one of :data:`MOE_MODEL_TYPES`) whose
+    ``intermediate_size`` is ``mlp``.
+
+    Raises:
+      ValueError: settings the decoder does not have (dense layers among the sparse ones, router jitter),
+        or a missing field (``KeyError`` is the caller's to report).
+    """
+    aux = float(hf.get("router_aux_loss_coef", _AUX_DEFAULT))
+    if model_type == "mixtral":
+        jitter = hf.get("router_jitter_noise") or 0.0
+        if jitter:
+            raise unsupported(
+                source,
+                f"router_jitter_noise={jitter} (multiplicative noise on the router's input in training); set it "
+                "to 0.0 to train without it",
+            )
+        fields: dict[str, Any] = dict(experts=int(hf["num_local_experts"]), normalize_top_k=True)
+    else:
+        step = hf.get("decoder_sparse_step", 1)
+        if step != 1:
+            raise unsupported(
+                source,
+                f"decoder_sparse_step={step} (a mixture of experts in every {step}th layer only, dense MLPs "
+                "between); zjax's decoder has one in every layer: decoder_sparse_step must be 1",
+            )
+        dense = hf.get("mlp_only_layers") or []
+        if dense:
+            raise unsupported(
+                source,
+                f"mlp_only_layers={dense} (dense MLPs in those layers); every layer of zjax's decoder is a "
+                "mixture of experts: mlp_only_layers must be empty",
+            )
+        size = int(hf["moe_intermediate_size"])
+        shared = int(hf["shared_expert_intermediate_size"]) if model_type == "qwen2_moe" else 0
+        if model_type == "qwen2_moe" and shared < 1:
+            raise unsupported(source, f"shared_expert_intermediate_size={shared} (a Qwen2-MoE's shared expert)")
+        fields = dict(
+            experts=int(hf["num_experts"]),
+            mlp=None if size == mlp else size,
+            normalize_top_k=bool(hf.get("norm_topk_prob", False)),
+            shared_mlp=shared,
+        )
+    try:
+        return MoE(top_k=int(hf["num_experts_per_tok"]), load_balance_weight=aux, **fields)
+    except ValueError as e:
+        raise ValueError(f"zjax.models: {source}: {e}") from None
+
+
+def moe_to_hf(moe: MoE, model_type: str, mlp: int) -> dict[str, Any]:
+    """The Hugging Face config fields of ``moe`` in a ``model_type`` config whose decoder's ``mlp`` is ``mlp``
+    (the inverse of :func:`moe_from_hf`; Mixtral's ``intermediate_size`` is the experts' size).
+
+    Raises:
+      ValueError: ``moe`` has what ``model_type`` cannot express (named).
+    """
+
+    def refuse(what: str) -> ValueError:
+        return ValueError(f"zjax.models: MoE({what}) cannot be written as model_type {model_type!r}.")
+
+    common = {
+        "num_experts_per_tok": moe.top_k,
+        "router_aux_loss_coef": moe.load_balance_weight,
+        "output_router_logits": False,
+    }
+    if model_type == "mixtral":
+        if not moe.normalize_top_k:
+            raise refuse("normalize_top_k=False: Mixtral always renormalizes the top-k probabilities")
+        if moe.shared_mlp:
+            raise refuse(f"shared_mlp={moe.shared_mlp}: Mixtral has no shared expert (Qwen2-MoE has)")
+        return {
+            "intermediate_size": moe.expert_mlp(mlp),
+            "num_local_experts": moe.experts,
+            "router_jitter_noise": 0.0,
+            **common,
+        }
+    if (model_type == "qwen2_moe") != bool(moe.shared_mlp):
+        raise refuse(f"shared_mlp={moe.shared_mlp}: a Qwen2-MoE has a shared expert (shared_mlp > 0), a Qwen3-MoE none")
+    out = {
+        "intermediate_size": mlp,
+        "moe_intermediate_size": moe.expert_mlp(mlp),
+        "num_experts": moe.experts,
+        "norm_topk_prob": moe.normalize_top_k,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        **common,
+    }
+    if moe.shared_mlp:
+        out["shared_expert_intermediate_size"] = moe.shared_mlp
+    return out
