@@ -132,8 +132,11 @@ def _entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def _spec_axes(spec: P) -> list[tuple[str, ...]]:
-    return [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+def _spec_axes(names: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The mesh axes the activation rules in context give each of the logical ``names``."""
+    spec = nn.logical_to_mesh_axes(names) or P(*([None] * len(names)))
+    out = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+    return out + [()] * (len(names) - len(out))
 
 
 def expert_mlp(
@@ -187,8 +190,8 @@ def expert_mlp(
         return run(x, expert_ids, gates, w_gate, w_up, w_down)
     sizes = dict(mesh.shape)
     keep = lambda axes: tuple(a for a in axes if a in free and sizes[a] > 1)  # noqa: E731
-    tokens = [keep(a) for a in _spec_axes(nn.logical_to_mesh_axes(("batch", "seq", "embed")))]
-    expert_axes, _, hidden_axes = (keep(a) for a in _spec_axes(nn.logical_to_mesh_axes(("expert", "embed", "mlp"))))
+    tokens = [keep(a) for a in _spec_axes(("batch", "seq", "embed"))]
+    expert_axes, _, hidden_axes = (keep(a) for a in _spec_axes(("expert", "embed", "mlp")))
     if expert_axes not in ((), (EP,)) or hidden_axes not in ((), (TP,)):
         raise ValueError(
             f"expert_mlp: the activation rules put the experts on {expert_axes} and their hidden dimension on "

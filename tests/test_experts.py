@@ -1,0 +1,229 @@
+"""Mixture of experts: the ep axis, dropless grouped experts, the router, capacity, and MoE decoders on every mesh."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zjax
+from zjax import experts
+from zjax.experts import _dispatch
+from zjax.models import Decoder, DecoderConfig, MoE, MoELayer, lm_loss
+
+E, D, F, K = 8, 16, 32, 2
+TINY = DecoderConfig(
+    vocab=128, embed=32, layers=2, heads=2, head_dim=16, mlp=64, max_len=16, moe=MoE(experts=8, z_loss_weight=1e-3)
+)
+
+
+def _inputs(b=8, s=6, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(ks[0], (b, s, D))
+    gates, ids = jax.lax.top_k(jax.nn.softmax(jax.random.normal(ks[1], (b, s, E))), K)
+    w = [jax.random.normal(k, shape) * 0.2 for k, shape in zip(ks[2:], [(E, D, F), (E, D, F), (E, F, D)], strict=True)]
+    return x, ids, gates, w
+
+
+def _dense_reference(x, ids, gates, wg, wu, wd):
+    """Every expert on every token, then the chosen ones weighted: what the grouped path must equal."""
+    y = jnp.einsum(
+        "bsef,efd->bsed", jax.nn.silu(jnp.einsum("bsd,edf->bsef", x, wg)) * jnp.einsum("bsd,edf->bsef", x, wu), wd
+    )
+    return jnp.einsum("bsed,bske->bsd", y, jax.nn.one_hot(ids, wg.shape[0]) * gates[..., None])
+
+
+def _loss(x, gates, wg, wu, wd, ids):
+    out, _ = experts.expert_mlp(x, ids, gates, wg, wu, wd)
+    return jnp.sum(out * out)
+
+
+MESHES = [{"dp": 8}, {"dp": 2, "ep": 4}, {"dp": 1, "ep": 8}, {"dp": 2, "ep": 2, "tp": 2}, {"dp": 2, "ep": 2, "cp": 2}]
+
+
+def test_grouped_experts_equal_every_expert_on_every_token():
+    x, ids, gates, w = _inputs()
+    out, dropped = experts.expert_mlp(x, ids, gates, *w)
+    np.testing.assert_allclose(out, _dense_reference(x, ids, gates, *w), rtol=1e-5, atol=1e-5)
+    assert float(dropped) == 0.0
+
+
+@pytest.mark.parametrize("mesh_axes", MESHES, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
+def test_every_mesh_gives_the_same_outputs_and_gradients(mesh_axes):
+    """Experts split over ep (rows sent by all-to-all), their hidden dim over tp, tokens over dp and cp."""
+    x, ids, gates, w = _inputs()
+    grad = jax.value_and_grad(_loss, argnums=(0, 1, 2, 3, 4))
+    want = grad(x, gates, *w, ids)
+    mesh = zjax.make_mesh(**mesh_axes)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(zjax.Rules().activations_for(mesh)):
+        got = jax.jit(grad)(x, gates, *w, ids)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_capacity_drops_the_later_rows_of_a_full_expert_and_counts_them():
+    """8 tokens, top-1 of 2 experts, factor 1: capacity ceil(1 x 8 x 1 / 2) = 4 rows per expert. Expert 0 is
+    chosen by tokens 0-5: tokens 4 and 5 are dropped (zero output), tokens 0-3 and 6-7 computed."""
+    x, _, _, (wg, wu, wd) = _inputs(b=1, s=8)
+    wg, wu, wd = wg[:2], wu[:2], wd[:2]
+    ids = jnp.array([[[0], [0], [0], [0], [0], [0], [1], [1]]])
+    gates = jnp.ones((1, 8, 1))
+    assert experts.capacity(8, 1, 2, 1.0) == 4
+    out, dropped = experts.expert_mlp(x, ids, gates, wg, wu, wd, capacity_factor=1.0)
+    assert float(dropped) == 2.0
+    want = _dense_reference(x, ids, gates, wg, wu, wd)
+    np.testing.assert_allclose(out[0, [0, 1, 2, 3, 6, 7]], want[0, [0, 1, 2, 3, 6, 7]], rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(out[0, 4:6]).max()) == 0.0
+
+
+def test_dropped_rows_are_summed_over_the_devices():
+    """Capacity is per device's tokens (GShard's groups): on dp=8 each device holds one row of 6 tokens."""
+    x, ids, gates, w = _inputs()
+    per_row = sum(
+        float(experts.expert_mlp(x[i : i + 1], ids[i : i + 1], gates[i : i + 1], *w, capacity_factor=0.5)[1])
+        for i in range(8)
+    )
+    mesh = zjax.make_mesh(dp=2, ep=4)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(zjax.Rules().activations_for(mesh)):
+        _, dropped = jax.jit(lambda *a: experts.expert_mlp(*a, capacity_factor=0.5))(x, ids, gates, *w)
+    assert per_row > 0 and float(dropped) == per_row
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """``jax.lax.ragged_all_to_all`` built from a dense all-to-all (XLA:CPU has no ragged one): each rank's
+    slice for rank r, padded to the operand's length, travels with its size and offset."""
+    n, ep = operand.shape[0], send_sizes.shape[0]
+    i = jnp.arange(n)
+    taken = jnp.take(operand, jnp.clip(input_offsets[:, None] + i, 0, n - 1), axis=0)
+    inside = (i < send_sizes[:, None]).reshape(ep, n, *([1] * (operand.ndim - 1)))
+    chunks = jnp.where(inside, taken, 0)  # [ep, n, ...]
+    swap = lambda a: jax.lax.all_to_all(a, axis_name, 0, 0, tiled=True)  # noqa: E731
+    chunks, sizes, offsets = swap(chunks), swap(send_sizes), swap(output_offsets)
+    for j in range(ep):
+        at = jnp.where(i < sizes[j], offsets[j] + i, output.shape[0])  # past the end: dropped
+        output = output.at[at].set(chunks[j].astype(output.dtype), mode="drop")
+    return output
+
+
+def test_the_ragged_exchange_sends_every_row_to_its_expert_and_back(monkeypatch):
+    """The offsets of the GPU path (only the rows cross ep), run here through an emulated ragged all-to-all."""
+    monkeypatch.setattr(_dispatch.jax.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
+    x, ids, gates, w = _inputs()
+    want = jax.value_and_grad(_loss, argnums=(0, 1, 2, 3, 4))(x, gates, *w, ids)
+    ragged = lambda x, g, a, b, c, i: jnp.sum(experts.expert_mlp(x, i, g, a, b, c, exchange="ragged")[0] ** 2)  # noqa: E731
+    mesh = zjax.make_mesh(dp=2, ep=4)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(zjax.Rules().activations_for(mesh)):
+        got = jax.jit(jax.value_and_grad(ragged, argnums=(0, 1, 2, 3, 4)))(x, gates, *w, ids)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _train(cfg, stage, steps=2, **mesh_axes):
+    model = Decoder(cfg)
+    plan = zjax.Plan(zjax.make_mesh(**mesh_axes), stage=stage, precision="fp32")
+    init = lambda r: model.init(r, jnp.zeros((1, cfg.max_len), jnp.int32))["params"]  # noqa: E731
+    state = plan.init(init, optax.adamw(1e-2), jax.random.key(0))
+    step = plan.train_step(lambda p, b: lm_loss(model, p, b))
+    tokens = np.random.RandomState(0).randint(0, cfg.vocab, (16, cfg.max_len + 1)).astype(np.int32)
+    losses = []
+    for _ in range(steps):
+        state, metrics = step(state, plan.shard_batch(tokens))
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), jax.device_get(state.opt_state.master), metrics
+
+
+@functools.cache
+def _reference():
+    return _train(TINY, 0, dp=8)
+
+
+def _same_training(stage, mesh_axes):
+    want, want_params, _ = _reference()
+    got, got_params, metrics = _train(TINY, stage, **mesh_axes)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    return got, metrics
+
+
+def test_a_moe_decoder_trains_the_same_on_ep_as_on_dp_and_reports_its_routers():
+    """ZeRO-3 with the experts over ep=4: the losses and the fp32 master weights of dp=8 (fp32); the step's
+    metrics carry the routers' losses and the tokens each expert was chosen for."""
+    losses, metrics = _same_training(3, {"dp": 2, "ep": 4})
+    aux = metrics["aux"]
+    tokens = np.asarray(aux["expert_tokens"])
+    assert tokens.shape == (TINY.layers, 8)
+    assert (tokens.sum(axis=1) == 16 * TINY.max_len * 2).all()  # every token chose top_k = 2 experts in every layer
+    assert float(aux["load_balance"]) >= 1.0  # E x sum f P >= 1 for top-2 (2 when balanced)
+    extra = TINY.moe.load_balance_weight * float(aux["load_balance"]) + 1e-3 * float(aux["z_loss"])
+    last = float(aux["ce"]) + extra  # the metrics are the last step's
+    assert losses[-1] == pytest.approx(last, rel=1e-6) and float(aux["dropped"]) == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize(
+    "mesh_axes", [{"dp": 4, "ep": 2}, {"dp": 2, "ep": 4}, {"dp": 2, "ep": 2, "tp": 2}, {"dp": 2, "ep": 2, "cp": 2}]
+)
+def test_every_stage_and_ep_trains_the_same(stage, mesh_axes):
+    _same_training(stage, mesh_axes)
+
+
+def test_gradients_reach_the_router_through_the_gates_and_through_the_auxiliary_losses():
+    """The router's gradient has two sources: the gates that weight the experts' outputs (the cross-entropy) and
+    the load-balancing and z-losses. Cutting either changes it (a stop_gradient in either path fails this test)."""
+    x = jax.random.normal(jax.random.key(1), (4, 6, TINY.embed))
+
+    def router_grad(moe: MoE, what: str):
+        layer = MoELayer(moe, TINY.embed, TINY.mlp)
+        params = layer.init(jax.random.key(0), x)["params"]
+
+        def loss(p):
+            out, stats = layer.apply({"params": p}, x)
+            main = jnp.sum(out**2) if what in ("all", "main") else 0.0
+            return main + (moe.loss(stats) if what in ("all", "aux") else 0.0)
+
+        return np.asarray(nn.unbox(jax.jit(jax.grad(loss))(params))["router"])
+
+    moe = MoE(experts=8, load_balance_weight=0.1, z_loss_weight=0.1)
+    main, aux, both = (router_grad(moe, w) for w in ("main", "aux", "all"))
+    assert np.abs(main).max() > 1e-4 and np.abs(aux).max() > 1e-4
+    np.testing.assert_allclose(both, main + aux, rtol=1e-4, atol=1e-7)
+
+
+def test_the_memory_formula_counts_experts_over_dp_and_dense_parameters_over_dp_x_ep():
+    """ZeRO-3 with ep=4, dp=2: every parameter's state over 8 devices (experts: ep x dp, the rest: dp x ep)."""
+    model = Decoder(TINY)
+    for stage in (3,):
+        plan = zjax.Plan(zjax.make_mesh(dp=2, ep=4), stage=stage)
+        init = lambda r: model.init(r, jnp.zeros((1, 16), jnp.int32))["params"]  # noqa: E731
+        state = plan.abstract_state(init, optax.adamw(1e-3), jax.random.key(0))
+        step = plan.train_step(lambda p, b: lm_loss(model, p, b))
+        report = step.memory_report(state, jax.ShapeDtypeStruct((16, 17), jnp.int32))
+        assert report.state_compiled == pytest.approx(report.state_theory, rel=0.01)
+        w_gate = state.layout.params.placements[
+            [p.leaf.path for p in state.layout.params.placements].index("layers/moe/w_gate")
+        ]
+        assert "ep" in str(w_gate.compute) and "dp" in str(w_gate.sharded) and "ep" in str(w_gate.sharded)
+
+
+def test_bad_configurations_say_what_works():
+    with pytest.raises(ValueError, match="top_k=9 is larger than experts=8"):
+        MoE(experts=8, top_k=9)
+    x, ids, gates, w = _inputs()
+    mesh = zjax.make_mesh(dp=1, ep=8)
+    six = [a[:6] for a in w]
+    rules = nn.logical_axis_rules(zjax.Rules().activations_for(mesh))
+    with jax.set_mesh(mesh), rules, pytest.raises(ValueError, match=r"6 experts cannot be split over ep=8; use an"):
+        jax.jit(experts.expert_mlp)(x, jnp.minimum(ids, 5), gates, *six)
+    dense = dataclasses.replace(TINY, moe=None)
+    with pytest.raises(ValueError, match=r"the mesh has ep=4 but the model has no experts"):
+        _train(dense, 0, steps=1, dp=2, ep=4)
+    with pytest.raises(ValueError, match="not supported yet.*use pp=1"):
+        zjax.models._decoder.pipeline_stage_fn(TINY)
