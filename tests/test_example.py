@@ -26,7 +26,7 @@ def run_example(tmp_path: Path, name: str, *flags: str) -> dict:
 def test_metrics_schema_and_determinism(tmp_path):
     a = run_example(tmp_path, "a", "--stage", "3", "--mesh", "dp=8", "--seed", "1")
     b = run_example(tmp_path, "b", "--stage", "3", "--mesh", "dp=8", "--seed", "1")
-    assert a["stage"] == 3 and a["mesh"] == {"replica": 1, "dp": 8, "cp": 1, "tp": 1, "pp": 1}
+    assert a["stage"] == 3 and a["mesh"] == {"replica": 1, "dp": 8, "ep": 1, "cp": 1, "tp": 1, "pp": 1}
     assert len(a["losses"]) == 4 and all(isinstance(x, float) for x in a["losses"])
     assert set(a["state_bytes_per_device"]) == {"theory", "compiled"}
     assert a["state_bytes_per_device"]["compiled"] == pytest.approx(a["state_bytes_per_device"]["theory"], rel=0.01)

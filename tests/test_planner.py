@@ -308,3 +308,30 @@ def test_async_starts_count_their_payload_once():
     assert comm.volume["collective-permute"] == 32 * 128 * 4 and comm.wire["collective-permute"] == 32 * 128 * 4
     assert comm.volume["all-gather"] == 64 * 256 * 2  # the gathered result
     assert comm.volume["all-reduce"] == 2 * (32 * 128 * 4 + 64 * 256 * 2)  # a combined all-reduce: both results
+
+
+# a ragged all-to-all as XLA:GPU (jaxlib 0.10.2) schedules zjax's expert dispatch over ep=4 (a deviceless H100
+# compile; names shortened): 512 rows sent into a 2,048-row buffer, then the buffer's rows sent back into 512
+GPU_RAGGED_HLO = """
+HloModule gpu_ragged, num_partitions=8
+
+ENTRY %main (x: bf16[512,128], y: bf16[2048,128], o: s64[4]) -> (bf16[2048,128], bf16[512,128]) {
+  %x = bf16[512,128]{1,0} parameter(0)
+  %y = bf16[2048,128]{1,0} parameter(1)
+  %o = s64[4]{0} parameter(2)
+  %go = ((bf16[512,128]{1,0}, bf16[2048,128]{1,0}, s64[4]{0}, s64[4]{0}, s64[4]{0}, /*index=5*/s64[4]{0}), bf16[2048,128]{1,0}) ragged-all-to-all-start(%x, %y, %o, %o, %o, /*index=5*/%o), replica_groups={{0,1,2,3},{4,5,6,7}}
+  %go-done = bf16[2048,128]{1,0} ragged-all-to-all-done(%go)
+  %back = ((bf16[2048,128]{1,0}, bf16[512,128]{1,0}, s64[4]{0}, s64[4]{0}, s64[4]{0}, /*index=5*/s64[4]{0}), bf16[512,128]{1,0}) ragged-all-to-all-start(%go-done, %x, %o, %o, %o, /*index=5*/%o), replica_groups={{0,1,2,3},{4,5,6,7}}
+  %back-done = bf16[512,128]{1,0} ragged-all-to-all-done(%back)
+  ROOT %t = (bf16[2048,128]{1,0}, bf16[512,128]{1,0}) tuple(%go-done, %back-done)
+}
+"""
+
+
+def test_a_ragged_all_to_all_counts_the_rows_it_can_send_once():
+    """Each way at most a rank's 512 rows cross (the receiving buffer holds ep x 512 for the worst case): counted
+    neither as the buffer nor as operand + buffer; with balanced routing 3/4 of them leave the device."""
+    comm = count_collectives(GPU_RAGGED_HLO)
+    rows = 512 * 128 * 2
+    assert comm.count["ragged-all-to-all"] == 2
+    assert comm.volume["ragged-all-to-all"] == 2 * rows and comm.wire["ragged-all-to-all"] == 2 * rows * 3 // 4

@@ -25,8 +25,16 @@ GPU_OVERLAP: dict[int, dict[str, Any]] = {
 }
 
 
-def compiler_options(stage_level: int, platform: str, enabled: bool) -> dict[str, Any] | None:
-    """The options for a step on ``platform`` at ``stage_level`` (None: XLA's defaults).
+DEVICELESS: dict[str, Any] = {"xla_gpu_enable_cub_radix_sort": False}
+"""For a GPU compile without a GPU (the planner's): XLA:GPU rewrites a large sort (an MoE's tokens sorted by
+expert, 8,192 rows and up) into CUB's radix sort, whose scratch size it asks the CUDA runtime for at compile time
+(measured: ``INTERNAL: CUDA Runtime error: Error loading CUDA libraries`` for Mixtral-8x7B at 4,096 tokens per
+device); XLA's own sort compiles without one. A real GPU keeps CUB."""
+
+
+def compiler_options(stage_level: int, platform: str, enabled: bool, deviceless: bool = False) -> dict[str, Any] | None:
+    """The options for a step on ``platform`` at ``stage_level`` (None: XLA's defaults); ``deviceless``: the
+    platform's devices are not this process's (:data:`DEVICELESS`).
 
     Only GPU compiles get them (real or deviceless). Pipelined plans get them too: with
     ``zero3_gather="layer"`` each stage's layer scan gathers and reduce-scatters per layer like the model's
@@ -34,6 +42,9 @@ def compiler_options(stage_level: int, platform: str, enabled: bool) -> dict[str
     dp collectives for 2.2 MiB more temporaries; circular R=4, M=8, 0.2 instead of 2.6 MiB for 2.5 MiB), and
     ``"step"`` compiles to the same program with or without them.
     """
-    if not enabled or platform != "gpu":
+    if platform != "gpu":
         return None
-    return dict(GPU_OVERLAP.get(stage_level, {})) or None
+    options = dict(GPU_OVERLAP.get(stage_level, {})) if enabled else {}
+    if deviceless:
+        options |= DEVICELESS
+    return options or None

@@ -151,7 +151,8 @@ class _CompiledFn:
     def _compiler_options(self) -> dict[str, Any] | None:
         plan = self.plan
         platform = str(plan.mesh.devices.flat[0].platform)
-        return compiler_options(plan.stage.level, platform, plan.gpu_overlap)
+        deviceless = platform != jax.default_backend()  # a target the planner compiles for without its devices
+        return compiler_options(plan.stage.level, platform, plan.gpu_overlap, deviceless)
 
     def _jit(self, state: TrainState, batch: Any):
         key = (jax.tree.structure(state), jax.tree.structure(batch))

@@ -37,7 +37,7 @@ def parse_mesh(text: str) -> dict[str, int]:
     sizes: dict[str, int] = {}
     for part in filter(None, text.replace(" ", "").split(",")):
         name, eq, value = part.partition("=")
-        if not eq or name not in ("replica", "dp", "cp", "tp", "pp") or not value.isdigit() or int(value) < 1:
+        if not eq or name not in ("replica", "dp", "ep", "cp", "tp", "pp") or not value.isdigit() or int(value) < 1:
             raise argparse.ArgumentTypeError(
                 f"--mesh: expected entries like dp=64,tp=2 or replica=8,dp=8 (HSDP), got {part!r}"
             )
@@ -91,7 +91,7 @@ def _plan_parser(sub) -> None:
         help="a preset (llama3-8b, llama3-70b, qwen2-7b, mistral-7b, llama2-7b, tiny, ...) or a Hugging Face "
         "config.json or checkpoint directory",
     )
-    p.add_argument("--mesh", type=parse_mesh, default={"dp": 8}, help="dp=64, dp=32,tp=2, replica=8,dp=8 (HSDP)")
+    p.add_argument("--mesh", type=parse_mesh, default={"dp": 8}, help="dp=64, dp=32,tp=2, replica=8,dp=8 (HSDP), dp=8,ep=8 (MoE)")
     p.add_argument("--stages", type=parse_ints, default=[0, 1, 2, 3])
     p.add_argument("--remat", default="full", help="remat policy (zjax.remat.POLICIES); comma list with --budget")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
@@ -200,7 +200,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"zjax plan: {e}", file=sys.stderr)
             return 2
-    rows = args.mesh.get("dp", 1) * args.mesh.get("replica", 1) * (pipeline.microbatches if pipeline else 1)
+    ranks = args.mesh.get("dp", 1) * args.mesh.get("replica", 1) * args.mesh.get("ep", 1)
+    rows = ranks * (pipeline.microbatches if pipeline else 1)
     if not args.accum or min(args.accum) < 1:
         print(f"zjax plan: --accum {args.accum}: give positive microbatch counts, e.g. 1,2,4", file=sys.stderr)
         return 2

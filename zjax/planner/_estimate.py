@@ -215,9 +215,9 @@ class Estimate:
 
 
 def _check_mesh(mesh: dict[str, int]) -> None:
-    unknown = sorted(set(mesh) - {"replica", "dp", "cp", "tp", "pp"})
+    unknown = sorted(set(mesh) - {"replica", "dp", "ep", "cp", "tp", "pp"})
     if unknown:
-        raise ValueError(f"planner: unknown mesh axes {unknown} in {mesh}; use replica (HSDP), dp, cp, tp and pp.")
+        raise ValueError(f"planner: unknown mesh axes {unknown} in {mesh}; use replica (HSDP), dp, ep, cp, tp and pp.")
     if any(not isinstance(v, int) or v < 1 for v in mesh.values()):
         raise ValueError(f"planner: mesh sizes must be positive ints, got {mesh}.")
 
@@ -273,6 +273,7 @@ def estimate_fn(
         tp=mesh.get("tp", 1),
         pp=mesh.get("pp", 1),
         cp=mesh.get("cp", 1),
+        ep=mesh.get("ep", 1),
         devices=devices,
     )
     backend = "gpu" if target is not None else "cpu"
@@ -356,10 +357,14 @@ def _pipeline_fields(schedule: Pipeline | None, stages: int) -> dict[str, Any]:
 
 
 def _data_volume(comm: Communication) -> int:
-    """The volume of ZeRO's traffic: collectives over the data-parallel axes (dp and/or replica, with cp where
-    ZeRO's shards span dp x cp); a collective over cp alone is attention's (keys and values), not ZeRO's."""
+    """The volume of ZeRO's traffic: collectives over the data-parallel axes (dp, replica and ep, with cp where
+    ZeRO's shards span dp x cp); a collective over cp alone is attention's (keys and values), not ZeRO's, and an
+    all-to-all is an MoE's token dispatch (over ep) or a reshard, never ZeRO's."""
+    data, zero = {"dp", "replica", "ep"}, {"dp", "replica", "ep", "cp"}
     return sum(
-        v for axes, v in comm.by_axes.items() if set(axes) & {"dp", "replica"} and set(axes) <= {"dp", "replica", "cp"}
+        v - comm.all_to_all_by_axes.get(axes, 0)
+        for axes, v in comm.by_axes.items()
+        if set(axes) & data and set(axes) <= zero
     )
 
 

@@ -5,7 +5,9 @@ bf16 collectives and never form reduce-scatters, so the numbers would not mean w
 
 Volumes follow the ZeRO paper: an all-reduce moves 2x its size (reduce-scatter + all-gather), an
 all-gather 1x its (full) result, a reduce-scatter 1x its (full) operand, an all-to-all and a
-collective-permute 1x their size. ``wire`` is what a ring sends per device: x (n-1)/n of the above
+collective-permute 1x their size, a ragged all-to-all the smaller of its data operand and its result (what it can
+send: the rows a rank holds, at most what a receiver's buffer takes; the rows that really cross depend on the
+routing, and balanced routing sends (n-1)/n of them). ``wire`` is what a ring sends per device: x (n-1)/n of the above
 (a permute sends all of it). An all-reduce whose every user is a ``dynamic-slice`` is counted as the
 reduce-scatter the GPU compiler turns it into. Collectives inside ``while`` loops count once per trip.
 """
@@ -22,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
 _DTYPE_BYTES: dict[str, float] = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
     "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
@@ -241,6 +243,10 @@ def collectives(hlo_text: str) -> list[Collective]:
             elif kind == "reduce-scatter":
                 operand = re.match(r"\s*([a-z0-9]+\[[0-9,]*\])", instr.rest)
                 vol = operands_bytes if operands_bytes else _bytes(operand.group(1)) if operand else size * n
+            elif kind == "ragged-all-to-all":
+                operand = re.match(r"\s*([a-z0-9]+\[[0-9,]*\])", instr.rest)  # the data, when shapes are printed
+                sent = operands_bytes if operands_bytes else _bytes(operand.group(1)) if operand else size
+                vol = min(sent, size)
             else:
                 vol = size
             ring = 1.0 if kind == "collective-permute" else (n - 1) / n if n > 1 else 0.0
@@ -293,13 +299,18 @@ def _top_level(type_text: str) -> list[str]:
 # async starts whose type is ``(operands, results, ...)``: XLA:GPU's all-gather and reduce-scatter
 # ``((operands), (results))``, all-to-all ``((operand), result)``, collective-permute ``(operand, result)``
 # (older versions add two u32[] contexts). An all-reduce-start's type is its result(s) alone.
-_OPERANDS_THEN_RESULTS = ("all-gather-start", "reduce-scatter-start", "all-to-all-start", "collective-permute-start")
+_OPERANDS_THEN_RESULTS = (
+    "all-gather-start", "reduce-scatter-start", "all-to-all-start", "collective-permute-start",
+    "ragged-all-to-all-start",
+)  # fmt: skip
 
 
 def _async_sizes(instr: _Instr) -> tuple[int | None, int | None]:
     """``(operand bytes, result bytes)`` of an async ``-start`` whose type holds its operands and then its
     results; ``(None, None)`` for other shapes of type (the whole type is then the result)."""
     parts = _top_level(instr.type_text)
+    if len(parts) >= 2 and instr.opcode == "ragged-all-to-all-start":  # ((data, output, 4 x offsets), result)
+        return _bytes(_top_level(parts[0])[0]), _bytes(parts[1])
     if len(parts) >= 2 and instr.opcode in _OPERANDS_THEN_RESULTS:
         return _bytes(parts[0]), _bytes(parts[1])
     return None, None
@@ -320,6 +331,9 @@ class Communication:
     # of by_axes: the volume of collectives the scheduler overlapped with compute (async, compute between
     # -start and -done); the rest is exposed. Synchronous collectives (XLA:CPU) count as exposed.
     overlapped_by_axes: dict[tuple[str, ...], int] = dataclasses.field(default_factory=dict)
+    # of by_axes: the volume of all-to-alls (dense and ragged), which ZeRO never uses: an MoE's token dispatch
+    # over ep, a reshard
+    all_to_all_by_axes: dict[tuple[str, ...], int] = dataclasses.field(default_factory=dict)
 
     @property
     def overlapped_volume(self) -> int:
@@ -355,6 +369,7 @@ def count_collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None) -
     count: dict[str, int] = dict.fromkeys(KINDS, 0)
     by_axes: dict[tuple[str, ...], int] = defaultdict(int)
     overlapped: dict[tuple[str, ...], int] = defaultdict(int)
+    all_to_all: dict[tuple[str, ...], int] = defaultdict(int)
     for c in collectives(hlo_text):
         volume[c.kind] += c.volume * c.trips
         wire[c.kind] += c.wire * c.trips
@@ -364,7 +379,9 @@ def count_collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None) -
             by_axes[axes] += c.volume * c.trips
         if c.overlapped:
             overlapped[axes] += c.volume * c.trips
-    return Communication(volume, wire, count, dict(by_axes), dict(overlapped))
+        if c.kind in ("all-to-all", "ragged-all-to-all"):
+            all_to_all[axes] += c.volume * c.trips
+    return Communication(volume, wire, count, dict(by_axes), dict(overlapped), dict(all_to_all))
 
 
 def partitioned_hlo(lowered: Any) -> tuple[Any, str]:
