@@ -312,19 +312,23 @@ def test_async_starts_count_their_payload_once():
 
 # a ragged all-to-all as XLA:GPU (jaxlib 0.10.2) schedules zjax's expert dispatch over ep=4 (a deviceless H100
 # compile; names shortened): 512 rows sent into a 2,048-row buffer, then the buffer's rows sent back into 512
-GPU_RAGGED_HLO = """
+_OFFSETS = "s64[4]{0}, s64[4]{0}, s64[4]{0}, /*index=5*/s64[4]{0}"
+_GROUPS = "replica_groups={{0,1,2,3},{4,5,6,7}}"
+GPU_RAGGED_HLO = f"""
 HloModule gpu_ragged, num_partitions=8
 
-ENTRY %main (x: bf16[512,128], y: bf16[2048,128], o: s64[4]) -> (bf16[2048,128], bf16[512,128]) {
-  %x = bf16[512,128]{1,0} parameter(0)
-  %y = bf16[2048,128]{1,0} parameter(1)
-  %o = s64[4]{0} parameter(2)
-  %go = ((bf16[512,128]{1,0}, bf16[2048,128]{1,0}, s64[4]{0}, s64[4]{0}, s64[4]{0}, /*index=5*/s64[4]{0}), bf16[2048,128]{1,0}) ragged-all-to-all-start(%x, %y, %o, %o, %o, /*index=5*/%o), replica_groups={{0,1,2,3},{4,5,6,7}}
-  %go-done = bf16[2048,128]{1,0} ragged-all-to-all-done(%go)
-  %back = ((bf16[2048,128]{1,0}, bf16[512,128]{1,0}, s64[4]{0}, s64[4]{0}, s64[4]{0}, /*index=5*/s64[4]{0}), bf16[512,128]{1,0}) ragged-all-to-all-start(%go-done, %x, %o, %o, %o, /*index=5*/%o), replica_groups={{0,1,2,3},{4,5,6,7}}
-  %back-done = bf16[512,128]{1,0} ragged-all-to-all-done(%back)
-  ROOT %t = (bf16[2048,128]{1,0}, bf16[512,128]{1,0}) tuple(%go-done, %back-done)
-}
+ENTRY %main (x: bf16[512,128], y: bf16[2048,128], o: s64[4]) -> (bf16[2048,128], bf16[512,128]) {{
+  %x = bf16[512,128]{{1,0}} parameter(0)
+  %y = bf16[2048,128]{{1,0}} parameter(1)
+  %o = s64[4]{{0}} parameter(2)
+  %go = ((bf16[512,128]{{1,0}}, bf16[2048,128]{{1,0}}, {_OFFSETS}), bf16[2048,128]{{1,0}}) \
+ragged-all-to-all-start(%x, %y, %o, %o, %o, /*index=5*/%o), {_GROUPS}
+  %go-done = bf16[2048,128]{{1,0}} ragged-all-to-all-done(%go)
+  %back = ((bf16[2048,128]{{1,0}}, bf16[512,128]{{1,0}}, {_OFFSETS}), bf16[512,128]{{1,0}}) \
+ragged-all-to-all-start(%go-done, %x, %o, %o, %o, /*index=5*/%o), {_GROUPS}
+  %back-done = bf16[512,128]{{1,0}} ragged-all-to-all-done(%back)
+  ROOT %t = (bf16[2048,128]{{1,0}}, bf16[512,128]{{1,0}}) tuple(%go-done, %back-done)
+}}
 """
 
 

@@ -91,7 +91,9 @@ def _plan_parser(sub) -> None:
         help="a preset (llama3-8b, llama3-70b, qwen2-7b, mistral-7b, llama2-7b, tiny, ...) or a Hugging Face "
         "config.json or checkpoint directory",
     )
-    p.add_argument("--mesh", type=parse_mesh, default={"dp": 8}, help="dp=64, dp=32,tp=2, replica=8,dp=8 (HSDP), dp=8,ep=8 (MoE)")
+    p.add_argument(
+        "--mesh", type=parse_mesh, default={"dp": 8}, help="dp=64, dp=32,tp=2, replica=8,dp=8 (HSDP), dp=8,ep=8 (MoE)"
+    )
     p.add_argument("--stages", type=parse_ints, default=[0, 1, 2, 3])
     p.add_argument("--remat", default="full", help="remat policy (zjax.remat.POLICIES); comma list with --budget")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
