@@ -269,11 +269,18 @@ def test_launch_drops_gloo_connection_lines_even_when_two_share_a_line():
 
 def test_hsdp_mesh_and_data_axes():
     mesh = zjax.make_mesh(dp=(2, 4))
-    assert dict(mesh.shape) == {"pp": 1, "replica": 2, "dp": 4, "cp": 1, "tp": 1}
+    assert dict(mesh.shape) == {"pp": 1, "replica": 2, "dp": 4, "ep": 1, "cp": 1, "tp": 1}
     assert zjax.sharding.data_axes(mesh) == ("replica", "dp") and zjax.sharding.data_size(mesh) == 8
     assert zjax.sharding.batch_spec(2, mesh) == jax.sharding.PartitionSpec(("replica", "dp"), None)
     assert zjax.sharding.data_axes(zjax.make_mesh(dp=8)) == ("dp",)
-    assert zjax.sharding.process_spans(mesh) == {"pp": False, "replica": False, "dp": False, "cp": False, "tp": False}
+    assert zjax.sharding.process_spans(mesh) == {
+        "pp": False,
+        "replica": False,
+        "dp": False,
+        "ep": False,
+        "cp": False,
+        "tp": False,
+    }
     with pytest.raises(ValueError, match=r"dp=\(2, 2, 2\) must be an int or a \(replica, shard\) pair"):
         zjax.make_mesh(dp=(2, 2, 2))
     with pytest.raises(ValueError, match="replica=3 x dp=4 x tp=1 x pp=1 = 12 devices, but 8 are available"):
@@ -284,7 +291,9 @@ def test_dcn_split_keeps_tp_inside_a_node():
     sizes = {"pp": 2, "replica": 4, "dp": 8, "tp": 8}
     assert zjax.sharding.dcn_split(sizes, 4) == {"pp": 1, "replica": 4, "dp": 1, "tp": 1}
     assert zjax.sharding.dcn_split(sizes, 16) == {"pp": 2, "replica": 4, "dp": 2, "tp": 1}
-    with pytest.raises(ValueError, match="cannot be divided among replica=1, pp=1 and dp=2 without putting cp or tp"):
+    with pytest.raises(
+        ValueError, match="cannot be divided among replica=1, pp=1 and dp=2 without putting ep, cp or tp"
+    ):
         zjax.sharding.dcn_split({"pp": 1, "replica": 1, "dp": 2, "tp": 8}, 4)
 
 

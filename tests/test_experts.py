@@ -44,7 +44,13 @@ def _loss(x, gates, wg, wu, wd, ids):
     return jnp.sum(out * out)
 
 
-MESHES = [{"dp": 8}, {"dp": 2, "ep": 4}, {"dp": 1, "ep": 8}, {"dp": 2, "ep": 2, "tp": 2}, {"dp": 2, "ep": 2, "cp": 2}]
+MESHES = [
+    pytest.param({"dp": 8}, marks=pytest.mark.slow),
+    {"dp": 2, "ep": 4},
+    pytest.param({"dp": 1, "ep": 8}, marks=pytest.mark.slow),
+    {"dp": 2, "ep": 2, "tp": 2},
+    pytest.param({"dp": 2, "ep": 2, "cp": 2}, marks=pytest.mark.slow),
+]
 
 
 def test_grouped_experts_equal_every_expert_on_every_token():
@@ -197,6 +203,7 @@ def test_gradients_reach_the_router_through_the_gates_and_through_the_auxiliary_
     np.testing.assert_allclose(both, main + aux, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.slow  # the GPU target's test checks the same formula
 def test_the_memory_formula_counts_experts_over_dp_and_dense_parameters_over_dp_x_ep():
     """ZeRO-3 with ep=4, dp=2: every parameter's state over 8 devices (experts: ep x dp, the rest: dp x ep)."""
     model = Decoder(TINY)
