@@ -276,3 +276,27 @@ def test_the_example_trains_moe_small_on_ep_as_on_dp(tmp_path):
     dp, ep = run("dp=8"), run("dp=2,ep=4")
     np.testing.assert_allclose(ep["losses"], dp["losses"], rtol=1e-5)
     assert ep["mesh"]["ep"] == 4 and ep["active_params"] < ep["num_params"] / 3
+
+
+def test_on_the_gpu_target_the_grouped_matmul_is_tokamaxs_kernel_not_a_dense_dot():
+    """XLA:GPU (jax 0.10.2) lowers jax.lax.ragged_dot to one dense matmul over every expert: 64 experts cost 64x
+    the temporaries. The GPU default is tokamax's Triton grouped matmul instead."""
+    from jax.sharding import SingleDeviceSharding
+
+    from zjax._overlap import DEVICELESS
+    from zjax.planner._gpu import cudnn_for_target, gpu_devices
+
+    on = SingleDeviceSharding(gpu_devices("h100", 1)[0])
+    rows = jax.ShapeDtypeStruct((4096, 512), jnp.bfloat16, sharding=on)
+    ids = jax.ShapeDtypeStruct((4096,), jnp.int32, sharding=on)
+    w_in = jax.ShapeDtypeStruct((64, 512, 256), jnp.bfloat16, sharding=on)
+    w_out = jax.ShapeDtypeStruct((64, 256, 512), jnp.bfloat16, sharding=on)
+    temps, texts = {}, {}
+    for grouped in ("xla", "tokamax"):
+        fn = lambda r, i, a, b, c, g=grouped: experts.grouped_swiglu(r, i, 64, a, b, c, g)  # noqa: E731
+        with cudnn_for_target("h100"):
+            compiled = jax.jit(fn).lower(rows, ids, w_in, w_in, w_out).compile(compiler_options=DEVICELESS)
+        temps[grouped], texts[grouped] = compiled.memory_analysis().temp_size_in_bytes, compiled.as_text()
+    assert "xla.gpu.triton" in texts["tokamax"] and "xla.gpu.triton" not in texts["xla"]
+    assert temps["xla"] >= 4096 * 64 * 512 * 2  # the rows spread over every expert's columns
+    assert temps["tokamax"] < temps["xla"] / 20

@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ..experts import EXCHANGES, expert_mlp
+from ..experts import EXCHANGES, GROUPED, expert_mlp
 from ._params import param
 
 F32 = jnp.float32
@@ -37,7 +37,7 @@ class MoE:
     the fraction of tokens that chose expert ``e`` and ``P_e`` its mean probability, as Hugging Face's
     Mixtral computes it; ``top_k`` when perfectly balanced) and ``z_loss_weight x`` the router z-loss
     (``mean(logsumexp(logits)^2)``, ST-MoE), both averaged over layers. ``exchange`` picks how rows cross
-    ``ep`` (:func:`zjax.experts.expert_mlp`; default by platform).
+    ``ep`` and ``grouped`` the grouped matmul (:func:`zjax.experts.expert_mlp`; both by platform by default).
     """
 
     experts: int = 8
@@ -49,6 +49,7 @@ class MoE:
     load_balance_weight: float = 0.01
     z_loss_weight: float = 0.0
     exchange: str | None = None
+    grouped: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("experts", "top_k"):
@@ -71,6 +72,8 @@ class MoE:
                 raise ValueError(f"MoE: {name}={getattr(self, name)} must be >= 0.")
         if self.exchange is not None and self.exchange not in EXCHANGES:
             raise ValueError(f"MoE: exchange={self.exchange!r}; use one of {list(EXCHANGES)} or None (by platform).")
+        if self.grouped is not None and self.grouped not in GROUPED:
+            raise ValueError(f"MoE: grouped={self.grouped!r}; use one of {list(GROUPED)} or None (by platform).")
 
     def expert_mlp(self, dense_mlp: int) -> int:
         return dense_mlp if self.mlp is None else self.mlp
@@ -121,7 +124,7 @@ class MoELayer(nn.Module):
         w_down = param(self, "w_down", (m.experts, f, e), ("expert", "mlp", "embed"))
         out, dropped = expert_mlp(
             h, ids, gates, w_gate, w_up, w_down, capacity_factor=m.capacity_factor,
-            exchange=m.exchange,  # type: ignore[arg-type]  # validated in MoE
+            exchange=m.exchange, grouped=m.grouped,  # type: ignore[arg-type]  # validated in MoE
         )  # fmt: skip
         if m.shared_mlp:
             s = m.shared_mlp

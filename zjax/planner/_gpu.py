@@ -56,12 +56,14 @@ def gpu_devices(target: str | GpuTarget, count: int) -> list[Any]:
 
 @contextlib.contextmanager
 def cudnn_for_target(target: str | GpuTarget) -> Iterator[None]:
-    """Answer JAX's cuDNN attention checks for ``target`` while a step is traced for it.
+    """Answer JAX's cuDNN attention checks, and tokamax's hardware check, for ``target`` while a step is traced
+    for it.
 
     ``jax.nn.dot_product_attention(implementation="cudnn")`` asks the *local* backend for the compute
     capability (a CPU here: every Hopper/Blackwell-only shape, e.g. head_dim 256, is rejected) and loads
-    cuDNN to read its version (absent: a RuntimeError). For a deviceless compile both answers come from the
-    target instead. This is the one place that touches those (private) checks.
+    cuDNN to read its version (absent: a RuntimeError). tokamax's kernels (an MoE's grouped matmul) ask the
+    machine whether it has a GPU (here: NotImplementedError). For a deviceless compile the answers come from
+    the target instead. This is the one place that touches those (private) checks.
     """
     from jax._src.cudnn import fused_attention_stablehlo as fa
 
@@ -79,9 +81,26 @@ def cudnn_for_target(target: str | GpuTarget) -> Iterator[None]:
     fa.check_compute_capability = at_least  # type: ignore[assignment]
     fa.is_cuda_compute_capability_equal = equal  # type: ignore[assignment]
     try:
-        yield
+        with _tokamax_cross_compiled():
+            yield
     finally:
         fa.check_cudnn_version, fa.check_compute_capability, fa.is_cuda_compute_capability_equal = saved
+
+
+@contextlib.contextmanager
+def _tokamax_cross_compiled() -> Iterator[None]:
+    """tokamax's kernels check that the machine has a GPU unless told they are cross-compiled (its public
+    ``cross_compile`` option, for kernels compiled where they do not run: a deviceless compile)."""
+    try:
+        import tokamax
+    except ImportError:  # not installed: an MoE then uses jax.lax.ragged_dot
+        yield
+        return
+    from ..experts._dispatch import absl_flags_parsed
+
+    absl_flags_parsed()
+    with tokamax.config.cross_compile(True):
+        yield
 
 
 def cost_analysis(compiled: Any) -> dict[str, float] | None:
