@@ -300,3 +300,34 @@ def test_on_the_gpu_target_the_grouped_matmul_is_tokamaxs_kernel_not_a_dense_dot
     assert "xla.gpu.triton" in texts["tokamax"] and "xla.gpu.triton" not in texts["xla"]
     assert temps["xla"] >= 4096 * 64 * 512 * 2  # the rows spread over every expert's columns
     assert temps["tokamax"] < temps["xla"] / 20
+
+
+@pytest.mark.slow  # checkpoints move between meshes in test_checkpoint's fast tests; this adds the experts' ep
+def test_a_run_saved_at_ep4_restores_at_ep1_and_the_reverse(tmp_path):
+    """The experts' state over ep x dp: a checkpoint written at dp=2 x ep=4 restores on dp=8 and back, bitwise,
+    each leaf in its new layout (experts whole over dp=8's ranks' ZeRO shards, then split over ep again)."""
+    model = Decoder(TINY)
+    init = lambda r: model.init(r, jnp.zeros((1, 16), jnp.int32))["params"]  # noqa: E731
+    tx = optax.adamw(1e-2)
+    plans = {
+        name: zjax.Plan(zjax.make_mesh(**axes), stage=3)
+        for name, axes in (("ep", {"dp": 2, "ep": 4}), ("dp", {"dp": 8}))
+    }
+    state = plans["ep"].init(init, tx, jax.random.key(0))
+    tokens = np.random.RandomState(0).randint(0, TINY.vocab, (16, 17)).astype(np.int32)
+    state, _ = plans["ep"].train_step(lambda p, b: lm_loss(model, p, b))(state, plans["ep"].shard_batch(tokens))
+    want = jax.device_get(state.opt_state.master)
+    with zjax.Checkpointer(tmp_path / "ep") as ckpt:
+        ckpt.save(state, plans["ep"], {"data_position": 1})
+    with zjax.Checkpointer(tmp_path / "ep") as ckpt:
+        on_dp, _ = ckpt.restore(plans["dp"], init, tx, jax.random.key(0))
+    w_gate = nn.unbox(on_dp.opt_state.master)["layers"]["moe"]["w_gate"]
+    assert "ep" not in str(w_gate.sharding.spec)
+    with zjax.Checkpointer(tmp_path / "dp") as ckpt:
+        ckpt.save(on_dp, plans["dp"], {"data_position": 1})
+    with zjax.Checkpointer(tmp_path / "dp") as ckpt:
+        back, _ = ckpt.restore(plans["ep"], init, tx, jax.random.key(0))
+    assert "ep" in str(nn.unbox(back.opt_state.master)["layers"]["moe"]["w_gate"].sharding.spec)
+    for got in (on_dp, back):
+        for a, b in zip(jax.tree.leaves(jax.device_get(got.opt_state.master)), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(a, b)

@@ -214,6 +214,7 @@ def test_loaded_loss_equals_the_tree_made_by_hand(checkpoints):
         assert float(got) == pytest.approx(float(want), rel=1e-5), mesh
 
 
+@pytest.mark.slow  # the Mixtral test above runs the same load path in the fast suite
 @pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe"])
 def test_qwen_moe_loss_equals_the_tree_made_by_hand(checkpoints, kind):
     # q/k/v biases and the shared expert (Qwen2-MoE), q/k norms (Qwen3-MoE) land where the decoder reads them
@@ -238,8 +239,10 @@ def test_qwen_moe_loss_equals_the_tree_made_by_hand(checkpoints, kind):
     "kind, mesh, scan",
     [
         ("mixtral", {"dp": 2, "ep": 4}, True),
-        ("qwen2_moe", {"dp": 2, "ep": 4}, True),
-        ("qwen3_moe", {"dp": 4, "ep": 2}, False),  # layer_{i}/moe/..., experts on the leading axis
+        pytest.param("qwen2_moe", {"dp": 2, "ep": 4}, True, marks=pytest.mark.slow),
+        pytest.param(
+            "qwen3_moe", {"dp": 4, "ep": 2}, False, marks=pytest.mark.slow
+        ),  # layer_{i}/moe/..., experts leading
     ],
 )
 def test_export_is_bitwise_the_import(checkpoints, tmp_path, kind, mesh, scan):
