@@ -331,3 +331,18 @@ def test_a_run_saved_at_ep4_restores_at_ep1_and_the_reverse(tmp_path):
     for got in (on_dp, back):
         for a, b in zip(jax.tree.leaves(jax.device_get(got.opt_state.master)), jax.tree.leaves(want), strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_nested_checkpointing_carries_the_routers_statistics():
+    """remat="nested" (a scan of scans) returns each layer's router statistics in layer order, as "full" does."""
+    cfg = dataclasses.replace(TINY, layers=4)
+    tokens = np.random.RandomState(1).randint(0, cfg.vocab, (4, 17)).astype(np.int32)
+    params = Decoder(cfg).init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))["params"]
+    out = {}
+    for remat in ("full", "nested"):
+        model = Decoder(dataclasses.replace(cfg, remat=remat))
+        out[remat] = jax.jit(jax.value_and_grad(lambda p, t, m=model: lm_loss(m, p, t), has_aux=True))(params, tokens)
+    for a, b in zip(jax.tree.leaves(out["nested"]), jax.tree.leaves(out["full"]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert out["nested"][0][1]["expert_tokens"].shape == (4, 8)

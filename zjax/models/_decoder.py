@@ -414,23 +414,19 @@ class Decoder(nn.Module):
         policy = RematPolicy.from_str(c.remat)
         schedule = pipeline.current()
         stats = None
-        if c.moe is not None and (schedule is not None or (c.scan and policy.kind == "nested")):
+        if c.moe is not None and schedule is not None:
             raise ValueError(
-                "Decoder: a mixture-of-experts model "
-                + ("under pipeline parallelism" if schedule is not None else f"with remat={c.remat!r}")
-                + " is not supported yet: its layers return router statistics that "
-                + ("the pipeline's stages" if schedule is not None else "the nested scan")
-                + " do not carry. Use "
-                + ("pp=1 (ep, tp, cp and every ZeRO stage work)" if schedule is not None else "remat='full'")
-                + "."
+                "Decoder: a mixture-of-experts model under pipeline parallelism is not supported yet: its layers "
+                "return router statistics that the pipeline's stages do not carry. Use pp=1 (ep, tp, cp, every "
+                "ZeRO stage and remat policy work)."
             )
         if schedule is not None and not self.is_initializing():
             stage_fn = pipeline_stage_fn(c, packed=positions is not None or segment_ids is not None)
             x = pipeline.apply(stage_fn, self.variables["params"]["layers"], x, schedule)
         elif c.scan and policy.kind == "nested" and not self.is_initializing():
             one = Block(c, load_balanced)
-            layer = lambda w, h: one.apply({"params": w}, h, positions, segment_ids)[0]  # noqa: E731
-            x = nested_scan(layer, self.variables["params"]["layers"], x, policy)
+            layer = lambda w, h: one.apply({"params": w}, h, positions, segment_ids)  # noqa: E731
+            x, stats = nested_scan(layer, self.variables["params"]["layers"], x, policy, outputs=True)
         elif c.scan:
             made = "full" if policy.kind == "nested" else policy  # init: the same stacked parameters
             stack = linen_scan(Block, c.layers, made, broadcast=True)(c, load_balanced, name="layers")
@@ -465,7 +461,7 @@ def pipeline_stage_fn(c: DecoderConfig, *, packed: bool = False) -> Callable[[An
     if c.moe is not None:
         raise ValueError(
             "Decoder: a mixture-of-experts model under pipeline parallelism is not supported yet (the stages do "
-            "not carry the router statistics); use pp=1: ep, tp, cp and every ZeRO stage work."
+            "not carry the router statistics); use pp=1: ep, tp, cp, every ZeRO stage and remat policy work."
         )
     if packed:
         raise ValueError(

@@ -52,7 +52,14 @@ def linen_scan(
     )
 
 
-def nested_scan(layer_fn: Callable[[Any, Any], Any], params: Any, x: Any, policy: str | RematPolicy = "nested") -> Any:
+def nested_scan(
+    layer_fn: Callable[[Any, Any], Any],
+    params: Any,
+    x: Any,
+    policy: str | RematPolicy = "nested",
+    *,
+    outputs: bool = False,
+) -> Any:
     """Apply ``layer_fn(layer_params, x) -> x`` over parameters stacked on a leading ``layers`` axis with
     nested checkpointing: a scan over groups of ``k`` layers, each group rematerialized as a whole (only its
     input is saved), each layer within it rematerialized too (a scan of scans; Chen et al. 2016).
@@ -62,20 +69,27 @@ def nested_scan(layer_fn: Callable[[Any, Any], Any], params: Any, x: Any, policy
     more forward pass than ``full`` (a group is recomputed, then each of its layers again). The parameters
     keep their ``[L, ...]`` layout (checkpoints and ZeRO shards do not change).
 
+    With ``outputs=True`` the layer returns ``(x, y)`` (e.g. a mixture of experts' router statistics) and the
+    scan returns ``(x, ys)``, each ``y`` stacked on a leading ``[L]`` axis in layer order.
+
     Example:
       >>> x = zjax.remat.nested_scan(lambda w, h: block.apply({"params": w}, h), params["layers"], x)
     """
     policy = RematPolicy.from_str(policy)
     layers = jax.tree.leaves(params)[0].shape[0]
     k = policy.group_size(layers)
-    layer = jax.checkpoint(layer_fn, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+    step = layer_fn if outputs else (lambda w, h: (layer_fn(w, h), None))
+    layer = jax.checkpoint(step, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
 
     @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
     def group(h: Any, ws: Any) -> Any:
-        return jax.lax.scan(lambda h_, w: (layer(w, h_), None), h, ws)[0]
+        return jax.lax.scan(lambda h_, w: layer(w, h_), h, ws)
 
     groups = jax.tree.map(lambda w: w.reshape(layers // k, k, *w.shape[1:]), params)
-    return jax.lax.scan(lambda h, ws: (group(h, ws), None), x, groups)[0]
+    x, ys = jax.lax.scan(group, x, groups)
+    if not outputs:
+        return x
+    return x, jax.tree.map(lambda y: y.reshape(layers, *y.shape[2:]), ys)
 
 
 def nnx_stack(make_layer: Callable[[nnx.Rngs], nnx.Module], length: int, rngs: nnx.Rngs) -> nnx.Module:
