@@ -23,6 +23,7 @@ the layout the ZeRO stage asks for (a reduce-scatter at stages 2-3) instead of a
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from typing import Literal
@@ -88,7 +89,13 @@ def _grouped_dot(x: jax.Array, w: jax.Array, sizes: jax.Array, grouped: Grouped)
         import tokamax  # optional: pip install "zjax[moe-gpu]"
 
         absl_flags_parsed()
-        return tokamax.ragged_dot(x, w, sizes, implementation="triton")
+        quiet = logging.getLogger("absl")  # tokamax logs each shape's autotuning-cache miss (then uses heuristics)
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            return tokamax.ragged_dot(x, w, sizes, implementation="triton")
+        finally:
+            quiet.setLevel(level)
     return jax.lax.ragged_dot(x, w, sizes)
 
 
