@@ -46,7 +46,7 @@ def _loss(x, gates, wg, wu, wd, ids):
 
 MESHES = [
     pytest.param({"dp": 8}, marks=pytest.mark.slow),
-    {"dp": 2, "ep": 4},
+    pytest.param({"dp": 2, "ep": 4}, marks=pytest.mark.slow),  # the ragged exchange's test runs ep=4 fast
     pytest.param({"dp": 1, "ep": 8}, marks=pytest.mark.slow),
     {"dp": 2, "ep": 2, "tp": 2},
     pytest.param({"dp": 2, "ep": 2, "cp": 2}, marks=pytest.mark.slow),
@@ -244,6 +244,7 @@ def dispatch_formula(cfg: DecoderConfig, tokens_per_device: int) -> int:
     return cfg.layers * (6 * rows * cfg.embed * 2 + 2 * rows * 4)
 
 
+@pytest.mark.slow  # a full GPU compile of the MoE step; the fast suite checks the kernel choice and the counter
 def test_on_the_gpu_target_rows_cross_ep_by_ragged_all_to_alls_as_the_formula_counts():
     """Deviceless XLA:GPU for 8 H100s, ZeRO-3, dp=2 x ep=4: the dispatch is ragged (only the rows cross), its bytes
     are the formula's, the state per device is the ZeRO formula's per group, and the experts' ZeRO traffic (over dp

@@ -11,6 +11,7 @@ import numpy as np
 
 from .sharding._batch import batch_shardings
 from .sharding._mesh import zero_size
+from .sharding._rules import spec_axes
 from .stages._layout import Unsharded
 from .stages._placement import shard_count
 
@@ -165,10 +166,6 @@ def theory_bytes(plan: Plan, state: TrainState, accum_steps: int = 1) -> tuple[i
     return psi, theory
 
 
-def _named(spec: Any) -> tuple[str, ...]:
-    return tuple(a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e))
-
-
 def _theory(plan: Plan, state: TrainState, accum_steps: int) -> tuple[int, float, dict[str, int]]:
     sizes = dict(plan.mesh.shape)
     stage, precision = plan.stage, plan.precision
@@ -177,7 +174,7 @@ def _theory(plan: Plan, state: TrainState, accum_steps: int) -> tuple[int, float
     # per parameter: its elements per device after model parallelism (tp, an expert's ep), before ZeRO's split,
     # and ZeRO's N for it (dp x ep x cp; an expert, split over ep already: dp x cp)
     groups = [
-        (math.prod(p.leaf.shape) / shard_count(p.compute, sizes), zero_size(plan.mesh, _named(p.compute)))
+        (math.prod(p.leaf.shape) / shard_count(p.compute, sizes), zero_size(plan.mesh, spec_axes(p.compute)))
         for p in layout.placements
     ]
     psi_mp = sum(numel for numel, _ in groups)

@@ -22,7 +22,7 @@ from .offload._update import streamed_update
 from .sharding._axes import DATA_AXES
 from .sharding._batch import check_batch
 from .sharding._mesh import data_axes, data_size, manual_data_axes, use_mesh_platform
-from .sharding._rules import Rules
+from .sharding._rules import Rules, spec_axes
 from .sharding._simulate import check_cpu_threads
 
 if TYPE_CHECKING:
@@ -51,10 +51,6 @@ def _takes(fn: Callable, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in params
-
-
-def _named(spec: PartitionSpec) -> list[str]:
-    return [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
 
 
 def _is_spec(x: Any) -> bool:
@@ -337,7 +333,7 @@ class TrainStep(_CompiledFn):
             and not jax.tree.leaves(model_state)  # batch statistics stay global-batch statistics
             and data_size(self.plan.mesh) > 1
             # a parameter split over a data axis (an expert over ep) cannot enter the per-rank shard_map whole
-            and not any(set(_named(p.compute)) & set(DATA_AXES) for p in layout.params.placements)
+            and not any(set(spec_axes(p.compute)) & set(DATA_AXES) for p in layout.params.placements)
         )
 
     def _grads_per_rank(self, layout: StateLayout, params: Any, batch: Any, scale: jax.Array, rng: jax.Array):

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ..sharding._rules import spec_axes
 from ._quantize import DEFAULT_BLOCK, dequantize, quantize
 
 QUANTIZED_COMM = ("weights",)
@@ -46,7 +47,7 @@ def use(placements: Sequence[Any], block: int = DEFAULT_BLOCK) -> Iterator[None]
     for p in placements:
         path, spec = tuple(p.leaf.path.split("/")), p.sharded
         specs[path] = tuple(spec) + (None,) * (len(p.leaf.shape) - len(spec))
-        zero[path] = frozenset(_named(spec)) - frozenset(_named(p.compute))  # an expert's ep stays split
+        zero[path] = frozenset(spec_axes(spec)) - frozenset(spec_axes(p.compute))  # an expert's ep stays split
     token = _ACTIVE.set(_Active(specs, zero, block))
     try:
         yield
@@ -84,10 +85,6 @@ def gathered(value: Any, path: Sequence[str]) -> Any:
 
 def _axes(entry: Any) -> tuple[str, ...]:
     return entry if isinstance(entry, tuple) else (entry,)
-
-
-def _named(spec: P) -> list[str]:
-    return [a for e in spec if e is not None for a in _axes(e)]
 
 
 def _quantized_gather(x: jax.Array, split: P, whole: P, dim: int, zero: tuple[str, ...], block: int) -> jax.Array:

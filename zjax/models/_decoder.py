@@ -155,6 +155,11 @@ _LLAMA3_8B = DecoderConfig(
     rope_theta=500000.0, norm_eps=1e-5,
 )  # fmt: skip
 
+_QWEN3_30B = DecoderConfig(
+    vocab=151936, embed=2048, layers=48, heads=32, head_dim=128, kv_heads=4, mlp=6144, max_len=40960,
+    rope_theta=1e6, qk_norm=True, moe=MoE(experts=128, top_k=8, mlp=768, load_balance_weight=0.001),
+)  # fmt: skip
+
 PRESETS: dict[str, DecoderConfig] = {
     "tiny": DecoderConfig(embed=64, layers=2, heads=2, head_dim=32, mlp=256, max_len=64),
     "small": DecoderConfig(),
@@ -173,32 +178,15 @@ PRESETS: dict[str, DecoderConfig] = {
         norm_eps=1e-5,
         moe=MoE(experts=8, top_k=2, load_balance_weight=0.02),
     ),
-    "qwen3-30b-a3b": DecoderConfig(
-        vocab=151936,
-        embed=2048,
-        layers=48,
-        heads=32,
-        head_dim=128,
-        kv_heads=4,
-        mlp=6144,
-        max_len=40960,
-        rope_theta=1e6,
-        qk_norm=True,
-        moe=MoE(experts=128, top_k=8, mlp=768, load_balance_weight=0.001),
-    ),
-    "qwen3-235b-a22b": DecoderConfig(
-        vocab=151936,
+    "qwen3-30b-a3b": _QWEN3_30B,
+    "qwen3-235b-a22b": dataclasses.replace(
+        _QWEN3_30B,
         embed=4096,
         layers=94,
         heads=64,
-        head_dim=128,
-        kv_heads=4,
         mlp=12288,
-        max_len=40960,
-        rope_theta=1e6,
-        qk_norm=True,
         moe=MoE(experts=128, top_k=8, mlp=1536, load_balance_weight=0.001),
-    ),
+    ),  # fmt: skip
     # "small" with 8 experts of half its MLP, 2 per token: the same matmul work per token, 4x the MLP parameters
     "moe-small": DecoderConfig(moe=MoE(experts=8, top_k=2, mlp=256, z_loss_weight=1e-3)),
     # the seeds' table: Llama-2-7B's sizes (6.74e9 parameters)

@@ -134,8 +134,9 @@ def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16
     load-balanced causal layout (:func:`zjax.context.load_balance`) before the model splits them over ``cp``.
 
     For a mixture-of-experts decoder (``DecoderConfig(moe=...)``) it returns ``(loss, metrics)``: the
-    cross-entropy plus the routers' weighted auxiliary losses, and the metrics of :func:`_with_experts`
-    (a train step puts them in its metrics' ``aux``).
+    cross-entropy plus the routers' weighted auxiliary losses, and ``ce``, ``load_balance`` and ``z_loss``
+    (means over layers), ``dropped`` rows and ``expert_tokens [layers, experts]`` (a train step puts them in its
+    metrics' ``aux``).
     """
     tokens, positions, segment_ids, loss_mask = read_batch(batch)
     weights = None if loss_mask is None else loss_mask[:, 1:].astype(jnp.float32)

@@ -59,6 +59,11 @@ def _as_axes(target: AxisTarget) -> tuple[str, ...]:
     return tuple(target)
 
 
+def spec_axes(spec: PartitionSpec) -> tuple[str, ...]:
+    """Every mesh axis a ``PartitionSpec`` names, in order."""
+    return tuple(a for entry in spec for a in _as_axes(entry))
+
+
 def _normalize_logical(rules: Any, field: str = "logical") -> tuple[tuple[str, AxisTarget], ...]:
     pairs = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
     seen: dict[str, AxisTarget] = {}

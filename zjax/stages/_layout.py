@@ -11,7 +11,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from ..sharding._annotations import Leaf
 from ..sharding._mesh import zero_target
-from ._placement import _axes, add_axis
+from ..sharding._rules import spec_axes
+from ._placement import add_axis
 from ._stage import Stage
 
 
@@ -50,7 +51,7 @@ class Layout:
         placements = []
         for leaf, spec in zip(leaves, compute, strict=True):
             # ZeRO's axes less those the compute spec already uses (an expert's weights are split over ep)
-            zero = zero_target(mesh, taken={a for e in spec for a in _axes(e)})
+            zero = zero_target(mesh, taken=spec_axes(spec))
             sharded, reason = add_axis(spec, leaf.shape, zero, sizes)
             placements.append(Placement(leaf, spec, sharded, reason))
         return cls(stage, mesh, treedef, tuple(placements))
