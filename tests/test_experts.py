@@ -347,3 +347,27 @@ def test_nested_checkpointing_carries_the_routers_statistics():
     for a, b in zip(jax.tree.leaves(out["nested"]), jax.tree.leaves(out["full"]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert out["nested"][0][1]["expert_tokens"].shape == (4, 8)
+
+
+def test_the_budget_search_takes_ep_out_of_dp_where_the_experts_divide():
+    from zjax.planner._fit import _ep_reason, with_ep
+
+    assert with_ep({"dp": 8}, 4) == {"dp": 2, "ep": 4} and with_ep({"dp": 2, "ep": 4}, 8) == {"dp": 1, "ep": 8}
+    assert with_ep({"dp": 8}, 0) == {"dp": 8}
+    assert _ep_reason(4, {"dp": 8}, TINY) is None
+    assert _ep_reason(3, {"dp": 8}, TINY) == "ep=3 does not divide the 8 data-parallel ranks (dp x ep)"
+    six = dataclasses.replace(TINY, moe=MoE(experts=6))
+    assert _ep_reason(4, {"dp": 8}, six) == "ep=4 does not divide the model's 6 experts"
+    assert _ep_reason(2, {"dp": 8}, dataclasses.replace(TINY, moe=None)) == "ep=2 needs a mixture-of-experts model"
+
+
+@pytest.mark.slow
+def test_the_budget_search_picks_the_largest_ep_that_fits_at_the_lowest_stage():
+    """Stage 0 on dp=8 holds every expert on every device; on ep=8 each device holds one: the search finds a stage-0
+    plan by taking ep out of dp before it tries a higher stage."""
+    budget = zjax.planner.estimate(TINY, mesh={"dp": 1, "ep": 8}, stages=(0,), batch_size=8, seq_len=16).rows[0]
+    found = zjax.planner.fit(
+        budget.compiled["total"], TINY, mesh={"dp": 8}, stages=(0, 3), remats=("full",), accums=(1,),
+        batch_size=8, seq_len=16, offloads=("none",), eps=(1, 2, 8),
+    )  # fmt: skip
+    assert found.row is not None and found.row.stage == 0 and found.row.mesh["ep"] == 8

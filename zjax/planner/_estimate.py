@@ -54,6 +54,7 @@ class Row:
     bubble: tuple[float, ...] = ()  # per pipeline stage: idle ticks / ticks of the schedule's table the step runs
     ticks: int = 0  # the table's ticks (the pipeline loop's trip count)
     in_flight: tuple[int, ...] = ()  # per pipeline stage: the most microbatch inputs it keeps (its activations)
+    mesh: dict[str, int] = dataclasses.field(default_factory=dict)  # the mesh it was compiled for
 
     @property
     def over_memory(self) -> bool:
@@ -75,6 +76,7 @@ class Row:
     def to_dict(self) -> dict[str, Any]:
         return {
             "stage": self.stage,
+            "mesh": dict(self.mesh),
             "remat": self.remat,
             "accum": self.accum,
             "theory": dict(self.theory),
@@ -336,6 +338,7 @@ def estimate_fn(
                 offload=offload.name,
                 offloaded=report.offloaded_bytes,
                 device_memory=get_target(target).memory_bytes if target is not None else None,
+                mesh={k: int(v) for k, v in device_mesh.shape.items()},
                 **_pipeline_fields(plan.pipeline, stages_pp),
             )
         )

@@ -10,7 +10,7 @@ from ..models import DecoderConfig
 from ..offload import Offload
 from ..pipeline import Pipeline
 from ..stages import Stage
-from ._estimate import Estimate, Row, estimate
+from ._estimate import Estimate, Row, estimate, resolve_model
 
 # cost order for the budget search: less communication first, then less recomputation, then fewer microbatches
 REMAT_COST = ("none", "dots_no_batch", "minimal", "dots", "save_qkv_proj", "save_out_proj", "full", "nested")
@@ -25,10 +25,12 @@ class Candidate:
     remat: str
     accum: int
     schedule: str = "-"  # the pipeline schedule (pp > 1), "-" without one
+    ep: int = 0  # the ep taken out of the data-parallel ranks (a mixture of experts); 0: the mesh as given
 
     def describe(self) -> str:
         text = f"stage {self.stage}, remat {self.remat}, {self.accum} microbatch(es)"
         text += f", schedule {self.schedule}" if self.schedule != "-" else ""
+        text += f", ep {self.ep}" if self.ep else ""
         return text + (f", offload {self.offload}" if self.offload != "none" else "")
 
 
@@ -56,6 +58,7 @@ def describe_skipped(skipped: Sequence[tuple[Candidate, str]]) -> list[str]:
 
         what = f"stage {values('stage')} x remat {values('remat')} x {values('accum')} microbatch(es) x offload "
         what += values("offload") + (f" x schedule {values('schedule')}" if cs[0].schedule != "-" else "")
+        what += f" x ep {values('ep')}" if cs[0].ep else ""
         lines.append(f"{what} ({len(cs)}): {reason}")
     return lines
 
@@ -68,6 +71,29 @@ def _schedule(base: Pipeline | None, c: Candidate, mesh: dict[str, int]) -> Pipe
     return dataclasses.replace(base, schedule=c.schedule)
 
 
+def with_ep(mesh: dict[str, int], ep: int) -> dict[str, int]:
+    """``mesh`` with ``ep`` taken out of its data-parallel ranks (``dp x ep`` stays the same); ``ep=0``: as given."""
+    if not ep:
+        return mesh
+    ranks = mesh.get("dp", 1) * mesh.get("ep", 1)
+    return {**mesh, "dp": ranks // ep, "ep": ep}
+
+
+def _ep_reason(ep: int, mesh: dict[str, int], cfg: DecoderConfig | None) -> str | None:
+    """Why ``ep`` cannot split ``mesh``'s data ranks or the model's experts, or ``None``."""
+    ranks = mesh.get("dp", 1) * mesh.get("ep", 1)
+    if not ep:
+        return None
+    if ranks % ep:
+        return f"ep={ep} does not divide the {ranks} data-parallel ranks (dp x ep)"
+    experts = cfg.moe.experts if cfg is not None and cfg.moe is not None else None
+    if ep > 1 and experts is None:
+        return f"ep={ep} needs a mixture-of-experts model"
+    if experts is not None and experts % ep:
+        return f"ep={ep} does not divide the model's {experts} experts"
+    return None
+
+
 def _reason(c: Candidate, batch_size: int, mesh: dict[str, int], base: Pipeline | None = None) -> str | None:
     """Why ``c`` cannot run at all (before compiling), or ``None``."""
     try:
@@ -76,12 +102,12 @@ def _reason(c: Candidate, batch_size: int, mesh: dict[str, int], base: Pipeline 
             schedule.check(mesh.get("pp", 1))
     except ValueError as e:  # e.g. interleaved-1f1b without repeats
         return str(e)
-    data = mesh.get("dp", 1) * mesh.get("replica", 1)
+    data = mesh.get("dp", 1) * mesh.get("replica", 1) * mesh.get("ep", 1)
     if batch_size % (c.accum * data):
         need = c.accum * data
         return (
             f"global batch {batch_size} does not split into {c.accum} microbatch(es) of whole rows per data-parallel "
-            f"rank (dp x replica = {data}): the batch must be a multiple of {need}, e.g. --batch-size "
+            f"rank (replica x dp x ep = {data}): the batch must be a multiple of {need}, e.g. --batch-size "
             f"{-(-batch_size // need) * need}"
         )
     try:
@@ -106,12 +132,15 @@ def fit(
     offloads: Sequence[str] = ("none", "optimizer", "optimizer+params"),
     pipeline: Pipeline | None = None,
     schedules: Sequence[str] = (),
+    eps: Sequence[int] = (),
 ) -> Fit:
-    """The cheapest (stage, remat, schedule, microbatches, offload) whose compiled per-device total fits in
+    """The cheapest (stage, ep, remat, schedule, microbatches, offload) whose compiled per-device total fits in
     ``budget``.
 
     Candidates are tried cheapest first: no offload before offload (PCIe traffic every step), then lower
-    stage (less communication), then less recomputation, then the pipeline schedule with the smaller
+    stage (less communication), then the larger ``ep`` of ``eps`` (a mixture of experts: its experts split over
+    more devices hold less state and cross dp less; ``dp x ep`` stays the mesh's), then less recomputation, then
+    the pipeline schedule with the smaller
     bubble (``schedules``, with ``pp`` > 1: ``pipeline``'s microbatches and repeats under each), then
     fewer microbatches. A candidate that cannot
     run (microbatches that do not divide the global batch, an offload the stage does not support) is listed
@@ -137,21 +166,23 @@ def fit(
     tried: list[Estimate] = []
     skipped: list[tuple[Candidate, str]] = []
     closest: Row | None = None
+    cfg = resolve_model(model)[1] if eps else None
     candidates = [
-        Candidate(off, stage, remat, accum, schedule)
+        Candidate(off, stage, remat, accum, schedule, ep)
         for off in [o for o in Offload.NAMES if o in offloads]
         for stage in sorted(stages)
+        for ep in sorted(eps or (0,), reverse=True)
         for remat in order
         for schedule in tables
         for accum in sorted(accums)
     ]
     for c in candidates:
-        reason = _reason(c, batch_size, mesh, base)
+        reason = _ep_reason(c.ep, mesh, cfg) or _reason(c, batch_size, with_ep(mesh, c.ep), base)
         if reason is not None:
             skipped.append((c, reason))
             continue
         est = estimate(
-            model, mesh=mesh, stages=(c.stage,), remat=c.remat, precision=precision,
+            model, mesh=with_ep(mesh, c.ep), stages=(c.stage,), remat=c.remat, precision=precision,
             batch_size=batch_size, seq_len=seq_len, accum=c.accum, target=target, offload=c.offload,
             pipeline=_schedule(base, c, mesh),
         )  # fmt: skip
