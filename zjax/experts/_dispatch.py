@@ -103,12 +103,15 @@ def grouped_swiglu(
     rows: jax.Array, ids: jax.Array, groups: int, w_gate, w_up, w_down, grouped: Grouped = "xla"
 ) -> jax.Array:
     """``down(silu(rows @ gate[e]) * (rows @ up[e]))`` for each row's expert ``e = ids[row]``; rows whose id is
-    ``groups`` (dropped, padding) come out zero. Three grouped matmuls over the rows sorted by expert."""
+    ``groups`` (dropped, padding) come out zero, their gradient too. Three grouped matmuls over the rows sorted
+    by expert; the rows past the last group are masked on the way in and out (a grouped-matmul kernel need not
+    write them)."""
     order = jnp.argsort(ids, stable=True)
     sizes = jnp.bincount(ids, length=groups).astype(jnp.int32)  # the id ``groups`` is not counted: rows at the end
-    x = rows[order]
+    valid = (ids[order] < groups)[:, None]
+    x = jnp.where(valid, rows[order], 0)
     h = jax.nn.silu(_grouped_dot(x, w_gate, sizes, grouped)) * _grouped_dot(x, w_up, sizes, grouped)
-    y = _grouped_dot(h.astype(rows.dtype), w_down, sizes, grouped)
+    y = jnp.where(valid, _grouped_dot(h.astype(rows.dtype), w_down, sizes, grouped), 0)
     return jnp.zeros_like(y).at[order].set(y)
 
 
