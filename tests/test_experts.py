@@ -214,6 +214,10 @@ def test_the_memory_formula_counts_experts_over_dp_and_dense_parameters_over_dp_
         step = plan.train_step(lambda p, b: lm_loss(model, p, b))
         report = step.memory_report(state, jax.ShapeDtypeStruct((16, 17), jnp.int32))
         assert report.state_compiled == pytest.approx(report.state_theory, rel=0.01)
+        groups = report.state_by_group  # bf16 + fp32 master + Adam: 14 bytes a parameter over its N
+        assert groups["experts"] == pytest.approx(TINY.num_expert_params / 4 * 14 / 2, rel=1e-3)  # ep=4, then dp=2
+        assert groups["dense"] == pytest.approx((TINY.num_params - TINY.num_expert_params) * 14 / 8, rel=1e-3)
+        assert groups["experts"] + groups["dense"] == pytest.approx(report.state_theory, abs=2)
         w_gate = state.layout.params.placements[
             [p.leaf.path for p in state.layout.params.placements].index("layers/moe/w_gate")
         ]

@@ -80,6 +80,8 @@ class MemoryReport:
     params_per_group: float = 0.0  # parameters per model-parallel (tp x pp) group: psi / tp for tp-split leaves
     host_bytes: int = 0  # host memory the program uses per device (host_* of memory_analysis: offloaded buffers)
     offloaded_bytes: int = 0  # state the layout keeps in pinned host memory, per device (from its placements)
+    # a mixture of experts: the formula's persistent state per device of its "experts" and its "dense" parameters
+    state_by_group: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def state_theory(self) -> int:
@@ -128,6 +130,7 @@ class MemoryReport:
             "offloaded_bytes": self.offloaded_bytes,
             "device_peak_bytes": self.device_peak_bytes,
             "dp_replicated": [dataclasses.asdict(u) for u in self.unsharded],
+            "state_by_group": dict(self.state_by_group),
         }
 
     def __str__(self) -> str:
@@ -162,11 +165,11 @@ class MemoryReport:
 
 def theory_bytes(plan: Plan, state: TrainState, accum_steps: int = 1) -> tuple[int, dict[str, int]]:
     """The ZeRO formula per device for ``state``: (parameter count, bytes by category)."""
-    psi, _, theory = _theory(plan, state, accum_steps)
+    psi, _, theory, _ = _theory(plan, state, accum_steps)
     return psi, theory
 
 
-def _theory(plan: Plan, state: TrainState, accum_steps: int) -> tuple[int, float, dict[str, int]]:
+def _theory(plan: Plan, state: TrainState, accum_steps: int) -> tuple[int, float, dict[str, int], dict[str, int]]:
     sizes = dict(plan.mesh.shape)
     stage, precision = plan.stage, plan.precision
     layout = state.layout.params
@@ -182,8 +185,17 @@ def _theory(plan: Plan, state: TrainState, accum_steps: int) -> tuple[int, float
     opt_per_param = inner_bytes / psi if psi else 0.0
     grad_bytes = 4 if accum_steps > 1 else precision.compute_bytes  # accumulation runs in fp32
 
-    def per_device(bytes_per_param: float, sharded: bool) -> int:
-        return round(sum(numel * bytes_per_param / (n if sharded else 1) for numel, n in groups))
+    def per_device(bytes_per_param: float, sharded: bool, pick=lambda i: True) -> int:
+        return round(
+            sum(numel * bytes_per_param / (n if sharded else 1) for i, (numel, n) in enumerate(groups) if pick(i))
+        )
+
+    def state_of(pick) -> int:
+        return (
+            per_device(precision.compute_bytes, stage.shard_parameters, pick)
+            + per_device(4 if precision.master_weights else 0, stage.shard_optimizer, pick)
+            + per_device(opt_per_param, stage.shard_optimizer, pick)
+        )
 
     theory = {
         "params": per_device(precision.compute_bytes, stage.shard_parameters),
@@ -191,7 +203,12 @@ def _theory(plan: Plan, state: TrainState, accum_steps: int) -> tuple[int, float
         "optimizer": per_device(opt_per_param, stage.shard_optimizer),
         "gradients": per_device(grad_bytes, stage.shard_gradients),
     }
-    return psi, psi_mp, theory
+    # a mixture of experts' parameters carry the logical axis name "expert" (zjax.models.MoE)
+    expert = [p.leaf.names is not None and "expert" in p.leaf.names for p in layout.placements]
+    by_group = (
+        {"experts": state_of(lambda i: expert[i]), "dense": state_of(lambda i: not expert[i])} if any(expert) else {}
+    )
+    return psi, psi_mp, theory, by_group
 
 
 def memory_report(plan: Plan, state: TrainState, batch: Any, step: TrainStep, compiled: Any = None) -> MemoryReport:
@@ -217,7 +234,7 @@ def memory_report(plan: Plan, state: TrainState, batch: Any, step: TrainStep, co
         _shard_bytes(x, s)
         for x, s in zip(jax.tree.leaves(batch), jax.tree.leaves(batch_shardings(batch, plan.mesh)), strict=True)
     )
-    psi, psi_mp, theory = _theory(plan, state, step.accum_steps)
+    psi, psi_mp, theory, by_group = _theory(plan, state, step.accum_steps)
     # host-placed state per device, from the layout (a deviceless mesh reports no memory kinds)
     placed, offload = state.layout.state_shardings(state.tx), state.layout.offload
     host_parts = [(state.opt_state, placed.opt_state)] if offload.optimizer else []
@@ -246,6 +263,7 @@ def memory_report(plan: Plan, state: TrainState, batch: Any, step: TrainStep, co
             + getattr(analysis, "host_temp_size_in_bytes", 0)
         ),
         offloaded_bytes=offloaded,
+        state_by_group=by_group,
     )
 
 

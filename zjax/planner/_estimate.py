@@ -55,6 +55,8 @@ class Row:
     ticks: int = 0  # the table's ticks (the pipeline loop's trip count)
     in_flight: tuple[int, ...] = ()  # per pipeline stage: the most microbatch inputs it keeps (its activations)
     mesh: dict[str, int] = dataclasses.field(default_factory=dict)  # the mesh it was compiled for
+    # a mixture of experts: the formula's persistent state per device of its "experts" and "dense" parameters
+    state_by_group: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def over_memory(self) -> bool:
@@ -77,6 +79,8 @@ class Row:
         return {
             "stage": self.stage,
             "mesh": dict(self.mesh),
+            "state_by_group": dict(self.state_by_group),
+            "comm_all_to_all_by_axes": {",".join(k) or "none": v for k, v in self.comm.all_to_all_by_axes.items()},
             "remat": self.remat,
             "accum": self.accum,
             "theory": dict(self.theory),
@@ -184,6 +188,12 @@ class Estimate:
         hsdp = self.mesh.get("replica", 1) > 1
         if hsdp:
             head += "; x-replica = the part of comm that crosses replica groups (nodes)"
+        experts = any(r.state_by_group for r in self.rows)
+        if experts:
+            head += (
+                "; experts / dense = the formula's state of the experts (ZeRO over dp x cp, split over ep) and of the "
+                "rest (ZeRO over dp x ep x cp); a2a = all-to-all volume (the tokens' dispatch over ep)"
+            )
         piped = any(r.schedule for r in self.rows)
         if piped:
             head += (
@@ -198,6 +208,7 @@ class Estimate:
         columns += [("x-replica", ">")] if hsdp else []
         columns += [("schedule", "<"), ("bubble", ">"), ("pp", ">")] if piped else []
         columns += [("offload", "<"), ("host", ">"), ("pcie", ">")] if offloaded else []
+        columns += [("experts", ">"), ("dense", ">"), ("a2a", ">")] if experts else []
         cells = []
         for r in self.rows:
             t, c = r.theory, r.compiled
@@ -211,6 +222,9 @@ class Estimate:
             bubble = f"{max(r.bubble, default=0):.1%}"
             row += [r.schedule or "-", bubble, f(r.comm.volume_across("pp"))] if piped else []
             row += [r.offload, f(r.offloaded), f(r.pcie_bytes)] if offloaded else []
+            groups = r.state_by_group
+            a2a = sum(r.comm.all_to_all_by_axes.values())
+            row += [f(groups.get("experts", 0)), f(groups.get("dense", 0)), f(a2a)] if experts else []
             cells.append(row)
         lines = [head, *text_table(columns, cells)]
         return "\n".join(lines)
@@ -339,6 +353,7 @@ def estimate_fn(
                 offloaded=report.offloaded_bytes,
                 device_memory=get_target(target).memory_bytes if target is not None else None,
                 mesh={k: int(v) for k, v in device_mesh.shape.items()},
+                state_by_group=dict(report.state_by_group),
                 **_pipeline_fields(plan.pipeline, stages_pp),
             )
         )
