@@ -130,9 +130,9 @@ def test_the_ragged_exchange_sends_every_row_to_its_expert_and_back(monkeypatch)
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-def _train(cfg, stage, steps=2, **mesh_axes):
+def _train(cfg, stage, steps=2, offload="none", **mesh_axes):
     model = Decoder(cfg)
-    plan = zjax.Plan(zjax.make_mesh(**mesh_axes), stage=stage, precision="fp32")
+    plan = zjax.Plan(zjax.make_mesh(**mesh_axes), stage=stage, precision="fp32", offload=offload)
     init = lambda r: model.init(r, jnp.zeros((1, cfg.max_len), jnp.int32))["params"]  # noqa: E731
     state = plan.init(init, optax.adamw(1e-2), jax.random.key(0))
     step = plan.train_step(lambda p, b: lm_loss(model, p, b))
@@ -149,9 +149,9 @@ def _reference():
     return _train(TINY, 0, dp=8)
 
 
-def _same_training(stage, mesh_axes):
+def _same_training(stage, mesh_axes, offload="none"):
     want, want_params, _ = _reference()
-    got, got_params, metrics = _train(TINY, stage, **mesh_axes)
+    got, got_params, metrics = _train(TINY, stage, offload=offload, **mesh_axes)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
@@ -179,6 +179,14 @@ def test_a_moe_decoder_trains_the_same_on_ep_as_on_dp_and_reports_its_routers():
 )
 def test_every_stage_and_ep_trains_the_same(stage, mesh_axes):
     _same_training(stage, mesh_axes)
+
+
+@pytest.mark.slow
+def test_ep_composes_with_hsdp_and_offload():
+    """Experts over ep inside an HSDP shard group (replica=2 x dp=2 x ep=2), and with the optimizer state in host
+    memory (ZeRO-Offload): the numbers of dp=8."""
+    _same_training(3, {"dp": (2, 2), "ep": 2})
+    _same_training(3, {"dp": 2, "ep": 4}, offload="optimizer")
 
 
 def test_gradients_reach_the_router_through_the_gates_and_through_the_auxiliary_losses():
