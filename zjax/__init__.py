@@ -4,6 +4,7 @@ from . import checkpoint as checkpoint
 from . import context as context
 from . import data as data
 from . import distributed as distributed
+from . import experts as experts
 from . import hf as hf
 from . import metrics as metrics
 from . import offload as offload
