@@ -43,7 +43,7 @@ def test_tp_fp16_accumulation(tmp_path):
         tmp_path, "c", "--stage", "2", "--mesh", "dp=4,tp=2", "--precision", "fp16", "--accum", "2", "--remat", "dots"
     )
     assert m["remat"] == "dots"
-    assert m["mesh"] == {"replica": 1, "dp": 4, "cp": 1, "tp": 2, "pp": 1}
+    assert m["mesh"] == {"replica": 1, "dp": 4, "ep": 1, "cp": 1, "tp": 2, "pp": 1}
     assert m["accum"] == 2 and m["final_step"] == 4
     assert all(math.isfinite(x) for x in m["losses"])
     # fp16 loss scaling: at most the first step overflows at the initial scale 2^15; each skip halves it
