@@ -1,7 +1,6 @@
 """The Llama-family decoder (Llama-2/3/3.1, Mistral, Qwen2, Mixtral and Qwen-MoE by configuration), its loss and
 its presets."""
 
-from ._decoder import PRESETS as PRESETS
 from ._decoder import Decoder as Decoder
 from ._decoder import DecoderConfig as DecoderConfig
 from ._decoder import RopeScaling as RopeScaling
@@ -12,3 +11,4 @@ from ._hf_config import from_hf_config as from_hf_config
 from ._loss import lm_loss as lm_loss
 from ._moe import MoE as MoE
 from ._moe import MoELayer as MoELayer
+from ._presets import PRESETS as PRESETS
