@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import flax.linen as nn
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -17,6 +18,8 @@ from zjax.context import Blocks, attention, balanced_order, load_balance
 from zjax.context._attention import _dense
 from zjax.models import Decoder, DecoderConfig, lm_loss
 from zjax.planner._hlo import collectives, count_collectives, partitioned_hlo, spanned_axes
+
+nn_rules = nn.logical_axis_rules
 
 # -- the blocked attention against XLA's dense attention -------------------------------------------------
 
@@ -62,6 +65,50 @@ def test_blocked_attention_equals_xla_attention(packed, window):
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for g, h in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(g, h, atol=2e-5)
+
+
+def test_the_pallas_flash_kernel_takes_packed_rows_and_equals_xla_attention():
+    """JAX's Pallas flash attention (GPU packed rows), run in its interpreter: with GQA and packed segments its
+    outputs and gradients equal XLA's dense attention, on one device and in its shard_map over a dp x tp mesh
+    (batch over dp, heads over tp); lengths and windows it does not take are refused by name."""
+    q, k, v = qkv(s=128)
+    seg = jnp.asarray(packed_segments(2, 128))
+    w = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v) * w)
+
+    want, want_grads = jax.value_and_grad(loss(lambda q, k, v: _dense(q, k, v, seg, None, "xla")), (0, 1, 2))(q, k, v)
+    flash = loss(lambda q, k, v: attention(q, k, v, segment_ids=seg, implementation="pallas"))
+    mesh = zjax.make_mesh(dp=2, tp=2, devices=jax.devices()[:4])
+    rules = (("batch", "dp"), ("heads", "tp"), ("kv_heads", "tp"))
+    for where in ("one device", "dp x tp"):
+        if where == "one device":
+            got, got_grads = jax.value_and_grad(flash, (0, 1, 2))(q, k, v)
+        else:
+            with jax.set_mesh(mesh), nn_rules(rules):
+                got, got_grads = jax.jit(jax.value_and_grad(flash, (0, 1, 2)))(q, k, v)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        for g, h in zip(got_grads, want_grads, strict=True):
+            np.testing.assert_allclose(g, h, atol=2e-5)
+    with pytest.raises(ValueError, match=r"multiple of 128.*length=64.*window=None"):
+        attention(*qkv(s=64), segment_ids=seg[:, :64], implementation="pallas")
+    with pytest.raises(ValueError, match=r"window=7"):
+        attention(q, k, v, segment_ids=seg, window=7, implementation="pallas")
+
+
+def test_gpus_take_the_flash_kernel_for_packed_rows_that_fit_it():
+    from zjax.context import attention_implementation
+    from zjax.sharding._mesh import _PLATFORM
+
+    token = _PLATFORM.set("gpu")
+    try:
+        pick = lambda **kw: attention_implementation(jnp.bfloat16, length=4096, **kw)  # noqa: E731
+        assert pick() == "cudnn" and pick(packed=True) == "pallas"
+        assert pick(packed=True, window=4096) == "blocked" and pick(packed=True, head_dim=512) == "blocked"
+        assert attention_implementation(jnp.float32, packed=True, length=4096) == "blocked"
+    finally:
+        _PLATFORM.reset(token)
 
 
 def test_blocked_attention_never_builds_the_score_matrix():

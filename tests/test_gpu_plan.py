@@ -126,6 +126,26 @@ def test_attention_runs_on_cudnn_for_the_gpu_target_and_on_xla_here(gpu_steps):
     assert attention_implementation(jnp.bfloat16) == "xla"  # this process's CPU devices
 
 
+def test_packed_rows_run_the_pallas_flash_kernels_on_the_gpu_target():
+    """Packed rows (segment ids) on GPUs: a dp x tp ZeRO-3 step compiles JAX's Pallas flash attention for H100
+    (Triton forward and backward kernels, inside its shard_map), never cuDNN (no segment ids) and never
+    the dense [S, S] path."""
+    cfg = dataclasses.replace(CFG, max_len=256)
+    mesh = zjax.make_mesh(dp=4, tp=2, devices=gpu_devices("h100", 8))
+    model = Decoder(cfg)
+    plan = zjax.Plan(mesh, stage=3, precision="bf16")
+    init = lambda r: model.init(r, jnp.zeros((1, cfg.max_len), jnp.int32))["params"]  # noqa: E731
+    state = plan.abstract_state(init, optax.adamw(1e-3), jax.random.key(0))
+    step = plan.train_step(lambda p, b: lm_loss(model, p, b))
+    rows = jax.ShapeDtypeStruct((8, cfg.max_len + 1), jnp.int32)
+    with cudnn_for_target("h100"):
+        text = step.lower(state, {"tokens": rows, "segment_ids": rows, "positions": rows}).compile().as_text()
+    assert {"mha_forward", "mha_backward"} <= set(re.findall(r"mha_\w+", text))
+    assert "__cudnn$fmha" not in text
+    scores = re.compile(rf"\[[^\]]*\b{cfg.max_len},{cfg.max_len}\]")  # an [.., S, S] array anywhere
+    assert not scores.search(text)
+
+
 def test_cudnn_checks_answer_for_the_target_and_are_restored():
     """JAX asks the local backend (a CPU: 'pre-Hopper', no cuDNN); for a target the answers are the target's."""
     from jax._src.cudnn import fused_attention_stablehlo as fa

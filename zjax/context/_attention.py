@@ -31,9 +31,10 @@ from ..sharding._axes import CP
 from ..sharding._mesh import in_manual_data_axes, mesh_platform
 from ..sharding._rules import _as_axes
 from ._blocked import Blocks, Chunk, block_backward, block_forward, merge
+from ._flash import flash, flash_fits
 from ._sequence import check_length, context_size, original_index
 
-Implementation = Literal["cudnn", "xla", "blocked"]
+Implementation = Literal["cudnn", "pallas", "xla", "blocked"]
 ContextMode = Literal["all-gather", "ring"]
 CONTEXT_MODES: tuple[str, ...] = ("all-gather", "ring")
 F32 = jnp.float32
@@ -43,16 +44,26 @@ DEFAULT_BLOCKS = Blocks()
 
 
 def attention_implementation(
-    dtype, *, packed: bool = False, length: int = 0, blocks: Blocks = DEFAULT_BLOCKS
+    dtype,
+    *,
+    packed: bool = False,
+    length: int = 0,
+    blocks: Blocks = DEFAULT_BLOCKS,
+    head_dim: int = 128,
+    window: int | None = None,
 ) -> Implementation:
-    """The local attention for a row of ``length`` tokens: ``"cudnn"`` for bf16/fp16 unpacked rows on a mesh of
-    GPUs, else ``"blocked"`` for packed rows and rows longer than one key block, else ``"xla"``."""
+    """The local attention for a row of ``length`` tokens. On a mesh of GPUs, for bf16/fp16: ``"cudnn"`` for
+    unpacked rows, ``"pallas"`` (a flash kernel with segment ids, :mod:`zjax.context._flash`) for packed
+    ones it takes. Else ``"blocked"`` for packed rows and rows longer than one key block, else ``"xla"``."""
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    gpu = mesh_platform() == "gpu" and half
+    if gpu and packed and pipeline.current() is None and flash_fits(length, head_dim, window):
+        return "pallas"
     # inside the pipeline's vmap over pp, or a shard_map manual over the data axes (per-rank gradients),
     # cuDNN attention's custom partitioner fails to partition (measured: an INTERNAL custom_partitioner
     # error compiling for H100)
     manual = pipeline.current() is not None or in_manual_data_axes()
-    if mesh_platform() == "gpu" and half and not packed and not manual:
+    if gpu and not packed and not manual:
         return "cudnn"
     return "blocked" if packed or length > blocks.k else "xla"
 
@@ -161,17 +172,17 @@ def _entry(spec: Any, dim: int) -> Any:
     return spec[dim] if spec is not None and dim < len(spec) else None
 
 
-def _manual_specs(segments: bool) -> tuple[tuple[P, ...], P, set[str]]:
+def _manual_specs(segments: bool, seq: tuple[str, ...] | None = (CP,)) -> tuple[tuple[P, ...], P, set[str]]:
     """The ``shard_map`` specs of ``(q5, k, v[, segment_ids])`` and of the output, over every mesh axis that
     is not manual already, read from the activation rules the model is traced under (batch over the data
-    axes, the sequence over cp, heads over tp): inside, every collective is one of ours."""
+    axes, the sequence over ``seq``, heads over tp): inside, every collective is one of ours."""
     mesh = jax.sharding.get_abstract_mesh()
     free = {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t != jax.sharding.AxisType.Manual}
     try:
         q = nn.logical_to_mesh_axes(("batch", "seq", "heads", "head_dim"))
         kv = nn.logical_to_mesh_axes(("batch", "seq", "kv_heads", "head_dim"))
     except ValueError:  # no activation rules (a bare jit under the mesh): only the sequence is split
-        q = kv = P(None, CP)
+        q = kv = P(None, seq)
     keep = lambda e: tuple(a for a in _as_axes(e) if a in free) or None  # noqa: E731
     batch, heads, kv_heads = keep(_entry(q, 0)), keep(_entry(q, 2)), keep(_entry(kv, 2))
     if heads != kv_heads:
@@ -179,7 +190,6 @@ def _manual_specs(segments: bool) -> tuple[tuple[P, ...], P, set[str]]:
             f"attention with cp > 1: the query heads are split over {heads} but the key/value heads over "
             f"{kv_heads}; map the logical names 'heads' and 'kv_heads' to the same mesh axes in Rules.activations."
         )
-    seq = (CP,)
     q5 = P(batch, seq, heads, None, None)
     kv_spec = P(batch, seq, heads, None)
     specs = (q5, kv_spec, kv_spec) + ((P(batch, seq),) if segments else ())
@@ -216,6 +226,30 @@ def _context_parallel(q5, k, v, segment_ids, *, window, scale, blocks, balanced:
     )(*args)
 
 
+def _flash_sharded(q5, k, v, segment_ids, scale: float) -> jax.Array:
+    """The Pallas flash kernel on each shard (batch over the data axes, heads over tp): a ``pallas_call``
+    has no partitioning rule of its own, so under ``jit`` it runs in a ``shard_map``."""
+    interpret = mesh_platform() != "gpu"
+
+    def local(q5, k, v, seg):
+        b, s, kh, g, d = q5.shape
+        out = flash(q5.reshape(b, s, kh * g, d), k, v, seg, scale=scale, interpret=interpret)
+        return out.reshape(q5.shape)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:  # called outside a mesh: one device
+        return local(q5, k, v, segment_ids)
+    in_specs, out_spec, free = _manual_specs(True, seq=None)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_spec,
+        axis_names=free,
+        check_vma=False,
+    )(q5, k, v, segment_ids)
+
+
 def attention(
     q: jax.Array,
     k: jax.Array,
@@ -241,8 +275,9 @@ def attention(
       load_balanced: the sequence is in :func:`zjax.context.load_balance`'s layout (masks then use each
         slot's original index). Without it the layout is contiguous.
       context_mode: ``"all-gather"`` (K/V gathered over ``cp``) or ``"ring"`` (K/V passed around it).
-      implementation: force ``"cudnn"``, ``"xla"`` or ``"blocked"`` when ``cp`` is 1 (default: chosen for
-        the devices, see :func:`attention_implementation`); with ``cp > 1`` the blocked attention runs.
+      implementation: force ``"cudnn"``, ``"pallas"`` (packed rows only; interpreted off a GPU), ``"xla"``
+        or ``"blocked"`` when ``cp`` is 1 (default: chosen for the devices, see
+        :func:`attention_implementation`); with ``cp > 1`` the blocked attention runs.
       blocks: the blocked attention's query and key block sizes.
 
     Raises:
@@ -271,8 +306,17 @@ def attention(
         )
         return out.reshape(q.shape).astype(q.dtype)
     chosen = implementation or attention_implementation(
-        q.dtype, packed=segment_ids is not None, length=length, blocks=blocks
+        q.dtype, packed=segment_ids is not None, length=length, blocks=blocks, head_dim=head_dim, window=window
     )
+    if chosen == "pallas":
+        if segment_ids is None or not flash_fits(length, head_dim, window):
+            raise ValueError(
+                f"attention: implementation='pallas' takes packed rows (segment_ids) of a length that is a "
+                f"multiple of 128, head_dim <= 256 and no sliding window; got length={length}, "
+                f"head_dim={head_dim}, window={window}, segment_ids={'given' if segment_ids is not None else None}. "
+                f"Use 'blocked' for the others."
+            )
+        return _flash_sharded(q5, k, v, segment_ids, scale).reshape(q.shape)
     if chosen == "cudnn" or chosen == "xla":
         return _dense(q, k, v, segment_ids, window, chosen)
     if cpu_half:
