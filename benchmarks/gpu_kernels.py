@@ -38,7 +38,7 @@ def _timed(fn, args, repeats: int) -> tuple[float, int | None]:
     return sorted(times)[len(times) // 2], None if memory is None else memory.temp_size_in_bytes
 
 
-def attention_rows(seq: int, tiny: bool, repeats: int) -> list[dict]:
+def attention_rows(seq: int, tiny: bool, repeats: int, sweep: list[tuple[int, ...]] = ()) -> list[dict]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -68,12 +68,27 @@ def attention_rows(seq: int, tiny: bool, repeats: int) -> list[dict]:
         cases.append(("xla", True))
     if gpu:
         cases.append(("cudnn", False))
+
+    def swept(sizes):  # the kernel alone (no mesh), at other block sizes
+        from jax.experimental.pallas.ops.gpu.attention import BlockSizes
+
+        from zjax.context._flash import flash
+
+        blocks = BlockSizes(*sizes)
+
+        def loss(q, k, v):
+            out = flash(q, k, v, seg, scale=1 / math.sqrt(head_dim), interpret=False, blocks=blocks)
+            return jnp.sum(out.astype(jnp.float32) * w), out
+
+        return lambda q, k, v: jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+
+    cases += [(f"pallas blocks={'/'.join(map(str, b))}", b) for b in sweep]
     reference = jax.jit(lambda q, k, v: attention(q, k, v, segment_ids=seg, implementation="blocked"))(q, k, v)
     rows = []
     for impl, packed in cases:
-        row = {"seq": seq, "implementation": impl, "packed": packed}
+        row = {"seq": seq, "implementation": impl, "packed": packed is not False}
         try:
-            fn = fwd_bwd(impl, packed)
+            fn = swept(packed) if isinstance(packed, tuple) else fwd_bwd(impl, packed)
             seconds, temp = _timed(fn, (q, k, v), repeats)
             (_, out), _ = jax.jit(fn)(q, k, v)
             diff = float(jnp.max(jnp.abs(out.astype(jnp.float32) - reference.astype(jnp.float32)))) if packed else None
@@ -128,19 +143,28 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seqs", default="8192,32768")
     parser.add_argument("--tokens", default="8192")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--flash-sweep",
+        default="",
+        help="GPU: Pallas attention BlockSizes to try (fwd q/k, dkv q/kv, dq q/kv), e.g. 128/64/64/64/64/64",
+    )
+    parser.add_argument("--sections", default="attention,grouped")
     args = parser.parse_args(argv)
     import jax
 
     tiny = args.tiny or jax.default_backend() != "gpu"
     seqs = [256] if tiny else [int(s) for s in args.seqs.split(",")]
     tokens = [64] if tiny else [int(t) for t in args.tokens.split(",")]
-    result = {
+    result: dict = {
         "device": str(jax.devices()[0].device_kind),
         "jax": jax.__version__,
         "tiny": tiny,
-        "attention": [row for s in seqs for row in attention_rows(s, tiny, args.repeats)],
-        "grouped_matmul": [row for t in tokens for row in grouped_rows(t, tiny, args.repeats)],
     }
+    sweep = [tuple(int(x) for x in b.split("/")) for b in args.flash_sweep.split(",") if b and not tiny]
+    if "attention" in args.sections:
+        result["attention"] = [row for s in seqs for row in attention_rows(s, tiny, args.repeats, sweep)]
+    if "grouped" in args.sections:
+        result["grouped_matmul"] = [row for t in tokens for row in grouped_rows(t, tiny, args.repeats)]
     if args.json is not None:
         from zjax import write_json_atomic
 

@@ -45,7 +45,8 @@ def step_figures(stage: int, tiny: bool) -> dict:
     n = jax.device_count()
     rows = max(n, 8 if tiny else 8 * n)
     model = Decoder(cfg)
-    plan = zjax.Plan(zjax.make_mesh(dp=n), stage=stage, precision="bf16")
+    # one device has no collectives to overlap: no overlap options (their names change between XLA versions)
+    plan = zjax.Plan(zjax.make_mesh(dp=n), stage=stage, precision="bf16", gpu_overlap=n > 1)
     init = lambda r: model.init(r, jnp.zeros((1, cfg.max_len), jnp.int32))["params"]  # noqa: E731
     state = plan.init(init, optax.adamw(1e-4), jax.random.key(0))
     step = plan.train_step(lambda p, b: lm_loss(model, p, b))
@@ -89,6 +90,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (the default without a GPU)")
     parser.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to time, e.g. 0,3")
     parser.add_argument("--no-adamw", action="store_true", help="skip the fused AdamW figures")
+    parser.add_argument("--adamw-sweep", default="", help="kernel block_size/num_warps to try, e.g. 4096/8,8192/8")
     args = parser.parse_args()
     import jax
 
@@ -100,7 +102,8 @@ def main() -> None:
 
     out: dict = {"device": str(jax.devices()[0].device_kind), "tiny": tiny}
     if not args.no_adamw:
-        out["fused_adamw"] = optimizer_update.main(["--params", str(1 << 16 if tiny else 1 << 28), "--repeats", "3"])
+        sizes = ["--params", str(1 << 16 if tiny else 1 << 28), "--repeats", "3", "--sweep", args.adamw_sweep]
+        out["fused_adamw"] = optimizer_update.main(sizes)
     # the measured peak is the process's: the first stage's is its own, a later one's at least the earlier's
     out["steps"] = [step_figures(int(stage), tiny) for stage in args.stages.split(",")]
     print(f"{'stage':>5}{'step s':>10}{'tok/s':>12}{'planned GB':>12}{'measured GB':>13}{'MFU':>8}")

@@ -35,19 +35,37 @@ def _time(fn, args, repeats: int) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
+def _time_threaded(fn, grad, master, state, repeats: int) -> float:
+    """Median seconds of ``fn(grad, master, state) -> (master, state, ...)`` with its outputs fed back in."""
+    import jax
+
+    master, state = fn(grad, master, state)[:2]
+    jax.block_until_ready(master)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        master, state = fn(grad, master, state)[:2]
+        jax.block_until_ready((master, state))
+        samples.append(time.perf_counter() - start)
+    return sorted(samples)[len(samples) // 2]
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--params", type=int, default=1 << 22)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--interpret", action="store_true", help="also time the Pallas kernel in interpret mode on CPU")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument(
+        "--sweep", default="", help="GPU: also time the kernel at these block_size/num_warps, e.g. 4096/8,8192/8"
+    )
     args = p.parse_args(argv)
 
     import jax
     import jax.numpy as jnp
     import optax
 
-    from zjax.pallas import fused_adamw
+    from zjax.pallas import FusedAdamWConfig, fused_adamw
 
     n = args.params
     gpu = jax.default_backend() == "gpu"
@@ -63,8 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
         p = optax.apply_updates(p, updates)
         return p, state, p.astype(jnp.bfloat16)
 
-    def fused_step(impl, interpret=None):
-        f = fused_adamw(1e-3, weight_decay=0.1, implementation=impl, interpret=interpret)
+    def fused_step(impl, interpret=None, config=None):
+        f = fused_adamw(1e-3, weight_decay=0.1, implementation=impl, interpret=interpret, config=config)
 
         def step(g, p, state):
             return f.fused_apply(
@@ -76,12 +94,14 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
 
     def measure(name, fn, state, bytes_per_param=None):
-        jitted = jax.jit(fn)
+        # master and state are donated, as in a train step: an update in place needs no copy of them
+        # (without donation, the kernel's in-place outputs cost XLA a copy of master, m and v first)
+        jitted = jax.jit(fn, donate_argnums=(1, 2))
         cost = jitted.lower(grad, master, state).compile().cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
         xla_bytes = float(cost.get("bytes accessed", 0.0)) / n if cost else None
         bpp = bytes_per_param if bytes_per_param is not None else xla_bytes
-        seconds = _time(jitted, (grad, master, state), args.repeats)
+        seconds = _time_threaded(jitted, grad, jnp.copy(master), state, args.repeats)
         rows.append(
             {
                 "impl": name,
@@ -98,6 +118,10 @@ def main(argv: list[str] | None = None) -> dict:
     if gpu or args.interpret:
         f_pl, step_pl = fused_step("pallas", interpret=None)
         measure("fused-pallas" + ("" if gpu else " (interpret)"), step_pl, f_pl.init(master), KERNEL_BYTES_PER_PARAM)
+    for item in filter(None, args.sweep.split(",")) if gpu else ():
+        block, warps = (int(x) for x in item.split("/"))
+        f_sw, step_sw = fused_step("pallas", config=FusedAdamWConfig(block_size=block, num_warps=warps))
+        measure(f"fused-pallas b={block} w={warps}", step_sw, f_sw.init(master), KERNEL_BYTES_PER_PARAM)
     copy = jax.jit(lambda x: x * 1.0)
     blob = jnp.zeros((KERNEL_BYTES_PER_PARAM * n // 8,), jnp.float32)  # reads + writes 28 bytes per param
     copy_seconds = _time(copy, (blob,), args.repeats)

@@ -312,7 +312,7 @@ def attention(
         if segment_ids is None or not flash_fits(length, head_dim, window):
             raise ValueError(
                 f"attention: implementation='pallas' takes packed rows (segment_ids) of a length that is a "
-                f"multiple of 128, head_dim <= 256 and no sliding window; got length={length}, "
+                f"multiple of 128, head_dim <= 128 and no sliding window; got length={length}, "
                 f"head_dim={head_dim}, window={window}, segment_ids={'given' if segment_ids is not None else None}. "
                 f"Use 'blocked' for the others."
             )
