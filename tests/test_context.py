@@ -240,6 +240,76 @@ def test_context_parallel_composes_with_deferred_reduction_and_offload():
     check_same(train({"dp": 2, "cp": 4}, stage=3, offload="optimizer"), reference())
 
 
+CFG4 = dataclasses.replace(CFG, layers=4)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "mode", "stage", "repeats"),
+    [
+        ("gpipe", "all-gather", 3, 1),
+        ("1f1b", "all-gather", 0, 1),
+        pytest.param("interleaved-1f1b", "all-gather", 3, 2, marks=pytest.mark.slow),
+        pytest.param("zero-bubble", "all-gather", 1, 1, marks=pytest.mark.slow),
+        pytest.param("gpipe", "ring", 2, 2, marks=pytest.mark.slow),  # the circular schedule
+    ],
+)
+def test_context_parallel_runs_inside_a_pipeline(schedule, mode, stage, repeats):
+    """dp=2 x pp=2 x cp=2: each stage's layers see their sequence split over cp (load-balanced positions made
+    inside the stage), every schedule; losses and parameters equal the dp=8 run's."""
+    cfg = dataclasses.replace(CFG4, context_mode=mode)
+    pipe = zjax.Pipeline(microbatches=4, schedule=schedule, repeats=repeats)
+    check_same(train({"dp": 2, "pp": 2, "cp": 2}, stage=stage, cfg=cfg, pipeline=pipe), reference(CFG4))
+
+
+def test_the_ring_inside_a_table_schedule_is_refused_by_name():
+    cfg = dataclasses.replace(CFG4, context_mode="ring")
+    with pytest.raises(ValueError, match="context_mode='ring' inside the table schedule '1f1b'.*all-gather"):
+        train({"dp": 2, "pp": 2, "cp": 2}, cfg=cfg, pipeline=zjax.Pipeline(microbatches=4, schedule="1f1b"))
+
+
+def test_a_pipeline_splits_its_sequences_over_cp():
+    """pp=2 x cp=4 against pp=2 x dp=4 with the same rows per microbatch per device: the stages' activations
+    are a quarter as long (temporaries at most half), and K/V cross cp inside the pipeline."""
+    seq = 256
+    cfg = dataclasses.replace(CFG4, max_len=seq)
+
+    def compiled(mesh_kw, rows):
+        model = Decoder(cfg)
+        plan = zjax.Plan(zjax.make_mesh(**mesh_kw), stage=0, precision="fp32", pipeline=zjax.Pipeline(microbatches=2))
+        init = lambda r: model.init(r, jnp.zeros((1, seq), jnp.int32))["params"]  # noqa: E731
+        state = plan.abstract_state(init, optax.sgd(0.1), jax.random.key(0))
+        batch = jax.ShapeDtypeStruct((rows, seq + 1), jnp.int32)
+        step = plan.train_step(lambda p, b: lm_loss(model, p, b))
+        return step.lower(state, batch).compile(), dict(state.layout.mesh.shape)
+
+    split, mesh = compiled({"pp": 2, "cp": 4}, 4)
+    whole, _ = compiled({"pp": 2, "dp": 4}, 16)
+    assert split.memory_analysis().temp_size_in_bytes < whole.memory_analysis().temp_size_in_bytes / 2
+    assert count_collectives(split.as_text(), mesh).by_axes.get(("cp",), 0) > 0
+
+
+def test_the_budget_search_takes_cp_out_of_dp_when_the_sequences_are_fewer_than_the_devices():
+    """Two 1,024-token rows on 8 devices: at fixed global batch cp does not cut the tokens per device, it lets
+    fewer rows than devices run. The search skips cp=1 and 2 (2 rows do not split over 8 or 4 data ranks) and
+    cp=3 (does not divide dp x cp), each with its reason, and plans cp=4 (dp=2) at stage 0."""
+    from zjax.planner._fit import _cp_reason, with_cp
+
+    assert with_cp({"dp": 8}, 4) == {"dp": 2, "cp": 4} and with_cp({"dp": 2, "cp": 4}, 0) == {"dp": 2, "cp": 4}
+    assert _cp_reason(4, {"dp": 8}, 1004) == (
+        "cp=4 does not split the 1004-token sequence into 2 x cp = 8 load-balanced chunks"
+    )
+    cfg = dataclasses.replace(CFG, max_len=1024)
+    found = zjax.planner.fit(
+        float("inf"), cfg, mesh={"dp": 8}, stages=(0,), remats=("full",), accums=(1,), batch_size=2,
+        seq_len=1024, offloads=("none",), cps=(1, 2, 3, 4, 8),
+    )  # fmt: skip
+    assert found.row is not None and found.row.mesh == {**found.row.mesh, "dp": 2, "cp": 4}
+    assert [e.rows[0].mesh["cp"] for e in found.tried] == [4]
+    why = {c.cp: reason for c, reason in found.skipped}
+    assert "global batch 2 does not split" in why[1] and "global batch 2 does not split" in why[2]
+    assert why[3] == "cp=3 does not divide the 8 ranks of dp x cp"
+
+
 def compiled_text(mesh_kw, mode="all-gather", stage=3, rules=None, partitioned=False):
     cfg = dataclasses.replace(CFG, context_mode=mode)
     model = Decoder(cfg)

@@ -22,7 +22,7 @@ from .offload._config import Offload
 from .offload._update import check_streamable
 from .pipeline import Pipeline, initializing
 from .sharding._annotations import Leaf, path_str, read_leaves, unbox
-from .sharding._axes import CP, DP, MESH_AXES, PP
+from .sharding._axes import DP, MESH_AXES, PP
 from .sharding._batch import shard_batch
 from .sharding._mesh import axis_size
 from .sharding._rules import Rules
@@ -123,12 +123,6 @@ class Plan:
             )
         if self.pipeline is not None:
             self.pipeline.check(stages)
-            if axis_size(self.mesh, CP) > 1:
-                raise ValueError(
-                    f"Plan: a pipeline on a mesh with {CP}={axis_size(self.mesh, CP)} is not supported yet (the "
-                    "pipeline's stages run inside a shard_map over the data axes that does not split sequences). "
-                    f"Use {CP}=1 with pp={stages}, or fold the pp devices into {CP} or dp."
-                )
         object.__setattr__(self, "stage", Stage.from_value(self.stage))
         if self.pipeline is not None:
             object.__setattr__(self, "pipeline", self.pipeline.for_stage(self.stage))

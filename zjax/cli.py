@@ -136,6 +136,12 @@ def _plan_parser(sub) -> None:
         default=None,
         help="with --budget, a mixture of experts: the ep sizes the search may take out of dp x ep (e.g. 1,2,4,8)",
     )
+    p.add_argument(
+        "--cp",
+        type=parse_ints,
+        default=None,
+        help="with --budget, the cp sizes the search may take out of dp x cp, smallest first (e.g. 1,2,4,8)",
+    )
     p.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches when pp > 1 (default 2 x pp)")
     p.add_argument("--repeats", type=int, default=1, help="pipeline repeats: chunks of layers per stage")
     p.add_argument(
@@ -210,10 +216,12 @@ def _run_plan(args: argparse.Namespace) -> int:
             return 2
     ranks = args.mesh.get("dp", 1) * args.mesh.get("replica", 1) * args.mesh.get("ep", 1)
     rows = ranks * (pipeline.microbatches if pipeline else 1)
-    if args.ep is not None and (args.budget is None or not args.ep or min(args.ep) < 1):
-        print(f"zjax plan: --ep {args.ep}: give positive ep sizes with --budget (without it, put ep in --mesh)",
-              file=sys.stderr)  # fmt: skip
-        return 2
+    for name in ("ep", "cp"):
+        sizes = getattr(args, name)
+        if sizes is not None and (args.budget is None or not sizes or min(sizes) < 1):
+            print(f"zjax plan: --{name} {sizes}: give positive {name} sizes with --budget (without it, put {name} "
+                  "in --mesh)", file=sys.stderr)  # fmt: skip
+            return 2
     if not args.accum or min(args.accum) < 1:
         print(f"zjax plan: --accum {args.accum}: give positive microbatch counts, e.g. 1,2,4", file=sys.stderr)
         return 2
@@ -250,7 +258,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                 limit.usable, args.model, mesh=args.mesh, stages=args.stages, remats=remats, accums=args.accum,
                 precision=args.precision, batch_size=batch, seq_len=args.seq_len, target=args.target,
                 offloads=offloads, pipeline=pipeline, schedules=names if pipeline is not None else (),
-                eps=args.ep or (),
+                eps=args.ep or (), cps=args.cp or (),
             )  # fmt: skip
             est = type(tried[0])(**{**tried[0].__dict__, "rows": tuple(r for e in tried for r in e.rows)})
             print(est)

@@ -26,7 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from .. import pipeline
-from ..context import CONTEXT_MODES, attention, check_sequence
+from ..context import CONTEXT_MODES, attention, check_sequence, load_balance
 from ..remat import RematPolicy, gather_checkpoint, linen_scan, nested_scan, partition_checkpoint
 from ..sharding._axes import EP
 from ..sharding._rules import RESIDUAL_SEQ
@@ -325,7 +325,8 @@ class Decoder(nn.Module):
                 "ZeRO stage and remat policy work)."
             )
         if schedule is not None and not self.is_initializing():
-            stage_fn = pipeline_stage_fn(c, packed=positions is not None or segment_ids is not None)
+            packed = segment_ids is not None or (positions is not None and not load_balanced)
+            stage_fn = pipeline_stage_fn(c, packed=packed, load_balanced=load_balanced)
             x = pipeline.apply(stage_fn, self.variables["params"]["layers"], x, schedule)
         elif c.scan and policy.kind == "nested" and not self.is_initializing():
             one = Block(c, load_balanced)
@@ -352,7 +353,15 @@ class Decoder(nn.Module):
         return nn.with_logical_constraint(x @ head.astype(x.dtype), ("batch", "seq", "vocab"))
 
 
-def pipeline_stage_fn(c: DecoderConfig, *, packed: bool = False) -> Callable[[Any, jax.Array], jax.Array]:
+PACKED_UNDER_PIPELINE = (
+    "Decoder: packed sequences (positions / segment_ids) are not supported under pipeline parallelism yet; "
+    "train with pp=1, or pass unpacked sequences (tokens only)."
+)
+
+
+def pipeline_stage_fn(
+    c: DecoderConfig, *, packed: bool = False, load_balanced: bool = False
+) -> Callable[[Any, jax.Array], jax.Array]:
     """The ``stage_fn`` of :func:`zjax.pipeline.apply` / :func:`zjax.pipeline.loss` for a decoder: each stage
     scans its layers, rematerialized per layer by the model's policy.
 
@@ -368,18 +377,29 @@ def pipeline_stage_fn(c: DecoderConfig, *, packed: bool = False) -> Callable[[An
             "not carry the router statistics); use pp=1: ep, tp, cp, every ZeRO stage and remat policy work."
         )
     if packed:
-        raise ValueError(
-            "Decoder: packed sequences (positions / segment_ids) are not supported under pipeline "
-            "parallelism yet; train with pp=1, or pass unpacked sequences (tokens only)."
-        )
+        raise ValueError(PACKED_UNDER_PIPELINE)
     if policy.partition:
         raise ValueError(
             f"Decoder: remat={c.remat!r} under pipeline parallelism: ZeRO-R partitioned checkpoints "
             "split over tp with a shard_map, which cannot run inside the pipeline's per-stage vmap. Use "
             f"remat={policy.name.removesuffix('+partitioned')!r} with a pipeline."
         )
-    one = Block(c, False)
-    return pipeline.scan_layers(lambda w, h: one.apply({"params": w}, h)[0], policy)
+    schedule = pipeline.current()
+    if load_balanced and c.context_mode == "ring" and schedule is not None and schedule.tabled:
+        # measured on XLA:CPU: the ring's permutes inside the schedule's per-stage lax.switch give NaN losses
+        raise ValueError(
+            f"Decoder: context_mode='ring' inside the table schedule {schedule.schedule!r} is not supported: "
+            "its K/V permutes would run inside the schedule's per-stage branches. Use context_mode='all-gather' "
+            "(the same numbers) or schedule='gpipe' (ring works there)."
+        )
+    one = Block(c, load_balanced)
+
+    def layer(w: Any, h: jax.Array) -> jax.Array:
+        # the balanced layout's positions are the same for every row: each token's index before the permutation
+        positions = load_balance(jnp.arange(h.shape[1], dtype=jnp.int32)[None]) if load_balanced else None
+        return one.apply({"params": w}, h, positions)[0]
+
+    return pipeline.scan_layers(layer, policy)
 
 
 def output_head(cfg: DecoderConfig, params) -> jax.Array:

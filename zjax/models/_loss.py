@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from .. import comm, pipeline
 from ..context import context_size, load_balance
 from ..sharding._axes import DATA_AXES, PP
-from ._decoder import MOE_STATS, DecoderConfig, RMSNorm, pipeline_stage_fn
+from ._decoder import MOE_STATS, PACKED_UNDER_PIPELINE, DecoderConfig, RMSNorm, pipeline_stage_fn
 
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
 
@@ -145,6 +145,10 @@ def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16
         weights = same if weights is None else weights * same
     cut = lambda x: None if x is None else x[:, :-1]  # noqa: E731
     inputs, positions, segment_ids, targets = tokens[:, :-1], cut(positions), cut(segment_ids), tokens[:, 1:]
+    packed = positions is not None or segment_ids is not None
+    schedule = pipeline.current()
+    if packed and schedule is not None:
+        raise ValueError(PACKED_UNDER_PIPELINE)
     balanced = context_size() > 1
     if balanced:
         # every per-token array in the load-balanced layout before the model splits the rows over cp: each
@@ -154,14 +158,12 @@ def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16
             positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
         inputs, positions, targets = (load_balance(x) for x in (inputs, positions, targets))
         segment_ids, weights = (None if x is None else load_balance(x) for x in (segment_ids, weights))
-    schedule = pipeline.current()
     if schedule is not None and schedule.tabled:
-        packed = positions is not None or segment_ids is not None
         # each target weighted by its share of the mean: the microbatches' sums add up to the mean, whose
         # cotangent (the loss scale) then seeds the pipeline's backward passes at the magnitude GPipe's get
         w = jnp.ones(inputs.shape, jnp.float32) if weights is None else weights
         w = w / jnp.maximum(jnp.sum(w), 1.0)
-        return _pipelined_sum(model.cfg, nn.unbox(params), inputs, targets, w, vocab_chunk, packed)
+        return _pipelined_sum(model.cfg, nn.unbox(params), inputs, targets, w, vocab_chunk, balanced)
     ranks = _data_ranks()
     if model.cfg.tie_embeddings and ranks:
         rows = (inputs, positions, segment_ids, targets, weights)
@@ -245,11 +247,11 @@ def _tied_per_rank(
 
 def _pipelined_sum(
     cfg: DecoderConfig, params: Any, inputs: jax.Array, targets: jax.Array, weights: jax.Array,
-    vocab_chunk: int | None, packed: bool,
+    vocab_chunk: int | None, balanced: bool,
 ) -> jax.Array:  # fmt: skip
     """The weighted loss sum of a decoder run whole through :func:`zjax.pipeline.loss` (the table
     schedules): the embedding on stage 0, the final norm, head and cross-entropy on the last stage."""
-    stage_fn = pipeline_stage_fn(cfg, packed=packed)
+    stage_fn = pipeline_stage_fn(cfg, load_balanced=balanced)
     norm = RMSNorm(cfg.embed, cfg.norm_eps)
     rows = {"tokens": inputs, "targets": targets, "weights": weights}
 

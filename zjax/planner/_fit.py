@@ -26,11 +26,13 @@ class Candidate:
     accum: int
     schedule: str = "-"  # the pipeline schedule (pp > 1), "-" without one
     ep: int = 0  # the ep taken out of the data-parallel ranks (a mixture of experts); 0: the mesh as given
+    cp: int = 0  # the cp taken out of dp (sequences split over cp); 0: the mesh as given
 
     def describe(self) -> str:
         text = f"stage {self.stage}, remat {self.remat}, {self.accum} microbatch(es)"
         text += f", schedule {self.schedule}" if self.schedule != "-" else ""
         text += f", ep {self.ep}" if self.ep else ""
+        text += f", cp {self.cp}" if self.cp else ""
         return text + (f", offload {self.offload}" if self.offload != "none" else "")
 
 
@@ -59,6 +61,7 @@ def describe_skipped(skipped: Sequence[tuple[Candidate, str]]) -> list[str]:
         what = f"stage {values('stage')} x remat {values('remat')} x {values('accum')} microbatch(es) x offload "
         what += values("offload") + (f" x schedule {values('schedule')}" if cs[0].schedule != "-" else "")
         what += f" x ep {values('ep')}" if cs[0].ep else ""
+        what += f" x cp {values('cp')}" if cs[0].cp else ""
         lines.append(f"{what} ({len(cs)}): {reason}")
     return lines
 
@@ -77,6 +80,26 @@ def with_ep(mesh: dict[str, int], ep: int) -> dict[str, int]:
         return mesh
     ranks = mesh.get("dp", 1) * mesh.get("ep", 1)
     return {**mesh, "dp": ranks // ep, "ep": ep}
+
+
+def with_cp(mesh: dict[str, int], cp: int) -> dict[str, int]:
+    """``mesh`` with ``cp`` taken out of ``dp x cp`` (their product stays the same); ``cp=0``: as given."""
+    if not cp:
+        return mesh
+    ranks = mesh.get("dp", 1) * mesh.get("cp", 1)
+    return {**mesh, "dp": ranks // cp, "cp": cp}
+
+
+def _cp_reason(cp: int, mesh: dict[str, int], seq_len: int) -> str | None:
+    """Why ``cp`` cannot split ``mesh``'s ``dp x cp`` ranks or the (load-balanced) sequence, or ``None``."""
+    ranks = mesh.get("dp", 1) * mesh.get("cp", 1)
+    if not cp:
+        return None
+    if ranks % cp:
+        return f"cp={cp} does not divide the {ranks} ranks of dp x cp"
+    if cp > 1 and seq_len % (2 * cp):
+        return f"cp={cp} does not split the {seq_len}-token sequence into 2 x cp = {2 * cp} load-balanced chunks"
+    return None
 
 
 def _ep_reason(ep: int, mesh: dict[str, int], cfg: DecoderConfig | None) -> str | None:
@@ -109,6 +132,7 @@ def _reason(c: Candidate, batch_size: int, mesh: dict[str, int], base: Pipeline 
             f"global batch {batch_size} does not split into {c.accum} microbatch(es) of whole rows per data-parallel "
             f"rank (replica x dp x ep = {data}): the batch must be a multiple of {need}, e.g. --batch-size "
             f"{-(-batch_size // need) * need}"
+            + (", or split each sequence over cp (--cp)" if batch_size < need else "")
         )
     try:
         Offload.from_value(c.offload).check(Stage.from_value(c.stage))
@@ -133,12 +157,15 @@ def fit(
     pipeline: Pipeline | None = None,
     schedules: Sequence[str] = (),
     eps: Sequence[int] = (),
+    cps: Sequence[int] = (),
 ) -> Fit:
-    """The cheapest (stage, ep, remat, schedule, microbatches, offload) whose compiled per-device total fits in
-    ``budget``.
+    """The cheapest (stage, ep, cp, remat, schedule, microbatches, offload) whose compiled per-device total fits
+    in ``budget``.
 
-    Candidates are tried cheapest first: no offload before offload (PCIe traffic every step), then lower
-    stage (less communication), then the larger ``ep`` of ``eps`` (a mixture of experts: its experts split over
+    Candidates are tried cheapest first: no offload before offload (PCIe traffic every step), then the smaller
+    ``cp`` of ``cps`` (taken out of ``dp x cp``: sequences split over more devices hold fewer activations but
+    move keys and values over cp in every layer, so cp comes in only when the whole sequence does not fit), then
+    lower stage (less communication), then the larger ``ep`` of ``eps`` (a mixture of experts: its experts split over
     more devices hold less state and cross dp less; ``dp x ep`` stays the mesh's), then less recomputation, then
     the pipeline schedule with the smaller
     bubble (``schedules``, with ``pp`` > 1: ``pipeline``'s microbatches and repeats under each), then
@@ -166,10 +193,12 @@ def fit(
     tried: list[Estimate] = []
     skipped: list[tuple[Candidate, str]] = []
     closest: Row | None = None
-    cfg = resolve_model(model)[1] if eps else None
+    cfg = resolve_model(model)[1] if eps or cps else None
+    seq = seq_len or (cfg.max_len if cfg is not None else 0)
     candidates = [
-        Candidate(off, stage, remat, accum, schedule, ep)
+        Candidate(off, stage, remat, accum, schedule, ep, cp)
         for off in [o for o in Offload.NAMES if o in offloads]
+        for cp in sorted(cps or (0,))
         for stage in sorted(stages)
         for ep in sorted(eps or (0,), reverse=True)
         for remat in order
@@ -177,12 +206,14 @@ def fit(
         for accum in sorted(accums)
     ]
     for c in candidates:
-        reason = _ep_reason(c.ep, mesh, cfg) or _reason(c, batch_size, with_ep(mesh, c.ep), base)
+        split = with_cp(with_ep(mesh, c.ep), c.cp)
+        reason = _ep_reason(c.ep, mesh, cfg) or _cp_reason(c.cp, with_ep(mesh, c.ep), seq)
+        reason = reason or _reason(c, batch_size, split, base)
         if reason is not None:
             skipped.append((c, reason))
             continue
         est = estimate(
-            model, mesh=with_ep(mesh, c.ep), stages=(c.stage,), remat=c.remat, precision=precision,
+            model, mesh=split, stages=(c.stage,), remat=c.remat, precision=precision,
             batch_size=batch_size, seq_len=seq_len, accum=c.accum, target=target, offload=c.offload,
             pipeline=_schedule(base, c, mesh),
         )  # fmt: skip
