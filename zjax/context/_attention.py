@@ -130,16 +130,24 @@ def _ring(q, qi, qs, chunk: Chunk, table, window, scale, blocks, cp):
 
 
 def _ring_fwd(q, qi, qs, chunk, table, window, scale, blocks, cp):
+    # a loop over the cp steps (the program does not grow with cp): step t attends to the chunk that started
+    # t ranks back, then passes it on; the last step is peeled so that the chunk is passed cp - 1 times
     rank = jax.lax.axis_index(CP)
     b, sq, kh, g, d = q.shape
-    out, lse = jnp.zeros((b, sq, kh, g, d), F32), jnp.full((b, kh, g, sq), -jnp.inf, F32)
-    cur = chunk
-    for t in range(cp):
+
+    def attend(t, out, lse, cur):
         visiting = cur._replace(order=table[(rank - t) % cp])
         o_t, lse_t = block_forward(q, qi, qs, visiting, window=window, scale=scale, blocks=blocks)
-        out, lse = merge(out, lse, o_t, lse_t)
-        if t < cp - 1:
-            cur = _pass_on(cur, cp)
+        return merge(out, lse, o_t, lse_t)
+
+    def step(t, carry):
+        out, lse, cur = carry
+        out, lse = attend(t, out, lse, cur)
+        return out, lse, _pass_on(cur, cp)
+
+    init = (jnp.zeros((b, sq, kh, g, d), F32), jnp.full((b, kh, g, sq), -jnp.inf, F32), chunk)
+    out, lse, cur = jax.lax.fori_loop(0, cp - 1, step, init)
+    out, lse = attend(cp - 1, out, lse, cur)
     out = out.astype(q.dtype)
     return out, (q, qi, qs, chunk, table, out, lse)
 
@@ -148,21 +156,26 @@ def _ring_bwd(window, scale, blocks, cp, res, d_out):
     q, qi, qs, chunk, table, out, lse = res
     rank = jax.lax.axis_index(CP)
     delta = _delta(d_out, out)
-    dq = jnp.zeros(q.shape, F32)
-    dk, dv = jnp.zeros(chunk.k.shape, F32), jnp.zeros(chunk.v.shape, F32)
-    cur = chunk
-    for t in range(cp):
+
+    def grads(t, dq, dk, dv, cur):
         visiting = cur._replace(order=table[(rank - t) % cp])
         dq_t, dk_t, dv_t = block_backward(
             q, qi, qs, visiting, d_out, lse, delta, window=window, scale=scale, blocks=blocks
         )
-        dq = dq + dq_t
         # the chunk's gradients travel with it; after cp shifts they are back on the chunk's own rank
-        dk, dv = _shift(dk + dk_t, cp), _shift(dv + dv_t, cp)
-        if t < cp - 1:
-            cur = _pass_on(cur, cp)
-    grads = Chunk(dk.astype(chunk.k.dtype), dv.astype(chunk.v.dtype), None, None)
-    return dq.astype(q.dtype), None, None, grads, None
+        return dq + dq_t, _shift(dk + dk_t, cp), _shift(dv + dv_t, cp)
+
+    def step(t, carry):
+        dq, dk, dv, cur = carry
+        dq, dk, dv = grads(t, dq, dk, dv, cur)
+        return dq, dk, dv, _pass_on(cur, cp)
+
+    zeros = lambda x: jnp.zeros(x.shape, F32)  # noqa: E731
+    init = (zeros(q), zeros(chunk.k), zeros(chunk.v), chunk)
+    dq, dk, dv, cur = jax.lax.fori_loop(0, cp - 1, step, init)
+    dq, dk, dv = grads(cp - 1, dq, dk, dv, cur)
+    grads_kv = Chunk(dk.astype(chunk.k.dtype), dv.astype(chunk.v.dtype), None, None)
+    return dq.astype(q.dtype), None, None, grads_kv, None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
