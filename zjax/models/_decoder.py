@@ -318,16 +318,14 @@ class Decoder(nn.Module):
         policy = RematPolicy.from_str(c.remat)
         schedule = pipeline.current()
         stats = None
-        if c.moe is not None and schedule is not None:
-            raise ValueError(
-                "Decoder: a mixture-of-experts model under pipeline parallelism is not supported yet: its layers "
-                "return router statistics that the pipeline's stages do not carry. Use pp=1 (ep, tp, cp, every "
-                "ZeRO stage and remat policy work)."
-            )
         if schedule is not None and not self.is_initializing():
             packed = segment_ids is not None or (positions is not None and not load_balanced)
             stage_fn = pipeline_stage_fn(c, packed=packed, load_balanced=load_balanced)
-            x = pipeline.apply(stage_fn, self.variables["params"]["layers"], x, schedule)
+            layers = self.variables["params"]["layers"]
+            if c.moe is None:
+                x = pipeline.apply(stage_fn, layers, x, schedule)
+            else:  # the routers' sums over every microbatch and rank, per layer
+                x, stats = pipeline.apply(stage_fn, layers, x, schedule, outputs=True)
         elif c.scan and policy.kind == "nested" and not self.is_initializing():
             one = Block(c, load_balanced)
             layer = lambda w, h: one.apply({"params": w}, h, positions, segment_ids)  # noqa: E731
@@ -361,21 +359,21 @@ PACKED_UNDER_PIPELINE = (
 
 def pipeline_stage_fn(
     c: DecoderConfig, *, packed: bool = False, load_balanced: bool = False
-) -> Callable[[Any, jax.Array], jax.Array]:
+) -> Callable[[Any, jax.Array], Any]:
     """The ``stage_fn`` of :func:`zjax.pipeline.apply` / :func:`zjax.pipeline.loss` for a decoder: each stage
-    scans its layers, rematerialized per layer by the model's policy.
+    scans its layers, rematerialized per layer by the model's policy. A mixture of experts' stage returns
+    ``(h, router sums per layer)`` (``apply(..., outputs=True)``).
 
     Raises:
-      ValueError: ``scan=False``, packed sequences, or a partitioned remat policy (none run in a pipeline).
+      ValueError: ``scan=False``, packed sequences, a partitioned remat policy (none run in a pipeline); a
+        mixture of experts under a table schedule or with ``ep > 1``.
     """
     policy = RematPolicy.from_str(c.remat)
+    schedule = pipeline.current()
     if not c.scan:
         raise ValueError("Decoder: pipeline parallelism needs scan=True (layers stacked on one axis).")
     if c.moe is not None:
-        raise ValueError(
-            "Decoder: a mixture-of-experts model under pipeline parallelism is not supported yet (the stages do "
-            "not carry the router statistics); use pp=1: ep, tp, cp, every ZeRO stage and remat policy work."
-        )
+        _check_experts_in_pipeline(schedule)
     if packed:
         raise ValueError(PACKED_UNDER_PIPELINE)
     if policy.partition:
@@ -384,7 +382,6 @@ def pipeline_stage_fn(
             "split over tp with a shard_map, which cannot run inside the pipeline's per-stage vmap. Use "
             f"remat={policy.name.removesuffix('+partitioned')!r} with a pipeline."
         )
-    schedule = pipeline.current()
     if load_balanced and c.context_mode == "ring" and schedule is not None and schedule.tabled:
         # measured on XLA:CPU: the ring's permutes inside the schedule's per-stage lax.switch give NaN losses
         raise ValueError(
@@ -394,12 +391,36 @@ def pipeline_stage_fn(
         )
     one = Block(c, load_balanced)
 
-    def layer(w: Any, h: jax.Array) -> jax.Array:
+    def layer(w: Any, h: jax.Array) -> Any:
         # the balanced layout's positions are the same for every row: each token's index before the permutation
         positions = load_balance(jnp.arange(h.shape[1], dtype=jnp.int32)[None]) if load_balanced else None
-        return one.apply({"params": w}, h, positions)[0]
+        h, stats = one.apply({"params": w}, h, positions)
+        return h if c.moe is None else (h, stats)
 
-    return pipeline.scan_layers(layer, policy)
+    return pipeline.scan_layers(layer, policy, outputs=c.moe is not None)
+
+
+def _check_experts_in_pipeline(schedule: Any) -> None:
+    """A mixture of experts runs in GPipe and the circular schedule, with its experts whole on each data rank.
+
+    Its load-balancing loss multiplies each expert's token share by its mean probability over the whole batch,
+    so the gradient of any microbatch's router needs every microbatch's routing: GPipe's backward starts after
+    the last forward and gets it exactly (the stages carry the routers' sums); a table schedule runs some
+    backward passes first.
+    """
+    ep = int(jax.sharding.get_abstract_mesh().shape.get(EP, 1))
+    if schedule is not None and schedule.tabled:
+        raise ValueError(
+            f"Decoder: a mixture-of-experts model under the table schedule {schedule.schedule!r} is not supported: "
+            "its load-balancing loss couples every microbatch's routing, which a schedule that starts backward "
+            "passes before the last forward cannot see. Use schedule='gpipe' (or the circular gpipe, repeats > 1)."
+        )
+    if ep > 1:
+        raise ValueError(
+            f"Decoder: a mixture-of-experts model under pipeline parallelism with {EP}={ep} is not supported yet "
+            f"(the pipeline's stages run on each data rank's rows, {EP} included). Use {EP}=1 with pp (the experts "
+            f"are then split over tp and sharded by the ZeRO stage), or pp=1 with {EP}."
+        )
 
 
 def output_head(cfg: DecoderConfig, params) -> jax.Array:

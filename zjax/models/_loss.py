@@ -187,10 +187,11 @@ def _with_experts(cfg: DecoderConfig, ce: jax.Array, stats: Any) -> Any:
     ``expert_tokens`` ``[layers, experts]`` (rows each expert was chosen for)."""
     if stats is None or cfg.moe is None:
         return ce
+    balance, z = cfg.moe.aux_losses(stats)
     metrics = {
         "ce": ce,
-        "load_balance": jnp.mean(stats["load_balance"]),
-        "z_loss": jnp.mean(stats["z_loss"]),
+        "load_balance": jnp.mean(balance),
+        "z_loss": jnp.mean(z),
         "dropped": jnp.sum(stats["dropped"]),
         "expert_tokens": stats["tokens"],
     }

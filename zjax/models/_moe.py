@@ -90,11 +90,19 @@ class MoE:
         expert."""
         return self.top_k * 3 * embed * self.expert_mlp(dense_mlp) + self.params_per_layer(embed, dense_mlp)[1]
 
+    def aux_losses(self, stats: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """``(load_balance, z_loss)`` per layer from the routers' sums (:class:`MoELayer`'s ``stats``, stacked
+        per layer): ``E x sum_e (tokens_e / N) (probs_e / N)`` and ``z / N`` over the ``N`` tokens counted.
+        Computed from sums, they are the same however the tokens were split on the way (microbatches of a
+        pipeline, data-parallel ranks)."""
+        count = stats["count"]
+        balance = self.experts * jnp.sum(stats["tokens"] * stats["probs"], axis=-1) / (count * count)
+        return balance, stats["z"] / count
+
     def loss(self, stats: dict[str, jax.Array]) -> jax.Array:
         """The weighted auxiliary losses of ``stats`` (per layer, stacked), averaged over layers."""
-        return self.load_balance_weight * jnp.mean(stats["load_balance"]) + self.z_loss_weight * jnp.mean(
-            stats["z_loss"]
-        )
+        balance, z = self.aux_losses(stats)
+        return self.load_balance_weight * jnp.mean(balance) + self.z_loss_weight * jnp.mean(z)
 
 
 def _swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
@@ -103,8 +111,9 @@ def _swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array)
 
 class MoELayer(nn.Module):
     """``MoELayer(moe, embed, dense_mlp)(h [batch, seq, embed]) -> (out, stats)``; ``stats`` holds the layer's
-    ``load_balance`` and ``z_loss`` (fp32 scalars), ``tokens`` (``[experts]``: rows each expert was chosen for)
-    and ``dropped`` (rows past capacity)."""
+    router sums over its tokens (fp32): ``tokens`` (``[experts]``: rows each expert was chosen for), ``probs``
+    (``[experts]``: the router probabilities), ``z`` (``logsumexp(logits)^2``), ``count`` (tokens) and
+    ``dropped`` (rows past capacity); :meth:`MoE.aux_losses` makes the losses of them."""
 
     moe: MoE
     embed: int
@@ -136,12 +145,12 @@ class MoELayer(nn.Module):
             )
             weight = jax.nn.sigmoid(h.astype(F32) @ param(self, "shared_router", (e, 1), ("embed", None)).astype(F32))
             out = out + (weight * shared.astype(F32)).astype(out.dtype)
-        tokens = jnp.sum(jax.nn.one_hot(ids, m.experts, dtype=F32), axis=(0, 1, 2))
-        fraction = tokens / (ids.shape[0] * ids.shape[1])  # per token, summed over its top_k choices
+        # sums over the tokens (MoE.aux_losses turns them into the losses), so that parts of a batch add up
         stats = {
-            "load_balance": m.experts * jnp.sum(fraction * jnp.mean(probs, axis=(0, 1))),
-            "z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
-            "tokens": tokens,
+            "tokens": jnp.sum(jax.nn.one_hot(ids, m.experts, dtype=F32), axis=(0, 1, 2)),
+            "probs": jnp.sum(probs, axis=(0, 1)),
+            "z": jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
+            "count": jnp.asarray(ids.shape[0] * ids.shape[1], F32),
             "dropped": dropped,
         }
         return out, stats

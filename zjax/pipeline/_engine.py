@@ -49,28 +49,30 @@ from ._scan import _pipeline
 
 
 def scan_layers(
-    layer_fn: Callable[[Any, jax.Array], jax.Array], remat: str | RematPolicy = "none"
-) -> Callable[[Any, jax.Array], jax.Array]:
+    layer_fn: Callable[[Any, jax.Array], Any], remat: str | RematPolicy = "none", *, outputs: bool = False
+) -> Callable[[Any, jax.Array], Any]:
     """A ``stage_fn`` for :func:`apply` that runs a stage's layers as one ``lax.scan`` of ``layer_fn``.
 
     ``layer_fn(layer, h) -> h`` applies one layer (leaves without the leading layers dim); each layer is
     rematerialized by ``remat`` (a :class:`zjax.remat.RematPolicy` or its name), as the model's scanned
     layers are without a pipeline. The program does not grow with the layers per stage, and with
-    ``zero3_gather="layer"`` only the layer being applied is gathered over ``dp``.
+    ``zero3_gather="layer"`` only the layer being applied is gathered over ``dp``. With ``outputs``,
+    ``layer_fn`` returns ``(h, sums)`` and the stage ``(h, sums stacked per layer)`` (:func:`apply`'s
+    ``outputs``).
     """
     policy = RematPolicy.from_str(remat)
     if policy.kind == "nested":  # groups of the stage's layers (zjax.remat.nested_scan)
-        return lambda stage_layers, h: nested_scan(layer_fn, stage_layers, h, policy)
+        return lambda stage_layers, h: nested_scan(layer_fn, stage_layers, h, policy, outputs=outputs)
 
-    def body(h: jax.Array, layer: Any) -> tuple[jax.Array, None]:
-        return layer_fn(layer, h), None
+    def body(h: jax.Array, layer: Any) -> tuple[jax.Array, Any]:
+        return layer_fn(layer, h) if outputs else (layer_fn(layer, h), None)
 
     if policy.remat:
         body = jax.checkpoint(body, policy=policy.jax_policy(), prevent_cse=False)
 
-    def stage_fn(stage_layers: Any, h: jax.Array) -> jax.Array:
-        h, _ = jax.lax.scan(body, h, stage_layers)
-        return h
+    def stage_fn(stage_layers: Any, h: jax.Array) -> Any:
+        h, sums = jax.lax.scan(body, h, stage_layers)
+        return (h, sums) if outputs else h
 
     return stage_fn
 
@@ -81,8 +83,9 @@ def apply(
     x: jax.Array,
     pipeline: Pipeline | None = None,
     *,
+    outputs: bool = False,
     _bubble_fill: float = 0.0,
-) -> jax.Array:
+) -> Any:
     """Run ``x`` through stacked layers as a pipeline over the mesh axis ``pp``.
 
     Args:
@@ -94,21 +97,25 @@ def apply(
       pipeline: the schedule; by default the plan's (:func:`current`). Without one (a model's
         ``init``, or a mesh without ``pp``) the stages run one after the other on the whole batch: the
         same function, so ``plan.init`` and a model's own ``init`` need nothing special.
+      outputs: ``stage_fn`` returns ``(h, sums)``, ``sums`` a pytree of per-layer arrays ``[Lps, ...]`` that
+        add up over tokens (a mixture of experts' router statistics); they come back summed over every
+        microbatch and data-parallel rank, ``[L, ...]`` in the layers' order.
 
     Returns:
       ``y[B, ...]``, split over the data axes and ``pp`` (embeddings, head and loss then run data
-      parallel over both).
+      parallel over both); with ``outputs``, ``(y, sums)``.
 
     Raises:
       ValueError: ``pp > 1`` in the mesh and no schedule; a table schedule (``"1f1b"`` and the like),
-        which needs the loss inside the pipeline (:func:`zjax.pipeline.loss`).
+        which needs the loss inside the pipeline (:func:`zjax.pipeline.loss`); ``outputs`` with
+        ``zero3_gather="chunk"`` (its hand-written backward carries none).
     """
     cfg = current() if pipeline is None else pipeline
     mesh = jax.sharding.get_abstract_mesh()
     stages = 1 if mesh.empty else dict(mesh.shape).get(PP, 1)
     count = _layer_count(layers)
     if _INITIALIZING.get():
-        return sequential(stage_fn, layers, x, 1, 1)
+        return sequential(stage_fn, layers, x, 1, 1, outputs)
     if cfg is None:
         if stages > 1:
             raise ValueError(
@@ -116,7 +123,7 @@ def apply(
                 "plan with zjax.Plan(..., pipeline=zjax.Pipeline(microbatches=...)) and call the model inside "
                 "plan.train_step / plan.eval_step (or pass pipeline=... here)."
             )
-        return sequential(stage_fn, layers, x, 1, 1)
+        return sequential(stage_fn, layers, x, 1, 1, outputs)
     if cfg.tabled:
         raise ValueError(
             f"zjax.pipeline.apply: schedule={cfg.schedule!r} interleaves each microbatch's forward and backward "
@@ -141,20 +148,27 @@ def apply(
     inner = tuple(a for a in data if a not in region)
     n = math.prod(sizes[a] for a in inner)
 
-    def run(w: Any, h: jax.Array, engine: Callable[[Any, jax.Array], jax.Array]) -> jax.Array:
+    def run(w: Any, h: jax.Array, engine: Callable[[Any, jax.Array], Any]) -> Any:
         # microbatches ``[S, K, n x mb, ...]``: the rows of the ``inner`` ranks side by side, split
         # over them (h is already split over (inner, pp), so no data moves)
         io = h.reshape(n, s_, k_, -1, *rest).swapaxes(0, 1).swapaxes(1, 2).reshape(s_, k_, -1, *rest)
-        io = engine(w, io)
-        return io.reshape(s_, k_, n, -1, *rest).swapaxes(1, 2).swapaxes(0, 1).reshape(h.shape)
+        io, *sums = engine(w, io) if outputs else (engine(w, io),)
+        y = io.reshape(s_, k_, n, -1, *rest).swapaxes(1, 2).swapaxes(0, 1).reshape(h.shape)
+        return (y, *sums) if outputs else y
 
-    def engine(w: Any, io: jax.Array) -> jax.Array:
-        return _pipeline(stage_fn, w, io, cfg, stages, _bubble_fill, inner or None)
+    def engine(w: Any, io: jax.Array) -> Any:
+        return _pipeline(stage_fn, w, io, cfg, stages, _bubble_fill, inner or None, outputs)
 
     if not region:
         return run(stacked, x, engine)
     leaves, treedef = jax.tree.flatten(stacked)
     dims: list[int | None] = [None] * len(leaves)
+    if cfg.zero3_gather == "chunk" and DP in region and outputs:
+        raise ValueError(
+            "zjax.pipeline.apply: outputs=True (per-layer sums, e.g. a mixture of experts' router statistics) "
+            "with zero3_gather='chunk' is not supported: its hand-written backward carries no sums. Use "
+            "zero3_gather='layer' or 'step'."
+        )
     if cfg.zero3_gather == "chunk" and DP in region:
         # each leaf's dim split over dp, in the [R, S, Lps, ...] view (the natural [L, ...] dim d is d + 2)
         dims = [None if (d := _dp_dim(w.shape, sizes)) is None else d + 2 for w in jax.tree.leaves(layers)]
@@ -163,10 +177,17 @@ def apply(
             return _chunked(stage_fn, w, io, cfg, stages, _bubble_fill, dims)
 
     specs, entered = zip(*[_enter(w, d, region, sizes) for w, d in zip(leaves, dims, strict=True)], strict=True)
+
+    def body(w: Any, h: jax.Array) -> Any:
+        out = run(jax.tree.map(lambda a: a[0], w), h, engine)
+        if not outputs:
+            return out
+        return out[0], jax.lax.psum(out[1], region)  # each rank summed its own rows
+
     return jax.shard_map(
-        lambda w, h: run(jax.tree.map(lambda a: a[0], w), h, engine),
+        body,
         in_specs=(jax.tree.unflatten(treedef, specs), P(region)),
-        out_specs=P(region),
+        out_specs=(P(region), P()) if outputs else P(region),
         axis_names=set(region),
         check_vma=False,
     )(jax.tree.unflatten(treedef, entered), x)
@@ -200,9 +221,13 @@ def by_visit(layers: Any, repeats: int, stages: int) -> Any:
     return jax.tree.map(one, layers)
 
 
-def sequential(stage_fn: Callable, layers: Any, x: jax.Array, repeats: int, stages: int) -> jax.Array:
-    """The pipeline's function without a pipeline: every (visit, stage) chunk of layers in turn, one scan."""
+def sequential(stage_fn: Callable, layers: Any, x: jax.Array, repeats: int, stages: int, outputs: bool = False) -> Any:
+    """The pipeline's function without a pipeline: every (visit, stage) chunk of layers in turn, one scan
+    (with ``outputs``, also the chunks' per-layer sums, ``[L, ...]``)."""
     chunks = jax.tree.map(lambda w: w.reshape(repeats * stages, *w.shape[2:]), by_visit(layers, repeats, stages))
+    if outputs:
+        h, sums = jax.lax.scan(lambda h, w: stage_fn(w, h), x, chunks)
+        return h, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), sums)
     h, _ = jax.lax.scan(lambda h, w: (stage_fn(w, h), None), x, chunks)
     return h
 

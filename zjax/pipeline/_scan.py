@@ -58,10 +58,13 @@ class _Loop:
     stacked chunks; :func:`_chunked` runs them in phases of ``M`` with each phase's chunks gathered.
     """
 
-    def __init__(self, stage_fn: Callable, cfg: Pipeline, stages: int, fill: float, rows: Any) -> None:
+    def __init__(
+        self, stage_fn: Callable, cfg: Pipeline, stages: int, fill: float, rows: Any, outputs: bool = False
+    ) -> None:
         self.stage_fn, self.cfg, self.s, self.fill, self.rows = stage_fn, cfg, stages, fill, rows
         self.m, self.r = cfg.microbatches, cfg.repeats
         self.k = self.m // stages
+        self.outputs = outputs  # stage_fn returns (h, per-layer sums [Lps, ...]), summed over the work items
 
     @property
     def stage(self) -> jax.Array:
@@ -80,6 +83,22 @@ class _Loop:
         """The repeat (chunk) each stage applies at iteration ``t``."""
         return jnp.clip((t - self.stage) // self.m, 0, self.r - 1)
 
+    def sums(self, weights: Callable[[jax.Array], Any], shift: jax.Array) -> Any:
+        """Zeros ``[S, R, Lps, ...]`` for each per-layer sum the stages return (``outputs``): one slot per
+        stage and repeat, so that every layer's sums land in their own place."""
+        with nn.logical_axis_rules(()):  # as the iterations run the stages
+            shapes = jax.eval_shape(lambda w, x: jax.vmap(self.stage_fn, spmd_axis_name=PP)(w, x)[1], weights(0), shift)
+        return jax.tree.map(
+            lambda a: jax.lax.with_sharding_constraint(
+                jnp.zeros((self.s, self.r, *a.shape[1:]), a.dtype), P(PP, *([None] * a.ndim))
+            ),
+            shapes,
+        )
+
+    def layer_order(self, sums: Any) -> Any:
+        """``[S, R, Lps, ...]`` sums in the layers' natural order ``[L, ...]`` (layer ``(r*S + s)*Lps + j``)."""
+        return jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(-1, *a.shape[3:]), sums)
+
     def run(self, weights: Callable[[jax.Array], Any], carry: tuple, steps: jax.Array) -> tuple:
         s_, m_, r_, k_ = self.s, self.m, self.r, self.k
         stage = self.stage
@@ -87,7 +106,7 @@ class _Loop:
         left = [(i, i - 1) for i in range(1, s_)]
 
         def iteration(carry, t):
-            shift, state_io, circ = carry
+            shift, state_io, circ, *sums = carry
             column = t % k_
             fresh = jax.lax.dynamic_index_in_dim(state_io, column, 1, keepdims=False)
             first = fresh
@@ -102,10 +121,21 @@ class _Loop:
             inputs = checkpoint_name(inputs, ITERATION_INPUT)
             with nn.logical_axis_rules(()):  # the model's activation constraints do not apply per stage
                 out = jax.vmap(self.stage_fn, spmd_axis_name=PP)(weights(t), inputs)
+            if self.outputs:
+                out, layer_sums = out
+                # each stage adds its layers' sums into its repeat's slot, bubbles (zero inputs) add nothing
+                hot = (jnp.arange(r_)[None, :] == self.repeat(t)[:, None]) & ((work >= 0) & (work < m_ * r_))[:, None]
+                sums = [
+                    jax.tree.map(
+                        lambda a, x: a + jnp.where(hot.reshape(*hot.shape, *(1,) * (x.ndim - 1)), x[:, None], 0),
+                        sums[0],
+                        layer_sums,
+                    )
+                ]
             new_shift = _permute(out, ring)
             column_next = _where_stage(stage == s_ - 1, out, _permute(fresh, left))
             state_io = jax.lax.dynamic_update_index_in_dim(state_io, column_next, column, 1)
-            return (new_shift, state_io, circ), None
+            return (new_shift, state_io, circ, *sums), None
 
         if self.cfg.remat:
             policy = jax.checkpoint_policies.save_only_these_names(ITERATION_INPUT)
@@ -118,15 +148,28 @@ class _Loop:
 
 
 def _pipeline(
-    stage_fn: Callable, stacked: Any, state_io: jax.Array, cfg: Pipeline, stages: int, fill: float, rows: Any
-) -> jax.Array:
-    """The pipeline on microbatches ``state_io[S, K, mb, ...]`` (S over ``pp``, mb over ``rows``)."""
-    loop = _Loop(stage_fn, cfg, stages, fill, rows)
+    stage_fn: Callable,
+    stacked: Any,
+    state_io: jax.Array,
+    cfg: Pipeline,
+    stages: int,
+    fill: float,
+    rows: Any,
+    outputs: bool = False,
+) -> Any:
+    """The pipeline on microbatches ``state_io[S, K, mb, ...]`` (S over ``pp``, mb over ``rows``); with
+    ``outputs``, also the stages' per-layer sums over every microbatch, ``[L, ...]``."""
+    loop = _Loop(stage_fn, cfg, stages, fill, rows, outputs)
 
     def weights(t: jax.Array) -> Any:
         if loop.r == 1:
             return jax.tree.map(lambda w: w[0], stacked)
         return jax.tree.map(lambda w: _pick(w, loop.repeat(t)), stacked)
 
-    _, state_io, _ = loop.run(weights, loop.init(state_io), jnp.arange(cfg.iterations(stages)))
-    return loop.finish(state_io)
+    carry = loop.init(state_io)
+    if outputs:
+        carry = (*carry, loop.sums(weights, carry[0]))
+    _, state_io, _, *sums = loop.run(weights, carry, jnp.arange(cfg.iterations(stages)))
+    if not outputs:
+        return loop.finish(state_io)
+    return loop.finish(state_io), loop.layer_order(sums[0])
