@@ -173,7 +173,7 @@ def apply(
         # each leaf's dim split over dp, in the [R, S, Lps, ...] view (the natural [L, ...] dim d is d + 2)
         dims = [None if (d := _dp_dim(w.shape, sizes)) is None else d + 2 for w in jax.tree.leaves(layers)]
 
-        def engine(w: Any, io: jax.Array) -> jax.Array:
+        def engine(w: Any, io: jax.Array) -> Any:
             return _chunked(stage_fn, w, io, cfg, stages, _bubble_fill, dims)
 
     specs, entered = zip(*[_enter(w, d, region, sizes) for w, d in zip(leaves, dims, strict=True)], strict=True)

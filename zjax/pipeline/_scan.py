@@ -87,7 +87,11 @@ class _Loop:
         """Zeros ``[S, R, Lps, ...]`` for each per-layer sum the stages return (``outputs``): one slot per
         stage and repeat, so that every layer's sums land in their own place."""
         with nn.logical_axis_rules(()):  # as the iterations run the stages
-            shapes = jax.eval_shape(lambda w, x: jax.vmap(self.stage_fn, spmd_axis_name=PP)(w, x)[1], weights(0), shift)
+            shapes = jax.eval_shape(
+                lambda w, x: jax.vmap(self.stage_fn, spmd_axis_name=PP)(w, x)[1],
+                weights(jnp.zeros((), jnp.int32)),
+                shift,
+            )
         return jax.tree.map(
             lambda a: jax.lax.with_sharding_constraint(
                 jnp.zeros((self.s, self.r, *a.shape[1:]), a.dtype), P(PP, *([None] * a.ndim))
