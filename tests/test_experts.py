@@ -182,16 +182,21 @@ def test_every_stage_and_ep_trains_the_same(stage, mesh_axes):
 
 
 @pytest.mark.parametrize(
-    ("stage", "mesh_axes"),
-    [(3, {"dp": 4, "pp": 2}), pytest.param(0, {"dp": 4, "pp": 2}, marks=pytest.mark.slow),
-     pytest.param(2, {"dp": 2, "pp": 2, "tp": 2}, marks=pytest.mark.slow)],
+    ("stage", "mesh_axes", "gather"),
+    [(3, {"dp": 2, "ep": 2, "pp": 2}, "step"),
+     pytest.param(3, {"dp": 4, "pp": 2}, "layer", marks=pytest.mark.slow),
+     pytest.param(0, {"dp": 4, "pp": 2}, "step", marks=pytest.mark.slow),
+     pytest.param(2, {"dp": 2, "pp": 2, "tp": 2}, "layer", marks=pytest.mark.slow),
+     pytest.param(1, {"ep": 2, "pp": 2, "tp": 2}, "step", marks=pytest.mark.slow)],
 )  # fmt: skip
-def test_a_moe_decoder_trains_the_same_in_a_pipeline(stage, mesh_axes):
+def test_a_moe_decoder_trains_the_same_in_a_pipeline(stage, mesh_axes, gather):
     """GPipe over pp=2 with 4 microbatches: the stages carry the routers' sums (token counts, probabilities,
-    z) out of the pipeline, so the load-balancing loss is the whole batch's, as without a pipeline: losses,
-    fp32 master weights and the router metrics equal dp=8's."""
+    z) out of the pipeline, so the load-balancing loss is the whole batch's, as without a pipeline; with ep the
+    experts enter each stage split over ep and rows cross it inside the stage: losses, fp32 master weights and
+    the router metrics equal dp=8's."""
     _, _, want = _reference()
-    _, metrics = _same_training(stage, mesh_axes, pipeline=zjax.Pipeline(microbatches=4))
+    pipe = zjax.Pipeline(microbatches=4, zero3_gather=gather)
+    _, metrics = _same_training(stage, mesh_axes, pipeline=pipe)
     for key in ("load_balance", "z_loss", "ce", "expert_tokens", "dropped"):
         np.testing.assert_allclose(metrics["aux"][key], want["aux"][key], rtol=1e-5, atol=1e-6, err_msg=key)
 
@@ -261,8 +266,8 @@ def test_bad_configurations_say_what_works():
         _train(dense, 0, steps=1, dp=2, ep=4)
     with pytest.raises(ValueError, match="under the table schedule '1f1b' is not supported.*schedule='gpipe'"):
         _train(TINY, 0, steps=1, dp=4, pp=2, pipeline=zjax.Pipeline(microbatches=4, schedule="1f1b"))
-    with pytest.raises(ValueError, match="pipeline parallelism with ep=2 is not supported yet.*Use ep=1 with pp"):
-        _train(TINY, 0, steps=1, dp=2, ep=2, pp=2, pipeline=zjax.Pipeline(microbatches=4))
+    with pytest.raises(ValueError, match="ep=2 under pipeline parallelism needs Pipeline.zero3_gather='step'"):
+        _train(TINY, 3, steps=1, dp=2, ep=2, pp=2, pipeline=zjax.Pipeline(microbatches=4))
     chunk = zjax.Pipeline(microbatches=4, zero3_gather="chunk")
     with pytest.raises(ValueError, match="outputs=True .* zero3_gather='chunk' is not supported"):
         _train(TINY, 3, steps=1, dp=4, pp=2, pipeline=chunk)

@@ -244,6 +244,11 @@ def expert_mlp(
     options = {"capacity_factor": capacity_factor, "exchange": exchange, "grouped": grouped}
     mesh = jax.sharding.get_abstract_mesh()
     free = () if mesh.empty else tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
+    if not mesh.empty and EP in mesh.manual_axes and mesh.shape[EP] > 1:
+        # inside a region already manual over ep (a pipeline's stage): this rank's tokens and experts
+        ep = int(mesh.shape[EP])
+        experts = w_gate.shape[0] * ep
+        return _local(x, expert_ids, gates, w_gate, w_up, w_down, experts=experts, ep=ep, tp=1, **options)
     rules = bool(nn.get_logical_axis_rules()) and bool(free)
     if not rules:
         return _local(x, expert_ids, gates, w_gate, w_up, w_down, experts=experts, ep=1, tp=1, **options)

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec
 from .. import pipeline
 from ..context import CONTEXT_MODES, attention, check_sequence, load_balance
 from ..remat import RematPolicy, gather_checkpoint, linen_scan, nested_scan, partition_checkpoint
-from ..sharding._axes import EP
+from ..sharding._axes import DP, EP
 from ..sharding._rules import RESIDUAL_SEQ
 from ._moe import MoE, MoELayer
 from ._params import param
@@ -270,6 +270,9 @@ class Block(nn.Module):
         return _constrain(x), stats
 
 
+EXPERT_KEYS = ("['w_gate']", "['w_up']", "['w_down']")
+"""The expert weights of a layer (``[experts, ...]``; stacked ``[layers, experts, ...]``), as ``keystr`` names."""
+
 MOE_STATS = "moe"
 """The ``intermediates`` entry where a mixture-of-experts decoder sows its router statistics (per layer)."""
 
@@ -324,8 +327,11 @@ class Decoder(nn.Module):
             layers = self.variables["params"]["layers"]
             if c.moe is None:
                 x = pipeline.apply(stage_fn, layers, x, schedule)
-            else:  # the routers' sums over every microbatch and rank, per layer
-                x, stats = pipeline.apply(stage_fn, layers, x, schedule, outputs=True)
+            else:  # the routers' sums over every microbatch and rank, per layer; experts enter split over ep
+                split_over = jax.tree_util.tree_map_with_path(
+                    lambda path, _: {1: EP} if jax.tree_util.keystr(path[-1:]) in EXPERT_KEYS else None, layers
+                )
+                x, stats = pipeline.apply(stage_fn, layers, x, schedule, outputs=True, split_over=split_over)
         elif c.scan and policy.kind == "nested" and not self.is_initializing():
             one = Block(c, load_balanced)
             layer = lambda w, h: one.apply({"params": w}, h, positions, segment_ids)  # noqa: E731
@@ -366,7 +372,7 @@ def pipeline_stage_fn(
 
     Raises:
       ValueError: ``scan=False``, packed sequences, a partitioned remat policy (none run in a pipeline); a
-        mixture of experts under a table schedule or with ``ep > 1``.
+        mixture of experts under a table schedule.
     """
     policy = RematPolicy.from_str(c.remat)
     schedule = pipeline.current()
@@ -401,26 +407,32 @@ def pipeline_stage_fn(
 
 
 def _check_experts_in_pipeline(schedule: Any) -> None:
-    """A mixture of experts runs in GPipe and the circular schedule, with its experts whole on each data rank.
+    """A mixture of experts runs in GPipe and the circular schedule.
 
     Its load-balancing loss multiplies each expert's token share by its mean probability over the whole batch,
     so the gradient of any microbatch's router needs every microbatch's routing: GPipe's backward starts after
     the last forward and gets it exactly (the stages carry the routers' sums); a table schedule runs some
     backward passes first.
     """
-    ep = int(jax.sharding.get_abstract_mesh().shape.get(EP, 1))
-    if schedule is not None and schedule.tabled:
+    if schedule is None:
+        return
+    if schedule.tabled:
         raise ValueError(
             f"Decoder: a mixture-of-experts model under the table schedule {schedule.schedule!r} is not supported: "
             "its load-balancing loss couples every microbatch's routing, which a schedule that starts backward "
             "passes before the last forward cannot see. Use schedule='gpipe' (or the circular gpipe, repeats > 1)."
         )
-    if ep > 1:
+    sizes = jax.sharding.get_abstract_mesh().shape
+    if int(sizes.get(EP, 1)) > 1 and int(sizes.get(DP, 1)) > 1 and schedule.zero3_gather == "layer":
+        # measured, jax 0.10.2: experts split over a manual ep and a GSPMD dp inside the stage abort XLA's SPMD
+        # partitioner (a failed check in spmd_partitioner_util.cc, the process killed)
         raise ValueError(
-            f"Decoder: a mixture-of-experts model under pipeline parallelism with {EP}={ep} is not supported yet "
-            f"(the pipeline's stages run on each data rank's rows, {EP} included). Use {EP}=1 with pp (the experts "
-            f"are then split over tp and sharded by the ZeRO stage), or pp=1 with {EP}."
+            f"Decoder: a mixture-of-experts model with {EP}={sizes[EP]} under pipeline parallelism needs "
+            f"Pipeline(zero3_gather='step') (the stage's weights gathered over {DP} once per step); "
+            "zero3_gather='layer' (the default at stages 2 and 3) keeps them split over dp inside the stage, "
+            "which XLA's partitioner cannot combine with the experts' ep split."
         )
+
 
 
 def output_head(cfg: DecoderConfig, params) -> jax.Array:

@@ -84,6 +84,7 @@ def apply(
     pipeline: Pipeline | None = None,
     *,
     outputs: bool = False,
+    split_over: Any = None,
     _bubble_fill: float = 0.0,
 ) -> Any:
     """Run ``x`` through stacked layers as a pipeline over the mesh axis ``pp``.
@@ -100,6 +101,9 @@ def apply(
       outputs: ``stage_fn`` returns ``(h, sums)``, ``sums`` a pytree of per-layer arrays ``[Lps, ...]`` that
         add up over tokens (a mixture of experts' router statistics); they come back summed over every
         microbatch and data-parallel rank, ``[L, ...]`` in the layers' order.
+      split_over: a pytree like ``layers`` of ``{dim: mesh axis}`` (or ``None``) for leaves that a data axis
+        splits (an expert weight's experts over ``ep``): they enter each rank as their own shard, not as a
+        copy of the whole, and ``stage_fn`` runs with that axis manual (its collectives are the stage's).
 
     Returns:
       ``y[B, ...]``, split over the data axes and ``pp`` (embeddings, head and loss then run data
@@ -176,7 +180,13 @@ def apply(
         def engine(w: Any, io: jax.Array) -> Any:
             return _chunked(stage_fn, w, io, cfg, stages, _bubble_fill, dims)
 
-    specs, entered = zip(*[_enter(w, d, region, sizes) for w, d in zip(leaves, dims, strict=True)], strict=True)
+    # a leaf that a region axis already splits (split_over, in the natural [L, ...] dims) enters split over it
+    is_split = lambda x: x is None or (isinstance(x, dict) and all(isinstance(k, int) for k in x))  # noqa: E731
+    splits = jax.tree.leaves(split_over, is_leaf=is_split) if split_over is not None else []
+    views = [{d + 2: a for d, a in sp.items()} if sp else None for sp in splits] or [None] * len(leaves)
+    specs, entered = zip(
+        *[_enter(w, d, region, sizes, v) for w, d, v in zip(leaves, dims, views, strict=True)], strict=True
+    )
 
     def body(w: Any, h: jax.Array) -> Any:
         out = run(jax.tree.map(lambda a: a[0], w), h, engine)
@@ -232,7 +242,9 @@ def sequential(stage_fn: Callable, layers: Any, x: jax.Array, repeats: int, stag
     return h
 
 
-def _enter(w: jax.Array, dp_dim: int | None, region: tuple[str, ...], sizes: dict[str, int]) -> tuple[P, jax.Array]:
+def _enter(
+    w: jax.Array, dp_dim: int | None, region: tuple[str, ...], sizes: dict[str, int], split: dict[int, str] | None = None
+) -> tuple[P, jax.Array]:
     """A layer weight entering the region manual over ``region``: its ``shard_map`` spec and the array.
 
     Every rank of the region gets its own copy on a new leading dim (a broadcast: no data moves, except
@@ -240,12 +252,14 @@ def _enter(w: jax.Array, dp_dim: int | None, region: tuple[str, ...], sizes: dic
     reduced over those axes once per step, not per layer per iteration inside the loop. (Entering as P()
     and letting shard_map psum the cotangent does the same, but that psum's reducer carries a sharding
     constraint on which XLA:CPU's bf16 all-reduce promotion aborts.) With ``dp_dim`` (``"chunk"`` mode)
-    the weight stays split over ``dp`` on that dim and the copies are over the other axes only.
+    the weight stays split over ``dp`` on that dim and the copies are over the other axes only; ``split``
+    (``{dim: axis}``, e.g. an expert weight's experts over ``ep``) keeps region axes the same way.
     """
-    lead = region if dp_dim is None else tuple(a for a in region if a != DP)
+    kept = {**({} if dp_dim is None else {dp_dim: DP}), **{d: a for d, a in (split or {}).items() if a in region}}
+    lead = tuple(a for a in region if a not in kept.values())
     entries: list[Any] = [lead or None] + [None] * w.ndim
-    if dp_dim is not None:
-        entries[dp_dim + 1] = DP
+    for dim, axis in kept.items():
+        entries[dim + 1] = axis
     w = jnp.broadcast_to(w[None], (math.prod(sizes[a] for a in lead), *w.shape))
     return P(*entries), jax.lax.with_sharding_constraint(w, P(*[P.UNCONSTRAINED if e is None else e for e in entries]))
 
