@@ -434,7 +434,6 @@ def _check_experts_in_pipeline(schedule: Any) -> None:
         )
 
 
-
 def output_head(cfg: DecoderConfig, params) -> jax.Array:
     """The ``[embed, vocab]`` output projection of ``params`` (the embedding table's transpose when tied)."""
     return params["embedding"].T if cfg.tie_embeddings else params["head"]

@@ -243,7 +243,11 @@ def sequential(stage_fn: Callable, layers: Any, x: jax.Array, repeats: int, stag
 
 
 def _enter(
-    w: jax.Array, dp_dim: int | None, region: tuple[str, ...], sizes: dict[str, int], split: dict[int, str] | None = None
+    w: jax.Array,
+    dp_dim: int | None,
+    region: tuple[str, ...],
+    sizes: dict[str, int],
+    split: dict[int, str] | None = None,
 ) -> tuple[P, jax.Array]:
     """A layer weight entering the region manual over ``region``: its ``shard_map`` spec and the array.
 
