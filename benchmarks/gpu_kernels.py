@@ -38,14 +38,16 @@ def _timed(fn, args, repeats: int) -> tuple[float, int | None]:
     return sorted(times)[len(times) // 2], None if memory is None else memory.temp_size_in_bytes
 
 
-def attention_rows(seq: int, tiny: bool, repeats: int, sweep: list[tuple[int, ...]] = ()) -> list[dict]:
+def attention_rows(
+    seq: int, tiny: bool, repeats: int, sweep: list[tuple[int, ...]] = (), head_dim: int = 128
+) -> list[dict]:
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from zjax.context import attention
 
-    heads, kv_heads, head_dim = (4, 2, 32) if tiny else (32, 8, 128)
+    heads, kv_heads, head_dim = (4, 2, 32) if tiny else (32, 8, head_dim)
     dtype = jnp.float32 if tiny else jnp.bfloat16
     r = np.random.default_rng(0)
     q = jnp.asarray(r.normal(size=(1, seq, heads, head_dim)), dtype)
@@ -86,7 +88,7 @@ def attention_rows(seq: int, tiny: bool, repeats: int, sweep: list[tuple[int, ..
     reference = jax.jit(lambda q, k, v: attention(q, k, v, segment_ids=seg, implementation="blocked"))(q, k, v)
     rows = []
     for impl, packed in cases:
-        row = {"seq": seq, "implementation": impl, "packed": packed is not False}
+        row = {"seq": seq, "head_dim": head_dim, "implementation": impl, "packed": packed is not False}
         try:
             fn = swept(packed) if isinstance(packed, tuple) else fwd_bwd(impl, packed)
             seconds, temp = _timed(fn, (q, k, v), repeats)
@@ -149,6 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
         help="GPU: Pallas attention BlockSizes to try (fwd q/k, dkv q/kv, dq q/kv), e.g. 128/64/64/64/64/64",
     )
     parser.add_argument("--sections", default="attention,grouped")
+    parser.add_argument("--head-dims", default="128", help="attention head_dim values, e.g. 64,96,128")
     args = parser.parse_args(argv)
     import jax
 
@@ -162,7 +165,10 @@ def main(argv: list[str] | None = None) -> dict:
     }
     sweep = [tuple(int(x) for x in b.split("/")) for b in args.flash_sweep.split(",") if b and not tiny]
     if "attention" in args.sections:
-        result["attention"] = [row for s in seqs for row in attention_rows(s, tiny, args.repeats, sweep)]
+        dims = [32] if tiny else [int(d) for d in args.head_dims.split(",")]
+        result["attention"] = [
+            row for d in dims for s in seqs for row in attention_rows(s, tiny, args.repeats, sweep, d)
+        ]
     if "grouped" in args.sections:
         result["grouped_matmul"] = [row for t in tokens for row in grouped_rows(t, tiny, args.repeats)]
     if args.json is not None:
