@@ -23,9 +23,12 @@ the layout the ZeRO stage asks for (a reduce-scatter at stages 2-3) instead of a
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import math
 import warnings
+from collections.abc import Iterator
 from typing import Literal
 
 import flax.linen as nn
@@ -35,6 +38,26 @@ from jax.sharding import PartitionSpec as P
 
 from ..sharding._axes import EP, TP
 from ..sharding._mesh import mesh_platform
+
+_LOCAL_EXPERTS: contextvars.ContextVar[int] = contextvars.ContextVar("zjax_local_experts", default=1)
+
+
+@contextlib.contextmanager
+def local_experts(ep: int) -> Iterator[None]:
+    """Code traced inside holds only its ``ep`` rank's experts, in a region already manual over ``ep`` (a
+    pipeline's stages): a layer declares ``experts / ep`` of them and :func:`expert_mlp` exchanges rows over
+    ``ep`` itself."""
+    token = _LOCAL_EXPERTS.set(ep)
+    try:
+        yield
+    finally:
+        _LOCAL_EXPERTS.reset(token)
+
+
+def experts_held(experts: int) -> int:
+    """How many of a layer's ``experts`` this rank holds where it is traced (:func:`local_experts`)."""
+    return experts // _LOCAL_EXPERTS.get()
+
 
 Exchange = Literal["padded", "ragged"]
 EXCHANGES: tuple[str, ...] = ("padded", "ragged")
@@ -244,9 +267,8 @@ def expert_mlp(
     options = {"capacity_factor": capacity_factor, "exchange": exchange, "grouped": grouped}
     mesh = jax.sharding.get_abstract_mesh()
     free = () if mesh.empty else tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
-    if not mesh.empty and EP in mesh.manual_axes and mesh.shape[EP] > 1:
-        # inside a region already manual over ep (a pipeline's stage): this rank's tokens and experts
-        ep = int(mesh.shape[EP])
+    if _LOCAL_EXPERTS.get() > 1:  # a region already manual over ep (a pipeline's stage): this rank's experts
+        ep = _LOCAL_EXPERTS.get()
         experts = w_gate.shape[0] * ep
         return _local(x, expert_ids, gates, w_gate, w_up, w_down, experts=experts, ep=ep, tp=1, **options)
     rules = bool(nn.get_logical_axis_rules()) and bool(free)

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec
 
 from .. import pipeline
 from ..context import CONTEXT_MODES, attention, check_sequence, load_balance
+from ..experts._dispatch import local_experts
 from ..remat import RematPolicy, gather_checkpoint, linen_scan, nested_scan, partition_checkpoint
 from ..sharding._axes import DP, EP
 from ..sharding._rules import RESIDUAL_SEQ
@@ -331,7 +332,8 @@ class Decoder(nn.Module):
                 split_over = jax.tree_util.tree_map_with_path(
                     lambda path, _: {1: EP} if jax.tree_util.keystr(path[-1:]) in EXPERT_KEYS else None, layers
                 )
-                x, stats = pipeline.apply(stage_fn, layers, x, schedule, outputs=True, split_over=split_over)
+                with local_experts(int(jax.sharding.get_abstract_mesh().shape.get(EP, 1))):
+                    x, stats = pipeline.apply(stage_fn, layers, x, schedule, outputs=True, split_over=split_over)
         elif c.scan and policy.kind == "nested" and not self.is_initializing():
             one = Block(c, load_balanced)
             layer = lambda w, h: one.apply({"params": w}, h, positions, segment_ids)  # noqa: E731

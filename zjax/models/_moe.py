@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from ..experts import EXCHANGES, GROUPED, expert_mlp
-from ..sharding._axes import EP
+from ..experts._dispatch import experts_held
 from ._params import param
 
 F32 = jnp.float32
@@ -129,9 +129,7 @@ class MoELayer(nn.Module):
         probs = jax.nn.softmax(logits, axis=-1)
         top, ids = jax.lax.top_k(probs, m.top_k)
         gates = top / jnp.sum(top, axis=-1, keepdims=True) if m.normalize_top_k else top
-        mesh = jax.sharding.get_abstract_mesh()
-        # inside a region already manual over ep (a pipeline's stage) the layer holds its rank's experts
-        held = m.experts // (int(mesh.shape[EP]) if not mesh.empty and EP in mesh.manual_axes else 1)
+        held = experts_held(m.experts)  # in a pipeline's stage over ep: its rank's experts
         w_gate = param(self, "w_gate", (held, e, f), ("expert", "embed", "mlp"))
         w_up = param(self, "w_up", (held, e, f), ("expert", "embed", "mlp"))
         w_down = param(self, "w_down", (held, f, e), ("expert", "mlp", "embed"))
