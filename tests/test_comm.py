@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,7 @@ from zjax import comm
 from zjax.models import Decoder, DecoderConfig, lm_loss
 from zjax.planner._hlo import collectives, partitioned_hlo
 from zjax.sharding._annotations import Leaf
+from zjax.sharding._rules import spec_axes
 from zjax.stages._layout import Placement
 
 
@@ -99,9 +102,186 @@ def test_the_step_gathers_int8_for_half_the_bytes_and_trains_like_bf16():
 
 
 def test_quantized_comm_needs_stage_3_without_a_pipeline():
-    with pytest.raises(ValueError, match=r"quantized_comm='weights' quantizes ZeRO-3's weight gathers: .*stage 1"):
+    with pytest.raises(ValueError, match=r"quantized_comm='weights' quantizes ZeRO-3's weight gathers.*stage 1"):
         zjax.Plan(zjax.make_mesh(dp=8), stage=1, quantized_comm="weights")
-    with pytest.raises(ValueError, match=r"quantized_comm='grads'; use one of \('weights',\)"):
-        zjax.Plan(zjax.make_mesh(dp=8), stage=3, quantized_comm="grads")
+    with pytest.raises(ValueError, match=r"quantized_comm='int8'; use one of \('weights', 'grads', 'weights\+grads'\)"):
+        zjax.Plan(zjax.make_mesh(dp=8), stage=3, quantized_comm="int8")
     with pytest.raises(ValueError, match=r"a pipeline"):
         zjax.Plan(zjax.make_mesh(dp=2, pp=4), stage=3, quantized_comm="weights", pipeline=zjax.Pipeline(4))
+    with pytest.raises(ValueError, match=r"quantized_comm='grads' at stage 3 .* offload='optimizer' keeps them"):
+        zjax.Plan(zjax.make_mesh(dp=8), stage=3, quantized_comm="grads", offload="optimizer")
+    with pytest.raises(ValueError, match=r"reduce_dtype='float32' at stage 3 is not supported with cp=2 yet"):
+        zjax.Plan(zjax.make_mesh(dp=4, cp=2), stage=3, reduce_dtype="float32")
+    plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, quantized_comm="weights")
+    assert plan.quantizes_weights and not plan.quantizes_grads and not plan.reduces_gradients
+    plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, quantized_comm="weights+grads")
+    assert plan.quantizes_weights and plan.quantizes_grads and plan.reduces_gradients
+
+
+# -- gradients reduced by zjax: in fp32, or as int8 through all-to-alls (qgZ) -----------------------------------------
+
+
+def _reduce_on(mesh, parts, split, dim, whole, how):
+    """``comm.reduce`` of per-rank parts ``[ranks, ...]`` (rank order: the mesh's data axes)."""
+    axes = (*whole, *split) if whole else split  # replica outermost
+    manual = set(split) | set(whole)
+
+    def local(x):
+        return comm.reduce(x[0], split, dim, whole, how)[None]
+
+    with jax.set_mesh(mesh):  # out: each rank's shard, stacked in rank order
+        fn = jax.shard_map(local, mesh=mesh, in_specs=P(axes), out_specs=P(axes), axis_names=manual, check_vma=False)
+        return np.asarray(jax.jit(fn)(jnp.asarray(parts)))
+
+
+@pytest.mark.parametrize("hsdp", [False, True])
+def test_a_quantized_reduction_is_within_each_ranks_half_step(hsdp):
+    """Every rank quantizes its own chunks once (error <= its block's amax / 254), the sums are fp32: the
+    reduced shard is within the sum of the ranks' half steps of the exact sum; over replica (HSDP) the shards'
+    sums are quantized twice more (the inter-node all-to-all and the gather back), each within its half step."""
+    mesh = zjax.make_mesh(dp=(2, 4)) if hsdp else zjax.make_mesh(dp=8)
+    split, whole = ("dp",), (("replica",) if hsdp else ())
+    rs = np.random.RandomState(1)
+    block = 16
+    parts = (rs.randn(8, 32, 64) * rs.lognormal(size=(8, 1, 64))).astype(np.float32)  # [rank, rows, cols]
+    out = _reduce_on(mesh, parts, split, 0, whole, comm.Reduction(quantized=True, block=block))
+    exact = parts.sum(0)
+    n_dp = 4 if hsdp else 8
+    # the reduced array, reassembled: rank (r, j) holds rows j of replica group r; all replicas agree
+    got = out.reshape(2, n_dp, 32 // n_dp, 64)[0].reshape(32, 64) if hsdp else out.reshape(32, 64)
+    # each rank's chunk j is the [32/n_dp, 64] rows of dp rank j, quantized flat in blocks of 16
+    chunks = parts.reshape(8, n_dp, -1, block)  # [rank, dest, blocks, block]
+    half = np.abs(chunks).max(-1) / 254  # [rank, dest, blocks]
+    bound = half.sum(0).reshape(n_dp, 32 // n_dp, 64 // block, 1)
+    bound = np.broadcast_to(bound, (n_dp, 32 // n_dp, 64 // block, block)).reshape(32, 64)
+    if hsdp:  # the dp sums' own quantization, twice, each within its half step (bounded by the sums' amax)
+        dp_sums = parts.reshape(2, 4, 32, 64).sum(1)
+        bound = bound + 2 * np.abs(dp_sums).max() / 254 * 2 + np.abs(exact).max() / 254
+    err = np.abs(got - exact)
+    assert np.all(err <= bound * (1 + 1e-5) + 1e-6), float((err / bound).max())
+    assert err.max() > 0  # it did quantize
+    # unquantized in fp32: the plain sum (up to fp32 rounding)
+    plain = _reduce_on(mesh, parts.astype(jnp.bfloat16), split, 0, whole, comm.Reduction(dtype=jnp.float32))
+    assert plain.dtype == np.float32
+    want = parts.astype(jnp.bfloat16).astype(np.float32).sum(0)
+    plain = plain.reshape(2, n_dp, 32 // n_dp, 64)[0].reshape(32, 64) if hsdp else plain.reshape(32, 64)
+    np.testing.assert_allclose(plain, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_quantized_reduction_keeps_a_non_finite_gradient_non_finite():
+    """Loss scaling skips a step on a non-finite gradient: the int8 blocks must not turn inf or nan finite."""
+    mesh = zjax.make_mesh(dp=8)
+    parts = np.ones((8, 16, 32), np.float32)
+    for bad in (np.inf, np.nan):
+        p = parts.copy()
+        p[3, 5, 7] = bad
+        out = _reduce_on(mesh, p, ("dp",), 0, (), comm.Reduction(quantized=True, block=8))
+        assert not np.all(np.isfinite(out))
+
+
+def _run(mesh_axes, stage, steps=3, cfg=CFG, accum=2, **plan_kw):
+    model = Decoder(cfg)
+    plan = zjax.Plan(zjax.make_mesh(**mesh_axes), stage=stage, precision="bf16", **plan_kw)
+    state = plan.init(
+        lambda r: model.init(r, jnp.zeros((1, 32), jnp.int32))["params"], optax.adamw(1e-3), jax.random.key(0)
+    )
+    step = plan.train_step(lambda p, b: lm_loss(model, p, b), accum_steps=accum)
+    batch = plan.shard_batch(np.random.RandomState(0).randint(0, cfg.vocab, (16, 33)).astype(np.int32))
+    _, hlo = partitioned_hlo(step.lower(state, batch))
+    sizes = dict(plan.mesh.shape)
+    # parameters per tp rank: what each data-parallel group reduces
+    placements = state.layout.params.placements
+    local = sum(np.prod(p.leaf.shape) / np.prod([sizes[a] for a in spec_axes(p.compute)]) for p in placements)
+    losses = []
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses, jax.device_get(state.opt_state.master), hlo, local
+
+
+def _reduced(hlo: str, ranks: int = 8) -> dict[tuple[str, str], int]:
+    """Bytes per (dtype, kind) of the collectives over groups of ``ranks`` devices (the data axes; with tp the
+    activations' collectives run over tp groups)."""
+    out: dict[tuple[str, str], int] = {}
+    for c in collectives(hlo):
+        if max((len(g) for g in c.groups), default=1) == ranks:
+            out[(c.dtype, c.kind)] = out.get((c.dtype, c.kind), 0) + c.volume * c.trips
+    return out
+
+
+@pytest.mark.parametrize(
+    "mesh_axes,tied", [({"dp": 4, "tp": 2}, False), pytest.param({"dp": 8}, True, marks=pytest.mark.slow)]
+)
+def test_stage_3_reduces_in_fp32_as_stage_2_does(mesh_axes, tied):
+    """reduce_dtype=float32 at stage 3: the per-layer reduce-scatters run in fp32 and train as stage 2's fp32
+    reduction does (the same sums); with tp the gradients are not gathered over tp first, and a tied
+    embedding's two uses reduce once."""
+    cfg = dataclasses.replace(CFG, tie_embeddings=tied)
+    s2 = _run(mesh_axes, 2, cfg=cfg, reduce_dtype="float32")
+    s3 = _run(mesh_axes, 3, cfg=cfg, reduce_dtype="float32")
+    plain = _run(mesh_axes, 3, cfg=cfg, steps=0)
+    np.testing.assert_allclose(s3[0], s2[0], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(s3[1]), jax.tree.leaves(s2[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    ranks = mesh_axes["dp"]
+    wide, narrow = _reduced(s3[2], ranks), _reduced(plain[2], ranks)
+    assert ("bf16", "reduce-scatter") not in wide and ("f32", "reduce-scatter") in wide
+    # every parameter's gradient reduced once per microbatch in fp32 (a tied embedding's two uses once): ZeRO's
+    # psi, 4 bytes each
+    assert wide[("f32", "reduce-scatter")] == 4 * s3[3] * 2
+    assert narrow[("bf16", "reduce-scatter")] <= 2 * s3[3] * 2
+    # no weight gradient all-gathered over tp in fp32 before its reduction (XLA does so for a collective over
+    # the data axes on a tp-split operand unless the collective is manual over tp too)
+    tp_f32 = _reduced(s3[2], mesh_axes.get("tp", 0)).get(("f32", "all-gather"), 0)
+    assert tp_f32 <= _reduced(plain[2], mesh_axes.get("tp", 0)).get(("f32", "all-gather"), 0)
+
+
+def test_quantized_gradients_cross_dp_as_int8_and_train_like_bf16():
+    plain = _run({"dp": 8}, 3)
+    grads = _run({"dp": 8}, 3, quantized_comm="grads")
+    both = _run({"dp": 8}, 3, quantized_comm="weights+grads")
+    narrow, q, qq = _reduced(plain[2]), _reduced(grads[2]), _reduced(both[2])
+    assert ("s8", "all-to-all") in q and ("bf16", "reduce-scatter") not in q
+    bf16_rs = narrow[("bf16", "reduce-scatter")]
+    moved = q[("s8", "all-to-all")] + q.get(("f32", "all-to-all"), 0)  # int8 values and their fp32 scales
+    assert moved <= 0.53 * bf16_rs, (moved, bf16_rs)
+    assert ("s8", "all-gather") in qq and ("s8", "all-to-all") in qq
+    # each rank's part is within amax/254 per block: the step moves as bf16's does, within that noise
+    np.testing.assert_allclose(grads[0], plain[0], rtol=2e-3)
+    np.testing.assert_allclose(both[0], plain[0], rtol=2e-3)
+    assert grads[0][-1] < grads[0][0] and both[0][-1] < both[0][0]
+    # the fp32 master moved as bf16's did, up to the quantization noise (Adam's first steps move each weight
+    # by about lr = 1e-3; noise flips the sign of only the smallest gradients)
+    for a, b in zip(jax.tree.leaves(grads[1]), jax.tree.leaves(plain[1]), strict=True):
+        assert np.abs(a - b).max() <= 3 * 2e-3 + 1e-6
+
+
+def test_a_model_that_does_not_read_through_gathered_is_gathered_before_its_loss():
+    """A plain flax model under stage 3 with fp32 reduction: its parameters are gathered whole before the loss
+    (found by tracing it once), and it trains as stage 2 with the same reduction does."""
+    import flax.linen as nn
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4)(nn.relu(nn.Dense(64)(x)))
+
+    model = MLP()
+    rs = np.random.RandomState(0)
+    x, y = rs.randn(16, 32).astype(np.float32), rs.randn(16, 4).astype(np.float32)
+
+    def loss_fn(p, b):
+        return jnp.mean((model.apply({"params": p}, b[0]).astype(jnp.float32) - b[1]) ** 2)
+
+    runs = []
+    for stage in (2, 3):
+        plan = zjax.Plan(zjax.make_mesh(dp=8), stage=stage, precision="bf16", reduce_dtype="float32")
+        state = plan.init(lambda r: model.init(r, x[:1])["params"], optax.adamw(1e-2), jax.random.key(0))
+        step = plan.train_step(loss_fn)
+        batch = plan.shard_batch((x, y))
+        losses = []
+        for _ in range(3):
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        runs.append(losses)
+    np.testing.assert_allclose(runs[1], runs[0], rtol=1e-5)

@@ -91,13 +91,13 @@ def test_zero3_on_the_gpu_target_reduce_scatters_and_gathers_bf16_over_dp(gpu_st
     assert 0 < comm.overlapped_volume <= comm.total_volume  # the scheduler hid some of it behind compute
 
 
-@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 2])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3])
 def test_reduce_dtype_float32_reduces_gradients_in_f32_on_the_gpu_target(stage, gpu_steps):
     starts = r"= \(*(\w+)\[[^\n]*? (?:reduce-scatter|all-reduce)-start\("
     compiled, report, _ = _compiled(stage, reduce_dtype="float32")
     kinds = set(re.findall(starts, compiled.as_text()))
     assert kinds == {"f32"}, kinds
-    default = gpu_steps[0][0] if stage == 0 else _compiled(stage)[0]
+    default = gpu_steps[stage][0] if stage in gpu_steps else _compiled(stage)[0]
     assert "bf16" in set(re.findall(starts, default.as_text()))  # as today: gradients reduce in bf16
     # twice the bytes on the wire for the gradient reduction, counted by the planner's HLO reader
     kind = "all-reduce" if stage == 0 else "reduce-scatter"
@@ -106,8 +106,8 @@ def test_reduce_dtype_float32_reduces_gradients_in_f32_on_the_gpu_target(stage, 
     assert wide == pytest.approx(2 * narrow, rel=0.05), (wide, narrow)
     with pytest.raises(ValueError, match="reduce_dtype='int8' must be a float dtype"):
         zjax.Plan(zjax.make_mesh(dp=8), reduce_dtype="int8")
-    with pytest.raises(ValueError, match="supported at stages 0-2 without a pipeline"):
-        zjax.Plan(zjax.make_mesh(dp=8), stage=3, reduce_dtype="float32")
+    with pytest.raises(ValueError, match="reduce_dtype='float32' is not supported with a pipeline yet"):
+        zjax.Plan(zjax.make_mesh(dp=2, pp=4), stage=3, reduce_dtype="float32", pipeline=zjax.Pipeline(8))
 
 
 def test_gpu_state_bytes_match_the_zero_formula(gpu_steps):

@@ -22,7 +22,7 @@ from .offload._config import Offload
 from .offload._update import check_streamable
 from .pipeline import Pipeline, initializing
 from .sharding._annotations import Leaf, path_str, read_leaves, unbox
-from .sharding._axes import DP, MESH_AXES, PP
+from .sharding._axes import CP, DP, MESH_AXES, PP
 from .sharding._batch import shard_batch
 from .sharding._mesh import axis_size
 from .sharding._rules import Rules
@@ -141,11 +141,11 @@ class Plan:
                 )
             same = dtype == jnp.dtype(self.precision.compute_dtype)
             object.__setattr__(self, "reduce_dtype", None if same else dtype)
-            if self.reduce_dtype is not None and (self.stage.level == 3 or self.pipeline is not None):
+            if self.reduce_dtype is not None and self.pipeline is not None:
                 raise ValueError(
-                    f"Plan: reduce_dtype={self.reduce_dtype.name!r} is supported at stages 0-2 without a pipeline; "
-                    f"stage 3 and pipelines reduce gradients inside their layer loops in the compute dtype. Use "
-                    f"stage 2, or reduce_dtype=None."
+                    f"Plan: reduce_dtype={self.reduce_dtype.name!r} is not supported with a pipeline yet (its "
+                    "schedules reduce gradients inside their own loops in the compute dtype); use reduce_dtype=None, "
+                    "or fold pp into dp."
                 )
         object.__setattr__(self, "offload", Offload.from_value(self.offload))
         cast(Offload, self.offload).check(self.stage)
@@ -156,11 +156,42 @@ class Plan:
                 raise ValueError(f"Plan: quantized_comm={self.quantized_comm!r}; use one of {QUANTIZED_COMM} or None.")
             if not self.stage.shard_parameters or self.pipeline is not None:
                 raise ValueError(
-                    f"Plan: quantized_comm={self.quantized_comm!r} quantizes ZeRO-3's weight gathers: it needs "
-                    f"stage 3 without a pipeline (got stage {self.stage.level}"
+                    f"Plan: quantized_comm={self.quantized_comm!r} quantizes ZeRO-3's weight gathers and gradient "
+                    f"reductions: it needs stage 3 without a pipeline (got stage {self.stage.level}"
                     + (", a pipeline" if self.pipeline is not None else "")
                     + "). Use stage=3, or quantized_comm=None."
                 )
+        if self.reduces_gradients:
+            what = "reduce_dtype" if self.reduce_dtype is not None else "quantized_comm"
+            value = self.reduce_dtype.name if self.reduce_dtype is not None else self.quantized_comm
+            if cast(Offload, self.offload).enabled:
+                raise ValueError(
+                    f"Plan: {what}={value!r} at stage 3 differentiates the fp32 master's shards on the device; "
+                    f"offload={cast(Offload, self.offload).name!r} keeps them in host memory. Use offload='none', "
+                    f"or {what}=None."
+                )
+            if axis_size(self.mesh, CP) > 1:
+                raise ValueError(
+                    f"Plan: {what}={value!r} at stage 3 is not supported with {CP}={axis_size(self.mesh, CP)} yet "
+                    f"(its weights are split over {CP} too, outside the data axes zjax reduces over); use "
+                    f"{what}=None, or fold {CP} into {DP}."
+                )
+
+    @property
+    def quantizes_weights(self) -> bool:
+        """Whether ZeRO-3's weight gathers cross the ZeRO axes as int8 (``quantized_comm`` with weights)."""
+        return self.quantized_comm in ("weights", "weights+grads")
+
+    @property
+    def quantizes_grads(self) -> bool:
+        """Whether gradients cross the data axes as int8 (``quantized_comm`` with grads)."""
+        return self.quantized_comm in ("grads", "weights+grads")
+
+    @property
+    def reduces_gradients(self) -> bool:
+        """Whether the step reduces stage 3's gradients itself (:func:`zjax._per_rank.zero3_grads`): in
+        ``reduce_dtype``, or quantized."""
+        return self.stage.shard_parameters and (self.reduce_dtype is not None or self.quantizes_grads)
 
     # -- layouts --------------------------------------------------------------------------------
 

@@ -3,81 +3,35 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from . import comm, pipeline
 from ._layout import StateLayout
+from ._loss_fn import LossFn, loss_and_aux, split_microbatches, takes
 from ._memory import MemoryReport, memory_report
 from ._overlap import compiler_options
+from ._per_rank import defers_reduction, grads_per_rank, zero3_grads
 from ._state import MixedPrecisionState, TrainState
 from .offload._update import streamed_update
-from .sharding._axes import DATA_AXES
 from .sharding._batch import check_batch
-from .sharding._mesh import data_axes, data_size, manual_data_axes, use_mesh_platform
-from .sharding._rules import Rules, spec_axes
+from .sharding._mesh import use_mesh_platform
 from .sharding._simulate import check_cpu_threads
 
 if TYPE_CHECKING:
     from ._plan import Plan
 
-LossFn = Callable[[Any, Any], Any]
+__all__ = ["EvalStep", "LossFn", "TrainStep"]
 
 
 def _constrain(tree: Any, specs: Any, mesh) -> Any:
     return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)), tree, specs)
-
-
-def _split_microbatches(batch: Any, k: int) -> Any:
-    """``[B, ...] -> [k, B/k, ...]`` where microbatch ``i`` is rows ``i, i+k, ...``.
-
-    Reshaping to ``(B/k, k)`` keeps each dp shard's rows on that shard (the dp split stays on the
-    first dimension), so no data moves; ``(k, B/k)`` directly would put dp on the microbatch index.
-    """
-    return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
-
-
-def _takes(fn: Callable, name: str) -> bool:
-    """Whether ``fn`` accepts a ``name`` keyword (``rng``: a fresh key; ``model_state``: the model's state)."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params
-
-
-def _is_spec(x: Any) -> bool:
-    return isinstance(x, PartitionSpec)
-
-
-def _loss_and_aux(out: Any) -> tuple[jax.Array, Any]:
-    """``loss_fn``'s result (``loss`` or ``(loss, aux)``) as ``(fp32 scalar loss, aux or None)``."""
-    loss, aux = out if isinstance(out, tuple) else (out, None)
-    if jnp.ndim(loss) != 0:
-        raise ValueError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}.")
-    return loss.astype(jnp.float32), aux
-
-
-def _sum_leading(x: jax.Array) -> jax.Array:
-    """Sum over the leading axis in ``x``'s own dtype (``jnp.sum`` would reduce bf16 in f32)."""
-    return jax.lax.reduce(x, jnp.zeros((), x.dtype), jax.lax.add, (0,))
-
-
-def _without_axes(rules: Any, drop: set[str]) -> tuple[tuple[str, Any], ...]:
-    """Logical axis rules with the mesh axes in ``drop`` taken out of every target."""
-    out = []
-    for name, target in rules:
-        axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
-        kept = tuple(a for a in axes if a not in drop)
-        out.append((name, None if not kept else kept[0] if len(kept) == 1 else kept))
-    return tuple(out)
 
 
 def _on_device(layout: StateLayout, params: Any) -> Any:
@@ -112,7 +66,7 @@ def _layout_of(plan: Plan, state: TrainState, what: str) -> StateLayout:
 
 def _quantizing(plan: Plan, layout: StateLayout) -> contextlib.AbstractContextManager:
     """The plan's quantized weight gathers (:mod:`zjax.comm`) while the loss is traced, or nothing."""
-    return comm.use(layout.params.placements) if plan.quantized_comm == "weights" else contextlib.nullcontext()
+    return comm.use(layout.params.placements) if plan.quantizes_weights else contextlib.nullcontext()
 
 
 def _mismatch(error: ValueError) -> bool:
@@ -195,7 +149,7 @@ class EvalStep(_CompiledFn):
             raise TypeError(f"eval_step: fn must be callable, got {type(fn).__name__}.")
         super().__init__(plan)
         self.fn = fn
-        self._takes_model_state = _takes(fn, "model_state")
+        self._takes_model_state = takes(fn, "model_state")
 
     def _build(self, layout: StateLayout, state: TrainState, batch: Any) -> Any:
         def evaluate(s: TrainState, b: Any) -> Any:
@@ -238,8 +192,8 @@ class TrainStep(_CompiledFn):
             raise ValueError(f"train_step: accum_steps={accum_steps!r} must be an int >= 1.")
         super().__init__(plan)
         self.loss_fn = loss_fn
-        self._takes_rng = _takes(loss_fn, "rng")
-        self._takes_model_state = _takes(loss_fn, "model_state")
+        self.takes_rng = takes(loss_fn, "rng")
+        self._takes_model_state = takes(loss_fn, "model_state")
         self.accum_steps = accum_steps
 
     def _build(self, layout: StateLayout, state: TrainState, batch: Any) -> Any:
@@ -255,6 +209,10 @@ class TrainStep(_CompiledFn):
             in_shardings=(state_shardings, layout.batch_shardings(batch)),
             out_shardings=(state_shardings, None),
             donate_argnums=0,
+            # every state leaf stays an argument, used or not (stage 3 reducing its own gradients reads the fp32
+            # master, not the compute copy): its donated buffer is then the output's, and the memory report
+            # finds every leaf's sharding
+            keep_unused=True,
             compiler_options=self._compiler_options(),
         )
 
@@ -280,7 +238,7 @@ class TrainStep(_CompiledFn):
 
         def scaled(p, ms, b, i):
             kwargs: dict[str, Any] = {}
-            if self._takes_rng:
+            if self.takes_rng:
                 kwargs["rng"] = jax.random.fold_in(rng, i)
             if self._takes_model_state:
                 # rebuilt inside the differentiated trace: nnx refuses to mutate variables made outside it
@@ -296,7 +254,7 @@ class TrainStep(_CompiledFn):
                     )
                 out, ms = out
                 ms = _constrain(ms, layout.model_state_specs, mesh)
-            loss, aux = _loss_and_aux(out)
+            loss, aux = loss_and_aux(out)
             return loss * scale, (loss, aux, ms)
 
         grad_fn = jax.grad(scaled, has_aux=True)
@@ -319,73 +277,10 @@ class TrainStep(_CompiledFn):
         (acc, model_state), (losses, auxes) = jax.lax.scan(
             body,
             (_constrain(zeros, layout.grad_specs, mesh), model_state),
-            (jnp.arange(k), _split_microbatches(batch, k)),
+            (jnp.arange(k), split_microbatches(batch, k)),
         )
         aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
         return jnp.mean(losses), aux, acc, model_state
-
-    def _defers_reduction(self, layout: StateLayout, model_state: Any) -> bool:
-        """Stages 0 and 1 with accumulation: reduce the gradients once per step, not once per microbatch."""
-        return (
-            self.accum_steps > 1
-            and not layout.stage.shard_gradients
-            and self.plan.pipeline is None  # the pipeline reduces once per step at its own boundary
-            and not jax.tree.leaves(model_state)  # batch statistics stay global-batch statistics
-            and data_size(self.plan.mesh) > 1
-            # a parameter split over a data axis (an expert over ep) cannot enter the per-rank shard_map whole
-            and not any(set(spec_axes(p.compute)) & set(DATA_AXES) for p in layout.params.placements)
-        )
-
-    def _grads_per_rank(self, layout: StateLayout, params: Any, batch: Any, scale: jax.Array, rng: jax.Array):
-        """Accumulation without a reduction per microbatch (stages 0 and 1, like DDP's ``no_sync``); also the
-        path of ``Plan(reduce_dtype=...)``, whose one reduction runs in that dtype.
-
-        A ``shard_map`` manual over the data axes (tp stays with GSPMD) gives every data-parallel rank its
-        own rows; it sums its microbatch gradients, unreduced, into its fp32 accumulator; after the loop
-        the ranks' accumulators are summed once, straight into the optimizer's layout (a reduce-scatter at
-        stage 1, an all-reduce at stage 0): ZeRO's 2 psi per step for every ``accum_steps``. Microbatch
-        ``i`` holds the same rows as without it; each rank's dropout key is folded with its index.
-        """
-        mesh, k = self.plan.mesh, self.accum_steps
-        axes, n = data_axes(mesh), data_size(mesh)
-        rules = _without_axes(cast(Rules, self.plan.rules).activations_for(mesh), set(axes))
-
-        def local(p, rows, key):
-            key = jax.random.fold_in(key, jax.lax.axis_index(axes))
-
-            def scaled(p, b, i):
-                out = self.loss_fn(p, b, rng=jax.random.fold_in(key, i)) if self._takes_rng else self.loss_fn(p, b)
-                loss, aux = _loss_and_aux(out)
-                return loss * scale / n, (loss, aux)
-
-            def body(acc, xs):
-                i, microbatch = xs
-                grads, (loss, aux) = jax.grad(scaled, has_aux=True)(p, microbatch, i)
-                return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads), (loss, aux)
-
-            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p)
-            # each rank sees only its own rows: activation rules must not split them over the data axes again
-            with nn.logical_axis_rules(rules), manual_data_axes():
-                acc, (losses, auxes) = jax.lax.scan(body, zeros, (jnp.arange(k), _split_microbatches(rows, k)))
-            aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
-            lead = lambda x: jnp.asarray(x)[None]  # noqa: E731 - one entry per rank, split over the data axes
-            return jax.tree.map(lead, acc), lead(jnp.mean(losses)), jax.tree.map(lead, aux)
-
-        data = PartitionSpec(axes)
-        acc, losses, auxes = jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=(PartitionSpec(), data, PartitionSpec()),
-            out_specs=data,
-            axis_names=set(axes),
-            check_vma=False,
-        )(params, batch, rng)
-        # the one reduction of the step, in the gradients' own dtype as without accumulation (bf16 moves half
-        # the bytes of the fp32 partial sums)
-        reduce_in = self.plan.reduce_dtype  # Plan(reduce_dtype=...): the ranks' sums widened before the reduction
-        grads = jax.tree.map(lambda a, p: _sum_leading(a.astype(reduce_in or p.dtype)), acc, params)
-        aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
-        return jnp.mean(losses), aux, _constrain(grads, layout.master_specs, mesh)
 
     def _step(self, layout: StateLayout, state: TrainState, batch: Any):
         plan, mesh = self.plan, self.plan.mesh
@@ -395,15 +290,19 @@ class TrainStep(_CompiledFn):
         scale = state.loss_scale.scale if precision.loss_scaling else jnp.float32(1.0)
         # a loss without an ``rng`` argument leaves the key as it is: no split (XLA:CPU runs threefry as a
         # loop, a measurable share of a small step)
-        next_rng, step_rng = jax.random.split(state.rng) if self._takes_rng else (state.rng, state.rng)
-        if plan.reduce_dtype is not None and jax.tree.leaves(state.model_state):
+        next_rng, step_rng = jax.random.split(state.rng) if self.takes_rng else (state.rng, state.rng)
+        if (plan.reduce_dtype is not None or plan.reduces_gradients) and jax.tree.leaves(state.model_state):
             raise ValueError(
-                "Plan(reduce_dtype=...) does not support models with model state (batch statistics) yet; "
-                "use reduce_dtype=None."
+                "Plan(reduce_dtype=...) and quantized gradients do not support models with model state (batch "
+                "statistics) yet; use reduce_dtype=None and quantized_comm=None or 'weights'."
             )
         compute_params = _on_device(layout, state.params)
-        if self._defers_reduction(layout, state.model_state) or plan.reduce_dtype is not None:
-            loss, aux, grads = self._grads_per_rank(layout, compute_params, batch, scale, step_rng)
+        if plan.reduces_gradients:  # stage 3, reduced in fp32 or as int8: the fp32 master's shards differentiated
+            primal = state.master_params if precision.master_weights else compute_params
+            loss, aux, grads = zero3_grads(self, layout, primal, batch, scale, step_rng)
+            model_state = state.model_state
+        elif defers_reduction(self, layout, state.model_state) or plan.reduce_dtype is not None:
+            loss, aux, grads = grads_per_rank(self, layout, compute_params, batch, scale, step_rng)
             model_state = state.model_state
         else:
             loss, aux, grads, model_state = self._grads(

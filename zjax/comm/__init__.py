@@ -1,11 +1,18 @@
-"""Fewer bytes on the wire: ZeRO-3 weight gathers as int8 blocks (ZeRO++'s qwZ).
+"""Fewer bytes on the wire: ZeRO-3 weight gathers (qwZ) and gradient reductions (qgZ) as int8 blocks (ZeRO++).
 
-plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, quantized_comm="weights")
+plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, quantized_comm="weights+grads")
 """
 
 from ._gather import QUANTIZED_COMM as QUANTIZED_COMM
+from ._gather import gather_unread as gather_unread
 from ._gather import gathered as gathered
+from ._gather import manual as manual
+from ._gather import manual_spec as manual_spec
+from ._gather import reads as reads
+from ._gather import reads_shards as reads_shards
 from ._gather import use as use
 from ._quantize import DEFAULT_BLOCK as DEFAULT_BLOCK
 from ._quantize import dequantize as dequantize
 from ._quantize import quantize as quantize
+from ._reduce import Reduction as Reduction
+from ._reduce import reduce as reduce

@@ -1,4 +1,5 @@
-"""Quantized weight gathers (ZeRO++'s qwZ): a ZeRO-3 weight crosses the ZeRO axes as int8 blocks.
+"""Where a model reads its parameters: quantized weight gathers (ZeRO++'s qwZ) and, inside a step manual over the data
+axes, explicit ZeRO-3 gathers whose gradients reduce in fp32 or as int8 (qgZ).
 
 A model reads each parameter through :func:`gathered` (``zjax.models.Decoder`` does). While a train or eval
 step traces the loss under :func:`use` (the plan sets it from ``Plan(quantized_comm="weights")``), a weight
@@ -8,6 +9,13 @@ fp32 scales and dequantized to the compute dtype on arrival, in a ``shard_map`` 
 goes back unquantized: a reduce-scatter in the gradient's dtype (the straight-through estimator; the fp32
 master weights and the optimizer never see quantization). Inside a layer scan the gather runs per layer, in
 the forward pass and again in the rematerialized one, so both of ZeRO-3's weight gathers are int8.
+
+Under :func:`manual` (a train step traced in a ``shard_map`` manual over the data axes, which ZeRO-3 takes when its
+gradients must reduce in another dtype or quantized) every parameter arrives as this rank's shard of the fp32
+master (or of the compute parameters without master weights): :func:`gathered` casts it to the compute dtype,
+all-gathers it (int8 with qwZ) and, in the backward pass, reduces this rank's partial gradient straight into the
+shard with :func:`zjax.comm.reduce`: a reduce-scatter in fp32, or int8 through all-to-alls, per layer as GSPMD's
+would be. A parameter the model does not read through :func:`gathered` is gathered the same way before the loss.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +32,18 @@ from jax.sharding import PartitionSpec as P
 
 from ..sharding._rules import spec_axes
 from ._quantize import DEFAULT_BLOCK, dequantize, quantize
+from ._reduce import Reduction, reduce
 
-QUANTIZED_COMM = ("weights",)
-"""What ``Plan(quantized_comm=...)`` can quantize."""
+QUANTIZED_COMM = ("weights", "grads", "weights+grads")
+"""What ``Plan(quantized_comm=...)`` can quantize: ZeRO-3's weight gathers, its gradient reductions, or both."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Manual:
+    axes: tuple[str, ...]  # the data axes the region is manual over
+    dtype: Any  # the compute dtype the model reads parameters in
+    reduction: Reduction
+    weights: bool  # whether the gathers quantize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +51,9 @@ class _Active:
     specs: dict[tuple[str, ...], tuple[Any, ...]]  # parameter path -> its ZeRO-3 spec, one entry per dim
     zero: dict[tuple[str, ...], frozenset[str]]  # parameter path -> the axes the stage added (not the compute spec's)
     block: int
+    manual: _Manual | None = None
+    read: set[tuple[str, ...]] | None = None  # records the paths read (see :func:`reads`)
+    memo: dict[Any, Any] = dataclasses.field(default_factory=dict)  # (path, id) -> (value, gathered), manual
 
 
 _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("zjax_quantized_comm", default=None)
@@ -43,16 +63,77 @@ _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("zjax_q
 def use(placements: Sequence[Any], block: int = DEFAULT_BLOCK) -> Iterator[None]:
     """Quantize the ZeRO weight gathers of the parameters placed as ``placements`` (a parameter layout's
     :class:`zjax.stages.Placement` s) while a loss is traced."""
+    with _activate(_active(placements, block)):
+        yield
+
+
+def _active(placements: Sequence[Any], block: int, manual: _Manual | None = None) -> _Active:
     specs, zero = {}, {}
     for p in placements:
         path, spec = tuple(p.leaf.path.split("/")), p.sharded
         specs[path] = tuple(spec) + (None,) * (len(p.leaf.shape) - len(spec))
         zero[path] = frozenset(spec_axes(spec)) - frozenset(spec_axes(p.compute))  # an expert's ep stays split
-    token = _ACTIVE.set(_Active(specs, zero, block))
+    return _Active(specs, zero, block, manual)
+
+
+@contextlib.contextmanager
+def _activate(active: _Active | None) -> Iterator[None]:
+    token = _ACTIVE.set(active)
     try:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def manual(
+    placements: Sequence[Any],
+    axes: Sequence[str],
+    dtype: Any,
+    reduction: Reduction,
+    weights: bool = False,
+    block: int = DEFAULT_BLOCK,
+) -> Iterator[None]:
+    """Trace a loss inside a ``shard_map`` manual over the data ``axes`` whose parameters enter as this rank's
+    ZeRO-3 shards (:func:`manual_spec`): :func:`gathered` gathers each one over the ZeRO axes in ``dtype`` (int8
+    with ``weights``) and reduces its gradient as ``reduction`` says."""
+    with _activate(_active(placements, block, _Manual(tuple(axes), jnp.dtype(dtype), reduction, weights))):
+        yield
+
+
+def manual_spec(spec: P, axes: Sequence[str]) -> P:
+    """``spec`` with only the manual ``axes`` kept: a parameter's ``in_specs`` entry for the manual region."""
+    kept = []
+    for entry in spec:
+        names = tuple(a for a in _axes(entry) if a in axes) if entry is not None else ()
+        kept.append(None if not names else names[0] if len(names) == 1 else names)
+    return P(*kept)
+
+
+def reads_shards() -> bool:
+    """Whether parameters are passed as this rank's shards (under :func:`manual`): a model that checks their
+    shapes before reading them through :func:`gathered` must not."""
+    active = _ACTIVE.get()
+    return active is not None and active.manual is not None
+
+
+def reads(fn: Any, *args: Any) -> set[tuple[str, ...]]:
+    """The parameter paths ``fn(*args)`` reads through :func:`gathered` (traced abstractly, nothing runs)."""
+    record: set[tuple[str, ...]] = set()
+    with _activate(_Active({}, {}, DEFAULT_BLOCK, None, record)):
+        jax.eval_shape(fn, *args)
+    return record
+
+
+def gather_unread(params: Any, read: set[tuple[str, ...]]) -> Any:
+    """Under :func:`manual`: ``params`` (this rank's shards) with every parameter the model does not read through
+    :func:`gathered` gathered whole now, the ones it does left for it to gather as it reads them."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    out = []
+    for keypath, value in flat:
+        path = tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in keypath)
+        out.append(value if path in read else gathered(value, path))
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def gathered(value: Any, path: Sequence[str]) -> Any:
@@ -65,6 +146,11 @@ def gathered(value: Any, path: Sequence[str]) -> Any:
     active = _ACTIVE.get()
     if active is None or not jnp.issubdtype(value.dtype, jnp.floating):
         return value
+    if active.read is not None:
+        active.read.add(tuple(path))
+        return value
+    if active.manual is not None:
+        return _manual_gather(value, active, tuple(path))
     spec = active.specs.get(tuple(path))
     if spec is None or len(spec) not in (value.ndim, value.ndim + 1):
         return value
@@ -110,3 +196,64 @@ def _quantized_gather(x: jax.Array, split: P, whole: P, dim: int, zero: tuple[st
 
     run.defvjp(fwd, bwd)
     return run(x)
+
+
+def _manual_gather(x: jax.Array, active: _Active, path: tuple[str, ...]) -> jax.Array:
+    """This rank's shard of the parameter at ``path``, whole in the compute dtype; its gradient reduced into the
+    shard (:func:`zjax.comm.reduce`) in the primal's dtype."""
+    manual = cast(_Manual, active.manual)
+    spec = active.specs.get(path)
+    if spec is None:
+        raise ValueError(
+            f"zjax.comm.gathered: no parameter at path {'/'.join(path)!r} in this step's layout; read parameters "
+            "with their path in the params tree (e.g. ('layers', 'wq'))."
+        )
+    entries = spec[len(spec) - x.ndim :]  # one layer of a stacked parameter: without the layers entry
+    dims = [(d, tuple(a for a in _axes(e) if a in manual.axes)) for d, e in enumerate(entries) if e is not None]
+    dims = [(d, axes) for d, axes in dims if axes]
+    if len(dims) > 1:
+        raise ValueError(
+            f"zjax.comm.gathered: {'/'.join(path)!r} is split over the data axes on dims {[d for d, _ in dims]}; "
+            "a ZeRO-3 shard is split on one dim."
+        )
+    dim, split = dims[0] if dims else (None, ())
+    whole = tuple(a for a in manual.axes if a not in split)
+    # Each collective runs in a shard_map manual over the other axes too (tp, ...), on the local tiles: XLA's
+    # partitioner would otherwise replicate a tp-split operand over tp before a collective over the data axes
+    # (measured: every weight gradient all-gathered over tp in fp32 before its reduce-scatter).
+    mesh = jax.sharding.get_abstract_mesh()
+    others = {a for a in mesh.axis_names if a not in manual.axes}
+    local = manual_spec(P(*entries), tuple(others))
+    tiles = lambda f: jax.shard_map(f, in_specs=local, out_specs=local, axis_names=others, check_vma=False)  # noqa: E731
+
+    def gather(v: jax.Array) -> jax.Array:
+        v = v.astype(manual.dtype)
+        if not split:
+            return v
+        if manual.weights:
+            q, scale = quantize(v, active.block)
+            q = jax.lax.all_gather(q, split, axis=dim, tiled=True)
+            scale = jax.lax.all_gather(scale, split, axis=dim, tiled=True)
+            return dequantize(q, scale, manual.dtype)
+        return jax.lax.all_gather(v, split, axis=dim, tiled=True)
+
+    def reduced(g: jax.Array) -> jax.Array:
+        return reduce(g, split, dim, whole, manual.reduction)
+
+    @jax.custom_vjp
+    def run(v: jax.Array) -> jax.Array:
+        return tiles(gather)(v)
+
+    def fwd(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return run(v), jnp.zeros((0,), v.dtype)  # the primal's dtype, for the cotangent
+
+    def bwd(like: jax.Array, g: jax.Array) -> tuple[jax.Array]:
+        return (tiles(reduced)(g).astype(like.dtype),)
+
+    run.defvjp(fwd, bwd)
+    # a parameter read twice (a tied embedding: lookup and head) is gathered once, so that its two uses'
+    # gradients add up before the one reduction (two would move its bytes twice)
+    key = (path, id(x))
+    if key not in active.memo:
+        active.memo[key] = (x, run(x))
+    return active.memo[key][1]

@@ -22,7 +22,7 @@ def quantize(x: jax.Array, block: int = DEFAULT_BLOCK) -> tuple[jax.Array, jax.A
     b = block_size(n, block)
     blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], n // b, b)
     amax = jnp.max(jnp.abs(blocks), axis=-1)
-    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    scale = jnp.where(amax == 0, 1.0, amax / 127.0)  # a non-finite block keeps a non-finite scale: it stays so
     q = jnp.clip(jnp.round(blocks / scale[..., None]), -127, 127).astype(jnp.int8)
     return q.reshape(x.shape), scale
 

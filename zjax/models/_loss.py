@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from .. import comm, pipeline
 from ..context import context_size, load_balance
 from ..sharding._axes import DATA_AXES, PP
+from ..sharding._mesh import in_manual_data_axes
 from ._decoder import MOE_STATS, PACKED_UNDER_PIPELINE, DecoderConfig, RMSNorm, pipeline_stage_fn
 
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
@@ -206,9 +207,10 @@ def _read_head(cfg: DecoderConfig, params: Any) -> jax.Array:
 
 
 def _data_ranks() -> tuple[str, ...]:
-    """The data-parallel axes (> 1) of the mesh in context, without a pipeline; ``()`` otherwise."""
+    """The data-parallel axes (> 1) of the mesh in context, without a pipeline or a region manual over them
+    (each rank's loss there is its own); ``()`` otherwise."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or dict(mesh.shape).get(PP, 1) > 1:
+    if mesh.empty or dict(mesh.shape).get(PP, 1) > 1 or in_manual_data_axes():
         return ()
     return tuple(a for a in DATA_AXES if dict(mesh.shape).get(a, 1) > 1)
 

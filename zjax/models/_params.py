@@ -12,5 +12,9 @@ def param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple[str
     """The parameter ``name`` of ``module`` (fp32 when made; the step passes it in the compute dtype), read
     through :func:`zjax.comm.gathered` (int8 over the ZeRO axes under ``Plan(quantized_comm="weights")``)."""
     init = nn.initializers.lecun_normal() if init is None else init
-    value = module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
+    if comm.reads_shards() and module.has_variable("params", name):
+        # a step manual over the data axes passes this rank's shard: gathered below (flax would refuse its shape)
+        value = nn.unbox(module.get_variable("params", name))
+    else:
+        value = module.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32)
     return comm.gathered(value, (*module.path, name))

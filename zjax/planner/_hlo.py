@@ -199,6 +199,7 @@ class Collective:
     # scheduled (async) collectives: compute instructions the scheduler put between its -start and -done;
     # None for a synchronous collective (XLA:CPU), which overlaps nothing
     overlap_ops: int | None = None
+    dtype: str = ""  # the element type it moves (s8 for quantized collectives)
 
     @property
     def overlapped(self) -> bool:
@@ -251,11 +252,13 @@ def collectives(hlo_text: str) -> list[Collective]:
                 vol = size
             ring = 1.0 if kind == "collective-permute" else (n - 1) / n if n > 1 else 0.0
             wire = round(vol * ring)
+            arrays = _ARRAY.findall(instr.type_text)
             out.append(
                 Collective(
-                    instr.name, kind, size, vol, wire, factor, comp in looped, groups, comp, between.get(instr.name)
+                    instr.name, kind, size, vol, wire, factor, comp in looped, groups, comp, between.get(instr.name),
+                    arrays[-1][0] if arrays else "",
                 )
-            )
+            )  # fmt: skip
     return out
 
 

@@ -1,0 +1,185 @@
+"""Gradients made per data-parallel rank in a ``shard_map`` manual over the data axes, reduced by zjax.
+
+GSPMD reduces a gradient where its dot makes it, in the dot's dtype. Three things need the reduction in zjax's
+hands instead: accumulation at stages 0-1 (one reduction per step, not one per microbatch: DDP's ``no_sync``),
+``Plan(reduce_dtype=...)`` (the sum in fp32), and ZeRO++'s quantized gradients (int8 through all-to-alls). Stages
+0-2 hold each rank's whole gradient sum until the one reduction after the loop (:func:`grads_per_rank`). Stage 3
+gathers and reduces per layer (:func:`zero3_grads`): the parameters enter as shards and the model's reads
+(:func:`zjax.comm.gathered`) gather them and reduce their gradients.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from . import comm
+from ._layout import StateLayout
+from ._loss_fn import loss_and_aux, split_microbatches
+from .sharding._axes import DATA_AXES
+from .sharding._mesh import data_axes, data_size, manual_data_axes
+from .sharding._rules import Rules, spec_axes
+
+if TYPE_CHECKING:
+    from ._step import TrainStep
+
+
+def without_axes(rules: Any, drop: set[str]) -> tuple[tuple[str, Any], ...]:
+    """Logical axis rules with the mesh axes in ``drop`` taken out of every target."""
+    out = []
+    for name, target in rules:
+        axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        kept = tuple(a for a in axes if a not in drop)
+        out.append((name, None if not kept else kept[0] if len(kept) == 1 else kept))
+    return tuple(out)
+
+
+def _sum_leading(x: jax.Array) -> jax.Array:
+    """Sum over the leading axis in ``x``'s own dtype (``jnp.sum`` would reduce bf16 in f32)."""
+    return jax.lax.reduce(x, jnp.zeros((), x.dtype), jax.lax.add, (0,))
+
+
+def split_over_data_axes(layout: StateLayout) -> list[str]:
+    """The parameters whose compute spec splits them over a data axis (an expert over ``ep``): they cannot enter a
+    region manual over the data axes whole."""
+    return [p.leaf.path for p in layout.params.placements if set(spec_axes(p.compute)) & set(DATA_AXES)]
+
+
+def defers_reduction(step: TrainStep, layout: StateLayout, model_state: Any) -> bool:
+    """Stages 0 and 1 with accumulation: reduce the gradients once per step, not once per microbatch."""
+    return (
+        step.accum_steps > 1
+        and not layout.stage.shard_gradients
+        and step.plan.pipeline is None  # the pipeline reduces once per step at its own boundary
+        and not jax.tree.leaves(model_state)  # batch statistics stay global-batch statistics
+        and data_size(step.plan.mesh) > 1
+        and not split_over_data_axes(layout)
+    )
+
+
+def _scaled_loss(step: TrainStep, scale: jax.Array, n: int, key: jax.Array, prepare=lambda p: p):
+    """``(params, microbatch, i) -> (loss * scale / n, (loss, aux))`` for one rank's rows."""
+
+    def scaled(p, b, i):
+        p = prepare(p)
+        out = step.loss_fn(p, b, rng=jax.random.fold_in(key, i)) if step.takes_rng else step.loss_fn(p, b)
+        loss, aux = loss_and_aux(out)
+        return loss * scale / n, (loss, aux)
+
+    return scaled
+
+
+def _accumulate(scaled: Any, p: Any, rows: Any, k: int) -> tuple[Any, Any]:
+    """The fp32 sum of ``scaled``'s gradients over ``k`` microbatches of ``rows``; their losses and aux."""
+
+    def body(acc, xs):
+        i, microbatch = xs
+        grads, (loss, aux) = jax.grad(scaled, has_aux=True)(p, microbatch, i)
+        return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads), (loss, aux)
+
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p)
+    return jax.lax.scan(body, zeros, (jnp.arange(k), split_microbatches(rows, k)))
+
+
+def _per_rank(x: Any) -> Any:
+    return jnp.asarray(x)[None]  # one entry per rank, split over the data axes
+
+
+def grads_per_rank(step: TrainStep, layout: StateLayout, params: Any, batch: Any, scale: jax.Array, rng: jax.Array):
+    """Accumulation without a reduction per microbatch (stages 0 and 1, like DDP's ``no_sync``); also the
+    path of ``Plan(reduce_dtype=...)`` at stages 0-2, whose one reduction runs in that dtype.
+
+    A ``shard_map`` manual over the data axes (tp stays with GSPMD) gives every data-parallel rank its
+    own rows; it sums its microbatch gradients, unreduced, into its fp32 accumulator; after the loop
+    the ranks' accumulators are summed once, straight into the optimizer's layout (a reduce-scatter at
+    stage 1, an all-reduce at stage 0): ZeRO's 2 psi per step for every ``accum_steps``. Microbatch
+    ``i`` holds the same rows as without it; each rank's dropout key is folded with its index.
+    """
+    plan = step.plan
+    mesh, k = plan.mesh, step.accum_steps
+    axes, n = data_axes(mesh), data_size(mesh)
+    rules = without_axes(cast(Rules, plan.rules).activations_for(mesh), set(axes))
+
+    def local(p, rows, key):
+        key = jax.random.fold_in(key, jax.lax.axis_index(axes))
+        # each rank sees only its own rows: activation rules must not split them over the data axes again
+        with nn.logical_axis_rules(rules), manual_data_axes():
+            acc, (losses, auxes) = _accumulate(_scaled_loss(step, scale, n, key), p, rows, k)
+        aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
+        return jax.tree.map(_per_rank, acc), _per_rank(jnp.mean(losses)), jax.tree.map(_per_rank, aux)
+
+    data = PartitionSpec(axes)
+    acc, losses, auxes = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), data, PartitionSpec()),
+        out_specs=data,
+        axis_names=set(axes),
+        check_vma=False,
+    )(params, batch, rng)
+    # the one reduction of the step, in the gradients' own dtype as without accumulation (bf16 moves half
+    # the bytes of the fp32 partial sums)
+    reduce_in = plan.reduce_dtype  # Plan(reduce_dtype=...): the ranks' sums widened before the reduction
+    grads = jax.tree.map(lambda a, p: _sum_leading(a.astype(reduce_in or p.dtype)), acc, params)
+    aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
+    return jnp.mean(losses), aux, grads
+
+
+def zero3_grads(step: TrainStep, layout: StateLayout, primal: Any, batch: Any, scale: jax.Array, rng: jax.Array):
+    """Stage 3 with its gradients reduced by zjax (``Plan(reduce_dtype=...)``, ``quantized_comm`` with grads).
+
+    ``primal`` is the fp32 master (or the compute parameters without master weights), split over the ZeRO axes;
+    each rank's shard enters the region, the model's reads gather it in the compute dtype per layer and reduce its
+    gradient back into the shard per layer (:func:`zjax.comm.manual`), as GSPMD's ZeRO-3 does, and the gradient
+    comes out in the master's layout, summed over the microbatches in fp32. A parameter the model does not read
+    through :func:`zjax.comm.gathered` is gathered before the loss (found by tracing the loss once abstractly).
+    """
+    plan = step.plan
+    mesh, k = plan.mesh, step.accum_steps
+    axes, n = data_axes(mesh), data_size(mesh)
+    rules = without_axes(cast(Rules, plan.rules).activations_for(mesh), set(axes))
+    compute = plan.precision.compute_dtype
+    placements = layout.params.placements
+    reduction = comm.Reduction(dtype=plan.reduce_dtype, quantized=plan.quantizes_grads)
+
+    # which parameters the loss reads through comm.gathered (the rest are gathered before it)
+    whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute), primal)
+    rows = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype), batch)
+    loss_fn: Any = step.loss_fn
+    if step.takes_rng:
+        read = comm.reads(lambda p, b: loss_fn(p, b, rng=jax.random.key(0)), whole, rows)
+    else:
+        read = comm.reads(loss_fn, whole, rows)
+
+    def local(p, rows, key):
+        key = jax.random.fold_in(key, jax.lax.axis_index(axes))
+        gather = lambda shards: comm.gather_unread(shards, read)  # noqa: E731
+        with (
+            nn.logical_axis_rules(rules),
+            manual_data_axes(),
+            comm.manual(placements, axes, compute, reduction, weights=plan.quantizes_weights),
+        ):
+            acc, (losses, auxes) = _accumulate(_scaled_loss(step, scale, n, key, gather), p, rows, k)
+        aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
+        return acc, _per_rank(jnp.mean(losses)), jax.tree.map(_per_rank, aux)
+
+    specs = jax.tree.map(lambda s: comm.manual_spec(s, axes), layout.master_specs, is_leaf=_is_spec)
+    data = PartitionSpec(axes)
+    grads, losses, auxes = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(specs, data, PartitionSpec()),
+        out_specs=(specs, data, data),
+        axis_names=set(axes),
+        check_vma=False,
+    )(primal, batch, rng)
+    aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
+    return jnp.mean(losses), aux, grads
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
