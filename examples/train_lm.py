@@ -138,10 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--quantize-comm",
-        choices=("none", "weights"),  # zjax.comm.QUANTIZED_COMM
+        choices=("none", "weights", "grads", "weights+grads"),  # zjax.comm.QUANTIZED_COMM
         default="none",
-        help="stage 3: gather weights over dp as int8 blocks (ZeRO++'s qwZ)",
+        help="stage 3: gather weights (qwZ) and/or reduce gradients (qgZ) over dp as int8 blocks (ZeRO++)",
     )
+    p.add_argument("--reduce-dtype", default=None, help="reduce gradients over dp in this dtype (e.g. float32)")
     p.add_argument(
         "--microbatches", type=int, default=None, help="pipeline microbatches per step (pp > 1; default 2 x pp)"
     )
@@ -296,6 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
     plan = zjax.Plan(
         mesh, stage=args.stage, precision=args.precision, clip_norm=args.clip_norm, pipeline=pipeline,
         offload=args.offload, quantized_comm=None if args.quantize_comm == "none" else args.quantize_comm,
+        reduce_dtype=args.reduce_dtype,
     )  # fmt: skip
     pipeline = plan.pipeline  # with its gathering mode settled for the stage
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), max(2, args.steps))
@@ -452,6 +454,7 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "precision": args.precision,
         "quantize_comm": args.quantize_comm,
+        "reduce_dtype": args.reduce_dtype,
         "offload": args.offload,
         "accum": args.accum,
         "remat": args.remat,

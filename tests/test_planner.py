@@ -164,6 +164,24 @@ def test_cli_errors():
     assert proc.returncode == 2 and "expected entries like dp=64,tp=2" in proc.stderr
 
 
+def test_cli_plans_quantized_comm_side_by_side(tmp_path):
+    """``--quantize-comm none,weights+grads``: the first value plans every stage, the next ones stage 3 only
+    (the only rows they change), each row naming what crossed dp and its bytes."""
+    out = tmp_path / "q.json"
+    proc = zjax_plan(
+        "--model", "tiny", "--mesh", "dp=8", "--stages", "2,3", "--quantize-comm", "none,weights+grads",
+        "--json", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["stage"], r["wire_dtypes"]) for r in rows] == [(2, "bf16"), (3, "bf16/bf16"), (3, "int8/int8")]
+    assert "wire dtype" in proc.stdout and "int8/int8" in proc.stdout
+    plain, quantized = (sum(r["comm_bytes"].values()) for r in rows[1:])
+    assert quantized <= 0.56 * plain, (quantized, plain)
+    proc = zjax_plan("--model", "tiny", "--mesh", "dp=8", "--quantize-comm", "int4")
+    assert proc.returncode == 2 and "--quantize-comm int4" in proc.stderr
+
+
 @pytest.mark.slow
 def test_llama2_7b_on_64_devices(tmp_path):
     """The compiled state of a LLaMA2-7B-shaped decoder on 64 simulated devices equals the formula (1%)."""

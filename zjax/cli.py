@@ -126,9 +126,15 @@ def _plan_parser(sub) -> None:
     )
     p.add_argument(
         "--quantize-comm",
-        choices=("none", "weights"),
         default="none",
-        help="stage 3 rows: gather weights over dp as int8 blocks (ZeRO++'s qwZ; zjax.comm)",
+        help="stage 3 rows: what crosses dp as int8 blocks (ZeRO++; zjax.comm): none, weights (qwZ), grads (qgZ) "
+        "or weights+grads; a comma list plans each, side by side (e.g. none,weights,weights+grads)",
+    )
+    p.add_argument(
+        "--reduce-dtype",
+        default=None,
+        help="the dtype gradients are reduced in over the data axes (Plan(reduce_dtype=...), e.g. float32); "
+        "default: the compute dtype",
     )
     p.add_argument(
         "--ep",
@@ -228,6 +234,13 @@ def _run_plan(args: argparse.Namespace) -> int:
     # default: one row per data-parallel rank in each microbatch, with a global batch that every --accum
     # value splits (their least common multiple), so that all of them are planned on the same batch
     batch = args.batch_size or rows * math.lcm(*args.accum)
+    quantized = [None if q == "none" else q for q in args.quantize_comm.split(",") if q]
+    known = ("none", "weights", "grads", "weights+grads")  # zjax.comm.QUANTIZED_COMM
+    bad = [q for q in args.quantize_comm.split(",") if q and q not in known]
+    if bad or not quantized or (args.budget is not None and quantized != [None]):
+        print(f"zjax plan: --quantize-comm {args.quantize_comm}: give none, weights, grads or weights+grads (a "
+              "comma list compares them; not with --budget)", file=sys.stderr)  # fmt: skip
+        return 2
     try:
         if args.budget is None:
             if len(remats) > 1:
@@ -236,7 +249,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                 planner.estimate(
                     args.model,
                     mesh=args.mesh,
-                    stages=args.stages,
+                    stages=stages,
                     remat=remats[0],
                     precision=args.precision,
                     batch_size=batch,
@@ -245,8 +258,12 @@ def _run_plan(args: argparse.Namespace) -> int:
                     pipeline=pipeline,
                     target=args.target,
                     offload=offloads[0],
-                    quantized_comm=None if args.quantize_comm == "none" else args.quantize_comm,
+                    quantized_comm=q,
+                    reduce_dtype=args.reduce_dtype,
                 )  # fmt: skip
+                for q in quantized  # each after the first plans stage 3 only (the only rows it changes)
+                for stages in [args.stages if q == quantized[0] else [s for s in args.stages if s == 3]]
+                if stages
                 for accum in args.accum  # every value is planned
             ]
             est = type(estimates[0])(**{**estimates[0].__dict__, "rows": tuple(r for e in estimates for r in e.rows)})

@@ -57,6 +57,7 @@ class Row:
     mesh: dict[str, int] = dataclasses.field(default_factory=dict)  # the mesh it was compiled for
     # a mixture of experts: the formula's persistent state per device of its "experts" and "dense" parameters
     state_by_group: dict[str, int] = dataclasses.field(default_factory=dict)
+    wire: str = ""  # what crosses the data axes (:func:`wire_dtypes`): the row's quantized_comm / reduce_dtype
 
     @property
     def over_memory(self) -> bool:
@@ -88,6 +89,7 @@ class Row:
             "comm_bytes": dict(self.comm.volume),
             "comm_wire_bytes": dict(self.comm.wire),
             "comm_psi": round(self.comm_psi, 4),
+            "wire_dtypes": self.wire,
             "comm_by_axes": {",".join(k) or "none": v for k, v in self.comm.by_axes.items()},
             "comm_overlapped_by_axes": {",".join(k) or "none": v for k, v in self.comm.overlapped_by_axes.items()},
             "comm_overlapped_bytes": self.comm.overlapped_volume,
@@ -200,7 +202,14 @@ class Estimate:
                 "; bubble = the most idle ticks of a pipeline stage / ticks, on the schedule's table the step runs; "
                 "pp = comm over pp (stage-to-stage messages); temp = the busiest stage's"
             )
-        columns = [("stage", ">"), ("remat", "<"), ("acc", ">"), (SEP, "<")]
+        quant = len({r.wire for r in self.rows if r.stage == 3}) > 1 or any("int8" in r.wire for r in self.rows)
+        if quant:
+            head += (
+                "; wire = what the data-parallel gradients and stage 3's weights cross in (int8: ZeRO++'s blocks, "
+                "fp32 scales included in comm)"
+            )
+        columns = [("stage", ">"), ("remat", "<"), ("acc", ">")] + ([("wire dtype", "<")] if quant else [])
+        columns += [(SEP, "<")]
         columns += [(name, ">") for name in ("params", "optim", "grads", "theory")] + [(SEP, "<")]
         columns += [(name, ">") for name in ("state", "temp", "total")] + [(SEP, "<")]
         columns += [(name, ">") for name in ("comm", "x psi", "wire")]
@@ -212,7 +221,7 @@ class Estimate:
         cells = []
         for r in self.rows:
             t, c = r.theory, r.compiled
-            row = [str(r.stage), r.remat, str(r.accum), SEP]
+            row = [str(r.stage), r.remat, str(r.accum)] + ([r.wire] if quant else []) + [SEP]
             row += [f(t["params"]), f(t["optimizer"]), f(t["grads"]), f(t["total"]), SEP]
             row += [f(c["state"]), f(c["temp"]), f(c["total"]), SEP]
             row += [f(r.comm.total_volume), f"{r.comm_psi:.2f}", f(r.comm.total_wire)]
@@ -228,6 +237,17 @@ class Estimate:
             cells.append(row)
         lines = [head, *text_table(columns, cells)]
         return "\n".join(lines)
+
+
+def wire_dtypes(plan: Plan) -> str:
+    """What crosses the data axes: ``weights/grads`` at stage 3 (``int8/bf16`` with qwZ, ``bf16/float32`` with
+    ``reduce_dtype``), the gradients' dtype at stages 0-2."""
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+    name = lambda dtype: short.get(jnp.dtype(dtype).name, jnp.dtype(dtype).name)  # noqa: E731
+    compute = name(plan.precision.compute_dtype)
+    weights = "int8" if plan.quantizes_weights else compute
+    grads = "int8" if plan.quantizes_grads else name(plan.reduce_dtype) if plan.reduce_dtype is not None else compute
+    return f"{weights}/{grads}" if plan.stage.shard_parameters else grads
 
 
 def _check_mesh(mesh: dict[str, int]) -> None:
@@ -271,6 +291,7 @@ def estimate_fn(
     offload: str | Offload = "none",
     rules: Rules | None = None,
     quantized_comm: str | None = None,
+    reduce_dtype: str | None = None,
 ) -> Estimate:
     """Estimate a user's model: ``init_fn``/``loss_fn`` as for :meth:`zjax.Plan.init`, ``batch`` a tree of
     ``ShapeDtypeStruct`` (global shapes). Nothing is allocated; every stage is compiled ahead of time.
@@ -281,7 +302,8 @@ def estimate_fn(
     simulated devices. Every row says which compiler produced it. ``offload`` (``"optimizer"``,
     ``"optimizer+params"``) estimates ZeRO-Offload plans: rows then show device memory, and the host
     bytes and PCIe traffic computed from the placements. ``rules`` (default ``zjax.Rules()``) places
-    parameters and activations, e.g. ``Rules(sequence_parallel=False)``."""
+    parameters and activations, e.g. ``Rules(sequence_parallel=False)``. ``quantized_comm`` (stage 3 rows) and
+    ``reduce_dtype`` are the :class:`zjax.Plan` options of those names."""
     offload = Offload.from_value(offload)
     devices = _devices(mesh, target)
     device_mesh = make_mesh(
@@ -305,7 +327,7 @@ def estimate_fn(
         quantize = quantized_comm if Stage.from_value(stage).shard_parameters else None  # stage 3's gathers
         plan = Plan(
             device_mesh, stage=stage, precision=precision, pipeline=schedule, offload=offload, rules=rules,
-            quantized_comm=quantize,
+            quantized_comm=quantize, reduce_dtype=reduce_dtype,
         )  # fmt: skip
         state = plan.abstract_state(init_fn, tx, jax.random.key(0))
         step = plan.train_step(loss_fn, accum_steps=accum)
@@ -354,6 +376,7 @@ def estimate_fn(
                 device_memory=get_target(target).memory_bytes if target is not None else None,
                 mesh={k: int(v) for k, v in device_mesh.shape.items()},
                 state_by_group=dict(report.state_by_group),
+                wire=wire_dtypes(plan),
                 **_pipeline_fields(plan.pipeline, stages_pp),
             )
         )
@@ -416,6 +439,7 @@ def estimate(
     offload: str | Offload = "none",
     rules: Rules | None = None,
     quantized_comm: str | None = None,
+    reduce_dtype: str | None = None,
 ) -> Estimate:
     """Estimate a decoder preset (``zjax.models.PRESETS``, e.g. ``"llama2-7b"``) or a ``DecoderConfig``.
 
@@ -443,4 +467,5 @@ def estimate(
         offload=offload,
         rules=rules,
         quantized_comm=quantized_comm,
+        reduce_dtype=reduce_dtype,
     )
