@@ -64,9 +64,12 @@ def _layout_of(plan: Plan, state: TrainState, what: str) -> StateLayout:
     return layout
 
 
-def _quantizing(plan: Plan, layout: StateLayout) -> contextlib.AbstractContextManager:
-    """The plan's quantized weight gathers (:mod:`zjax.comm`) while the loss is traced, or nothing."""
-    return comm.use(layout.params.placements) if plan.quantizes_weights else contextlib.nullcontext()
+def _placing(plan: Plan, layout: StateLayout) -> contextlib.AbstractContextManager:
+    """At stage 3 without a pipeline, the parameters' placements while the loss is traced (:mod:`zjax.comm`: the
+    quantized weight gathers of ``quantized_comm``, the embedding lookup on the table's shard); else nothing."""
+    if not plan.stage.shard_parameters or plan.pipeline is not None:
+        return contextlib.nullcontext()
+    return comm.use(layout.params.placements, quantize=plan.quantizes_weights)
 
 
 def _mismatch(error: ValueError) -> bool:
@@ -154,7 +157,7 @@ class EvalStep(_CompiledFn):
     def _build(self, layout: StateLayout, state: TrainState, batch: Any) -> Any:
         def evaluate(s: TrainState, b: Any) -> Any:
             params = _on_device(layout, s.params)
-            with _quantizing(self.plan, layout):
+            with _placing(self.plan, layout):
                 if self._takes_model_state:
                     return self.fn(params, b, model_state=s.model_state)
                 return self.fn(params, b)
@@ -244,7 +247,7 @@ class TrainStep(_CompiledFn):
                 # rebuilt inside the differentiated trace: nnx refuses to mutate variables made outside it
                 kwargs["model_state"] = jax.tree.map(lambda x: x, ms)
             # the table schedules make their gradients in the forward pass, seeded with the loss scale
-            with pipeline.seed(scale), _quantizing(self.plan, layout):
+            with pipeline.seed(scale), _placing(self.plan, layout):
                 out = self.loss_fn(p, b, **kwargs)
             if self._takes_model_state:
                 if not (isinstance(out, tuple) and len(out) == 2):

@@ -52,18 +52,30 @@ class _Active:
     zero: dict[tuple[str, ...], frozenset[str]]  # parameter path -> the axes the stage added (not the compute spec's)
     block: int
     manual: _Manual | None = None
+    quantize: bool = True  # the weight gathers (outside manual); False: only the placements are known
     read: set[tuple[str, ...]] | None = None  # records the paths read (see :func:`reads`)
     memo: dict[Any, Any] = dataclasses.field(default_factory=dict)  # (path, id) -> (value, gathered), manual
 
 
-_ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("zjax_quantized_comm", default=None)
+_ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("zjax_comm", default=None)
+
+
+def placement(path: Sequence[str]) -> tuple[tuple[Any, ...], frozenset[str]] | None:
+    """The ZeRO spec (one entry per dim) of the parameter at ``path`` and the axes the stage added, while a step
+    traces its loss outside a region manual over the data axes; else ``None``."""
+    active = _ACTIVE.get()
+    if active is None or active.manual is not None or active.read is not None:
+        return None
+    spec = active.specs.get(tuple(path))
+    return None if spec is None else (spec, active.zero[tuple(path)])
 
 
 @contextlib.contextmanager
-def use(placements: Sequence[Any], block: int = DEFAULT_BLOCK) -> Iterator[None]:
-    """Quantize the ZeRO weight gathers of the parameters placed as ``placements`` (a parameter layout's
-    :class:`zjax.stages.Placement` s) while a loss is traced."""
-    with _activate(_active(placements, block)):
+def use(placements: Sequence[Any], block: int = DEFAULT_BLOCK, quantize: bool = True) -> Iterator[None]:
+    """While a loss is traced, the parameters are placed as ``placements`` (a parameter layout's
+    :class:`zjax.stages.Placement` s): their ZeRO weight gathers are quantized (``quantize``), and
+    :func:`zjax.comm.lookup` can read an embedding table where it lies."""
+    with _activate(dataclasses.replace(_active(placements, block), quantize=quantize)):
         yield
 
 
@@ -120,7 +132,7 @@ def reads_shards() -> bool:
 def reads(fn: Any, *args: Any) -> set[tuple[str, ...]]:
     """The parameter paths ``fn(*args)`` reads through :func:`gathered` (traced abstractly, nothing runs)."""
     record: set[tuple[str, ...]] = set()
-    with _activate(_Active({}, {}, DEFAULT_BLOCK, None, record)):
+    with _activate(_Active({}, {}, DEFAULT_BLOCK, read=record)):
         jax.eval_shape(fn, *args)
     return record
 
@@ -136,9 +148,11 @@ def gather_unread(params: Any, read: set[tuple[str, ...]]) -> Any:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def gathered(value: Any, path: Sequence[str]) -> Any:
+def gathered(value: Any, path: Sequence[str], now: bool = False) -> Any:
     """The parameter at ``path`` (its keys in the params tree, e.g. ``("layers", "wq")``), whole over the ZeRO
-    axes: gathered as int8 under :func:`use`, else ``value`` as it is (GSPMD gathers it in its dtype).
+    axes: gathered as int8 under :func:`use` with quantization, else ``value`` as it is (GSPMD gathers it in its
+    dtype where it is used). ``now``: gathered here in any case, for a reader that loops over it (GSPMD would
+    gather it inside the loop, once per iteration forward and again backward, exposed: the LM head's chunks).
 
     Inside a layer scan ``value`` is one layer's slice of a stacked parameter: its spec is the stacked one
     without the leading layers entry.
@@ -151,6 +165,8 @@ def gathered(value: Any, path: Sequence[str]) -> Any:
         return value
     if active.manual is not None:
         return _manual_gather(value, active, tuple(path))
+    if not active.quantize and not now:
+        return value
     spec = active.specs.get(tuple(path))
     if spec is None or len(spec) not in (value.ndim, value.ndim + 1):
         return value
@@ -166,17 +182,22 @@ def gathered(value: Any, path: Sequence[str]) -> Any:
         return value
     whole = list(entries)
     whole[dim] = (kept if len(kept) > 1 else kept[0]) if kept else None
-    return _quantized_gather(value, P(*entries), P(*whole), dim, zero, active.block)
+    return _quantized_gather(value, P(*entries), P(*whole), dim, zero, active.block if active.quantize else None)
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
     return entry if isinstance(entry, tuple) else (entry,)
 
 
-def _quantized_gather(x: jax.Array, split: P, whole: P, dim: int, zero: tuple[str, ...], block: int) -> jax.Array:
+def _quantized_gather(
+    x: jax.Array, split: P, whole: P, dim: int, zero: tuple[str, ...], block: int | None
+) -> jax.Array:
+    """``x`` gathered over ``zero`` along ``dim``: as int8 blocks of ``block`` values, or as it is (``None``)."""
     names = set(jax.sharding.get_abstract_mesh().axis_names)
 
     def forward(local: jax.Array) -> jax.Array:
+        if block is None:
+            return jax.lax.all_gather(local, zero, axis=dim, tiled=True)
         q, scale = quantize(local, block)
         q = jax.lax.all_gather(q, zero, axis=dim, tiled=True)
         scale = jax.lax.all_gather(scale, zero, axis=dim, tiled=True)

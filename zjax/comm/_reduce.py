@@ -81,6 +81,7 @@ def _quantized_all_reduce(x: jax.Array, axes: tuple[str, ...], block: int) -> ja
     rows = jnp.pad(flat, (0, pad)).reshape(n, -1)
     mine = _sum_exchanged(rows, axes, block)
     width = mine.size
+    block = min(block, width)
     q, scale = quantize(_padded(mine, block)[None], block)
     q = jax.lax.all_gather(q, axes, axis=0, tiled=True)
     scale = jax.lax.all_gather(scale, axes, axis=0, tiled=True)
@@ -98,6 +99,7 @@ def _padded(x: jax.Array, block: int) -> jax.Array:
 def _sum_exchanged(rows: jax.Array, axes: tuple[str, ...], block: int) -> jax.Array:
     """Row ``j`` of every rank's ``rows`` (``[n, width]``) to rank ``j`` as int8 blocks; their fp32 sum."""
     width = rows.shape[1]
+    block = min(block, width)  # a small parameter's chunk is one block
     q, scale = quantize(_padded(rows, block), block)
     q = jax.lax.all_to_all(q, axes, 0, 0, tiled=True)
     scale = jax.lax.all_to_all(scale, axes, 0, 0, tiled=True)

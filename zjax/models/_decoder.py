@@ -25,7 +25,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from .. import pipeline
+from .. import comm, pipeline
 from ..context import CONTEXT_MODES, attention, check_sequence, load_balance
 from ..experts._dispatch import local_experts
 from ..remat import RematPolicy, gather_checkpoint, linen_scan, nested_scan, partition_checkpoint
@@ -312,13 +312,21 @@ class Decoder(nn.Module):
                 f"{EP} splits a mixture-of-experts layer's experts. Fold it into dp (dp x {ep}), or configure "
                 "moe=zjax.models.MoE(...)."
             )
-        embedding = param(self, "embedding", (c.vocab, c.embed), ("vocab", "embed"), nn.initializers.normal(1.0))
+        table = param(
+            self, "embedding", (c.vocab, c.embed), ("vocab", "embed"), nn.initializers.normal(1.0), gather=False
+        )
+        at = (*self.path, "embedding")
         if inputs_embeds is not None and inputs_embeds.shape != (*tokens.shape, c.embed):
             raise ValueError(
                 f"Decoder: inputs_embeds has shape {inputs_embeds.shape}; it must be tokens' {tuple(tokens.shape)} "
                 f"plus the embedding width {c.embed}."
             )
-        x = _constrain(jnp.take(embedding, tokens, axis=0) if inputs_embeds is None else inputs_embeds)
+        if inputs_embeds is not None:
+            x = _constrain(inputs_embeds)
+        elif c.tie_embeddings:  # the head reads the whole table anyway
+            x = _constrain(jnp.take(comm.gathered(table, at), tokens, axis=0))
+        else:  # on each rank's hidden columns when ZeRO-3 split them (no table gather)
+            x = _constrain(comm.lookup(table, tokens, at))
         policy = RematPolicy.from_str(c.remat)
         schedule = pipeline.current()
         stats = None
@@ -355,7 +363,7 @@ class Decoder(nn.Module):
         head = param(self, "head", (c.embed, c.vocab), ("embed", "vocab")) if not c.tie_embeddings else None
         if return_hidden:
             return x
-        head = embedding.T if head is None else head
+        head = comm.gathered(table, at).T if head is None else head
         return nn.with_logical_constraint(x @ head.astype(x.dtype), ("batch", "seq", "vocab"))
 
 

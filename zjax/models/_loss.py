@@ -200,10 +200,11 @@ def _with_experts(cfg: DecoderConfig, ce: jax.Array, stats: Any) -> Any:
 
 
 def _read_head(cfg: DecoderConfig, params: Any) -> jax.Array:
-    """The output projection, read as the model reads its parameters (:func:`zjax.comm.gathered`)."""
+    """The output projection, read as the model reads its parameters (:func:`zjax.comm.gathered`), whole before
+    the loss loops over its vocabulary chunks (gathered once, not per chunk)."""
     if cfg.tie_embeddings:
-        return comm.gathered(params["embedding"], ("embedding",)).T
-    return comm.gathered(params["head"], ("head",))
+        return comm.gathered(params["embedding"], ("embedding",), now=True).T
+    return comm.gathered(params["head"], ("head",), now=True)
 
 
 def _data_ranks() -> tuple[str, ...]:

@@ -52,7 +52,7 @@ class Layout:
         for leaf, spec in zip(leaves, compute, strict=True):
             # ZeRO's axes less those the compute spec already uses (an expert's weights are split over ep)
             zero = zero_target(mesh, taken=spec_axes(spec))
-            sharded, reason = add_axis(spec, leaf.shape, zero, sizes)
+            sharded, reason = add_axis(spec, leaf.shape, zero, sizes, leaf.names)
             placements.append(Placement(leaf, spec, sharded, reason))
         return cls(stage, mesh, treedef, tuple(placements))
 

@@ -15,14 +15,25 @@ def _axes(entry: object) -> tuple[str, ...]:
     return tuple(entry)  # type: ignore[arg-type]
 
 
+NOT_ZERO_DIMS = ("vocab",)
+"""Logical dims ZeRO splits only when a leaf has no other: a table split along its hidden dim is looked up on each
+rank's columns with no gather (:func:`zjax.comm.lookup`); split along its vocabulary, every rank would need every
+token's row."""
+
+
 def add_axis(
-    spec: PartitionSpec, shape: tuple[int, ...], axis: str | tuple[str, ...], sizes: dict[str, int]
+    spec: PartitionSpec,
+    shape: tuple[int, ...],
+    axis: str | tuple[str, ...],
+    sizes: dict[str, int],
+    dim_names: tuple[str | None, ...] | None = None,
 ) -> tuple[PartitionSpec, str | None]:
     """Shard ``shape`` additionally over mesh ``axis`` (a name, or a tuple of names that split one dimension
     together, outermost first: ZeRO's ``("dp", "cp")``).
 
     The axis goes on the largest dimension that is not yet sharded and divides by the axis size
-    (earliest such dimension on a tie). Failing that, it is stacked onto an already sharded dimension
+    (earliest such dimension on a tie), one whose logical name (``dim_names``) is in :data:`NOT_ZERO_DIMS` only
+    when no other can take it. Failing that, it is stacked onto an already sharded dimension
     whose size divides by the product of its axes and ``axis`` (e.g. ``("tp", "dp")`` on a tp-sharded
     bias). A leaf that can take neither stays as it is.
 
@@ -38,7 +49,9 @@ def add_axis(
         return spec, "scalar"
     free = [d for d, e in enumerate(entries) if e is None and shape[d] % size == 0]
     if free:
-        dim = max(free, key=lambda d: (shape[d], -d))
+        logical = dim_names or ()
+        avoid = [d for d in free if d < len(logical) and logical[d] in NOT_ZERO_DIMS]
+        dim = max([d for d in free if d not in avoid] or free, key=lambda d: (shape[d], -d))
         entries[dim] = axis
     else:
         stacked = [
