@@ -164,6 +164,7 @@ def test_cli_errors():
     assert proc.returncode == 2 and "expected entries like dp=64,tp=2" in proc.stderr
 
 
+@pytest.mark.slow  # three compiles in a subprocess; the argument error below runs in the fast suite
 def test_cli_plans_quantized_comm_side_by_side(tmp_path):
     """``--quantize-comm none,weights+grads``: the first value plans every stage, the next ones stage 3 only
     (the only rows they change), each row naming what crossed dp and its bytes."""
@@ -178,8 +179,12 @@ def test_cli_plans_quantized_comm_side_by_side(tmp_path):
     assert "wire dtype" in proc.stdout and "int8/int8" in proc.stdout
     plain, quantized = (sum(r["comm_bytes"].values()) for r in rows[1:])
     assert quantized <= 0.56 * plain, (quantized, plain)
-    proc = zjax_plan("--model", "tiny", "--mesh", "dp=8", "--quantize-comm", "int4")
-    assert proc.returncode == 2 and "--quantize-comm int4" in proc.stderr
+
+
+def test_cli_refuses_an_unknown_quantization():
+    proc = zjax_plan("--model", "tiny", "--mesh", "dp=8", "--quantize-comm", "none,int4")
+    assert proc.returncode == 2
+    assert "--quantize-comm none,int4: give none, weights, grads or weights+grads" in proc.stderr
 
 
 @pytest.mark.slow

@@ -60,6 +60,14 @@ class _Active:
 _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("zjax_comm", default=None)
 
 
+def manual_placement(path: Sequence[str]) -> tuple[tuple[Any, ...], _Manual] | None:
+    """Under :func:`manual`: the ZeRO spec of the parameter at ``path`` and the region's settings; else ``None``."""
+    active = _ACTIVE.get()
+    if active is None or active.manual is None or tuple(path) not in active.specs:
+        return None
+    return active.specs[tuple(path)], active.manual
+
+
 def placement(path: Sequence[str]) -> tuple[tuple[Any, ...], frozenset[str]] | None:
     """The ZeRO spec (one entry per dim) of the parameter at ``path`` and the axes the stage added, while a step
     traces its loss outside a region manual over the data axes; else ``None``."""

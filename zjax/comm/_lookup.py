@@ -11,22 +11,27 @@ shard (a scatter-add of every token's gradient slice) and needs no reduction ove
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ..sharding._axes import DATA_AXES, DP
-from ._gather import _axes, gathered, placement
+from ..sharding._axes import DP
+from ._gather import _axes, gathered, manual_placement, placement
+from ._reduce import reduce
 
 
 def lookup(table: jax.Array, ids: jax.Array, path: Sequence[str]) -> jax.Array:
     """``table[ids]`` (``[V, E]`` and ``[B, S]`` -> ``[B, S, E]``) for the parameter at ``path``: local to each
     rank's hidden columns when ZeRO-3 split them over ``dp`` (the vocabulary unsplit, no ``ep``/``cp``/``pp``),
     else the table as :func:`gathered` reads it."""
-    found = placement(path)
     mesh = jax.sharding.get_abstract_mesh()
     sizes = dict(mesh.shape) if not mesh.empty else {}
+    inside = manual_placement(path)
+    if inside is not None:
+        return _manual_lookup(table, ids, path, sizes, *inside)
+    found = placement(path)
     local = (
         found is not None
         and table.ndim == 2
@@ -35,20 +40,49 @@ def lookup(table: jax.Array, ids: jax.Array, path: Sequence[str]) -> jax.Array:
         and found[0][1] is not None
         and set(_axes(found[0][1])) == {DP}
         and DP in found[1]
-        and all(sizes.get(a, 1) == 1 for a in ("ep", "cp", "pp"))
+        # with replica (HSDP) XLA:CPU aborts compiling the lookup's transpose ("Invalid binary instruction opcode
+        # copy", jaxlib 0.10.2): GSPMD gathers the table there; the manual path above handles replica
+        and all(sizes.get(a, 1) == 1 for a in ("replica", "ep", "cp", "pp"))
     )
     if not local:
         return jnp.take(gathered(table, path), ids, axis=0)
-    data = tuple(a for a in DATA_AXES if sizes.get(a, 1) > 1 or a == DP)
     n = sizes[DP]
-    if ids.shape[0] % (n * max(1, sizes.get("replica", 1))) or table.shape[1] % n:
+    if ids.shape[0] % n or table.shape[1] % n:
         return jnp.take(gathered(table, path), ids, axis=0)
 
     def rank(t: jax.Array, i: jax.Array) -> jax.Array:
-        every = jax.lax.all_gather(i, DP, axis=0, tiled=True)  # this replica's token ids, all of them
-        cols = jnp.take(t, every, axis=0)  # [B / replica, S, E / dp]: every token, this rank's hidden columns
-        return jax.lax.all_to_all(cols, DP, 0, 2, tiled=True)  # [B / (replica dp), S, E]
+        every = jax.lax.all_gather(i, DP, axis=0, tiled=True)  # every token id
+        cols = jnp.take(t, every, axis=0)  # [B, S, E / dp]: every token, this rank's hidden columns
+        return jax.lax.all_to_all(cols, DP, 0, 2, tiled=True)  # [B / dp, S, E]
 
-    return jax.shard_map(
-        rank, in_specs=(P(None, DP), P(data)), out_specs=P(data), axis_names=set(data), check_vma=True
-    )(table, ids)
+    return jax.shard_map(rank, in_specs=(P(None, DP), P(DP)), out_specs=P(DP), axis_names={DP}, check_vma=True)(
+        table, ids
+    )
+
+
+def _manual_lookup(
+    table: jax.Array, ids: jax.Array, path: Sequence[str], sizes: dict, spec: tuple, manual: Any
+) -> jax.Array:
+    """:func:`lookup` inside a step manual over the data axes (``zjax.comm.manual``): ``table`` is this rank's
+    shard of the fp32 master, ``ids`` this rank's rows. Its gradient is made on the shard; summed over the data
+    axes the table is not split on (``replica``) as the region's reduction says."""
+    split = tuple(a for a in _axes(spec[1]) if a in manual.axes) if spec[1] is not None else ()
+    others = [a for a in sizes if a not in manual.axes and sizes[a] > 1]
+    if table.ndim != 2 or ids.ndim != 2 or spec[0] is not None or split != (DP,) or others:
+        return jnp.take(gathered(table, path), ids, axis=0)
+    whole = tuple(a for a in manual.axes if a != DP)
+
+    @jax.custom_vjp
+    def read(t: jax.Array) -> jax.Array:
+        return t.astype(manual.dtype)
+
+    def fwd(t: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return read(t), jnp.zeros((0,), t.dtype)
+
+    def bwd(like: jax.Array, g: jax.Array) -> tuple[jax.Array]:
+        return (reduce(g, (), None, whole, manual.reduction).astype(like.dtype),)
+
+    read.defvjp(fwd, bwd)
+    every = jax.lax.all_gather(ids, DP, axis=0, tiled=True)
+    cols = jnp.take(read(table), every, axis=0)
+    return jax.lax.all_to_all(cols, DP, 0, 2, tiled=True)

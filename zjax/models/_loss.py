@@ -170,7 +170,7 @@ def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16
         rows = (inputs, positions, segment_ids, targets, weights)
         return _tied_per_rank(model, params, rows, ranks, balanced, vocab_chunk)
     hidden, stats = _hidden(model, params, inputs, positions, segment_ids, load_balanced=balanced)
-    head = _read_head(model.cfg, nn.unbox(params))
+    head = _read_head(model.cfg, nn.unbox(params), vocab_chunks(model.cfg.vocab, vocab_chunk) > 1)
     return _with_experts(model.cfg, chunked_cross_entropy(hidden, head, targets, weights, vocab_chunk), stats)
 
 
@@ -199,12 +199,12 @@ def _with_experts(cfg: DecoderConfig, ce: jax.Array, stats: Any) -> Any:
     return ce + cfg.moe.loss(stats), metrics
 
 
-def _read_head(cfg: DecoderConfig, params: Any) -> jax.Array:
-    """The output projection, read as the model reads its parameters (:func:`zjax.comm.gathered`), whole before
-    the loss loops over its vocabulary chunks (gathered once, not per chunk)."""
+def _read_head(cfg: DecoderConfig, params: Any, looped: bool = False) -> jax.Array:
+    """The output projection, read as the model reads its parameters (:func:`zjax.comm.gathered`); whole before
+    the loss loops over its vocabulary chunks (``looped``: gathered once, not per chunk)."""
     if cfg.tie_embeddings:
-        return comm.gathered(params["embedding"], ("embedding",), now=True).T
-    return comm.gathered(params["head"], ("head",), now=True)
+        return comm.gathered(params["embedding"], ("embedding",), now=looped).T
+    return comm.gathered(params["head"], ("head",), now=looped)
 
 
 def _data_ranks() -> tuple[str, ...]:

@@ -15,10 +15,11 @@ def _axes(entry: object) -> tuple[str, ...]:
     return tuple(entry)  # type: ignore[arg-type]
 
 
-NOT_ZERO_DIMS = ("vocab",)
-"""Logical dims ZeRO splits only when a leaf has no other: a table split along its hidden dim is looked up on each
-rank's columns with no gather (:func:`zjax.comm.lookup`); split along its vocabulary, every rank would need every
-token's row."""
+LOOKUP_TABLES = (("vocab", "embed"),)
+"""Logical names of tables read by row (an embedding): ZeRO splits their other dim when it can, so that a lookup
+runs on each rank's hidden columns with no gather (:func:`zjax.comm.lookup`); split along the rows, every rank
+would need every token's row. (A head ``("embed", "vocab")`` is read whole by a matmul: it keeps the usual
+choice, the largest dim.)"""
 
 
 def add_axis(
@@ -32,8 +33,8 @@ def add_axis(
     together, outermost first: ZeRO's ``("dp", "cp")``).
 
     The axis goes on the largest dimension that is not yet sharded and divides by the axis size
-    (earliest such dimension on a tie), one whose logical name (``dim_names``) is in :data:`NOT_ZERO_DIMS` only
-    when no other can take it. Failing that, it is stacked onto an already sharded dimension
+    (earliest such dimension on a tie); for a table read by row (``dim_names`` in :data:`LOOKUP_TABLES`) not its
+    first (row) dim when another can take the axis. Failing that, it is stacked onto an already sharded dimension
     whose size divides by the product of its axes and ``axis`` (e.g. ``("tp", "dp")`` on a tp-sharded
     bias). A leaf that can take neither stays as it is.
 
@@ -49,8 +50,7 @@ def add_axis(
         return spec, "scalar"
     free = [d for d, e in enumerate(entries) if e is None and shape[d] % size == 0]
     if free:
-        logical = dim_names or ()
-        avoid = [d for d in free if d < len(logical) and logical[d] in NOT_ZERO_DIMS]
+        avoid = [0] if dim_names is not None and tuple(dim_names) in LOOKUP_TABLES else []
         dim = max([d for d in free if d not in avoid] or free, key=lambda d: (shape[d], -d))
         entries[dim] = axis
     else:
