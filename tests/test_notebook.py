@@ -135,7 +135,10 @@ def test_sharding_lab_runs_headless_and_its_numbers_hold():
     # bytes per parameter per device against ZeRO's formulas (bf16 + fp32 Adam + grads, N = 8)
     assert checks["bytes_per_param"] == {"0": 16.0, "1": 4 + 12 / 8, "2": 2 + 14 / 8, "3": 16 / 8}
     assert checks["stage_rows"] == [0, 1, 2, 3]
-    assert checks["comm_psi"][:3] == [2.0, 2.0, 2.0] and 2.8 <= checks["comm_psi"][3] <= 3.0
+    # stages 1-2 may move a little less than ZeRO's 2 psi: with the table split along its hidden dim, GSPMD reduces
+    # the embedding's gradient as activations over an all-to-all when those are smaller (1.97 here)
+    assert checks["comm_psi"][0] == 2.0 and all(1.9 <= x <= 2.0 for x in checks["comm_psi"][1:3])
+    assert 2.8 <= checks["comm_psi"][3] <= 3.0
     assert checks["tp_split_leaves"] > 0
     np.testing.assert_allclose(checks["losses"]["1"], checks["losses"]["3"], rtol=1e-5)
     assert checks["losses"]["1"][-1] < checks["losses"]["1"][0]

@@ -52,7 +52,9 @@ class Layout:
         for leaf, spec in zip(leaves, compute, strict=True):
             # ZeRO's axes less those the compute spec already uses (an expert's weights are split over ep)
             zero = zero_target(mesh, taken=spec_axes(spec))
-            sharded, reason = add_axis(spec, leaf.shape, zero, sizes, leaf.names)
+            # a table split along its hidden dim is looked up where it lies (zjax.comm.lookup), without a pipeline
+            names = leaf.names if sizes.get("pp", 1) == 1 else None
+            sharded, reason = add_axis(spec, leaf.shape, zero, sizes, names)
             placements.append(Placement(leaf, spec, sharded, reason))
         return cls(stage, mesh, treedef, tuple(placements))
 
