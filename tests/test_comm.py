@@ -76,6 +76,7 @@ def step_of(quantized: str | None, precision: str = "bf16"):
     return plan, state, plan.train_step(lambda p, b: lm_loss(model, p, b))
 
 
+@pytest.mark.slow  # two compiled Decoder steps; the fast suite keeps the block bounds and the GPU HLO
 def test_the_step_gathers_int8_for_half_the_bytes_and_trains_like_bf16():
     tokens = np.random.RandomState(0).randint(0, CFG.vocab, (16, 33)).astype(np.int32)
     runs = {}
@@ -235,6 +236,7 @@ def test_stage_3_reduces_in_fp32_as_stage_2_does(mesh_axes, tied):
     assert tp_f32 <= _reduced(plain[2], mesh_axes.get("tp", 0)).get(("f32", "all-gather"), 0)
 
 
+@pytest.mark.slow  # two compiled Decoder steps; the fast suite keeps the block bounds and the GPU HLO
 def test_quantized_gradients_cross_dp_as_int8_and_train_like_bf16():
     plain = _run({"dp": 8}, 3)
     both = _run({"dp": 8}, 3, quantized_comm="weights+grads")
