@@ -5,7 +5,6 @@ from ._estimate import Estimate as Estimate
 from ._estimate import Row as Row
 from ._estimate import estimate as estimate
 from ._estimate import estimate_fn as estimate_fn
-from ._estimate import resolve_model as resolve_model
 from ._fit import Candidate as Candidate
 from ._fit import Fit as Fit
 from ._fit import describe_skipped as describe_skipped
@@ -13,3 +12,4 @@ from ._fit import fit as fit
 from ._hlo import Communication as Communication
 from ._hlo import count_collectives as count_collectives
 from ._hlo import partitioned_hlo as partitioned_hlo
+from ._models import resolve_model as resolve_model

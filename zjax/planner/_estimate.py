@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -14,8 +13,7 @@ import jax.numpy as jnp
 import optax
 
 from .._plan import Plan
-from ..models import PRESETS, Decoder, DecoderConfig, config_from_hf, lm_loss
-from ..models._hf_config import config_path, read_hf_config
+from ..models import Decoder, DecoderConfig, lm_loss
 from ..offload import Offload
 from ..pipeline import Pipeline
 from ..sharding._mesh import make_mesh
@@ -23,6 +21,7 @@ from ..sharding._rules import Rules
 from ..stages import Stage
 from ._gpu import cost_analysis, cudnn_for_target, gpu_devices
 from ._hlo import Communication, count_collectives, partitioned_hlo
+from ._models import resolve_model
 from ._table import SEP, text_table
 from ._targets import get_target
 
@@ -406,21 +405,6 @@ def _data_volume(comm: Communication) -> int:
         v - comm.all_to_all_by_axes.get(axes, 0)
         for axes, v in comm.by_axes.items()
         if set(axes) & data and set(axes) <= zero
-    )
-
-
-def resolve_model(model: str | os.PathLike | DecoderConfig) -> tuple[str, DecoderConfig]:
-    """A preset name, a Hugging Face ``config.json`` (or its directory), or a :class:`DecoderConfig`."""
-    if isinstance(model, DecoderConfig):
-        return "custom", model
-    if str(model) in PRESETS:
-        return str(model), PRESETS[str(model)]
-    if os.path.exists(model):
-        hf = read_hf_config(model)
-        return str(hf.get("_name_or_path") or model), config_from_hf(hf, config_path(model))
-    raise ValueError(
-        f"planner: unknown model {str(model)!r}: not a preset ({sorted(PRESETS)}) and not a Hugging Face "
-        f"config.json or checkpoint directory."
     )
 
 

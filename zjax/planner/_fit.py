@@ -10,7 +10,8 @@ from ..models import DecoderConfig
 from ..offload import Offload
 from ..pipeline import Pipeline
 from ..stages import Stage
-from ._estimate import Estimate, Row, estimate, resolve_model
+from ._estimate import Estimate, Row, estimate
+from ._models import resolve_model
 
 # cost order for the budget search: less communication first, then less recomputation, then fewer microbatches
 REMAT_COST = ("none", "dots_no_batch", "minimal", "dots", "save_qkv_proj", "save_out_proj", "full", "nested")
