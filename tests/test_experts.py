@@ -321,7 +321,7 @@ def test_on_the_gpu_target_the_grouped_matmul_is_tokamaxs_kernel_not_a_dense_dot
     the temporaries. The GPU default is tokamax's Triton grouped matmul instead."""
     from jax.sharding import SingleDeviceSharding
 
-    from zjax._overlap import DEVICELESS
+    from zjax.core._overlap import DEVICELESS
     from zjax.planner._gpu import cudnn_for_target, gpu_devices
 
     on = SingleDeviceSharding(gpu_devices("h100", 1)[0])

@@ -338,7 +338,7 @@ def test_stage3_overlap_preset_hides_the_per_layer_collectives(gpu_steps):
     # weights and the previous layer's gradient beside the current ones (measured here: 2.9 layers)
     layer = CFG.num_params / CFG.layers * 2
     assert default_report.temp_bytes < report.temp_bytes <= default_report.temp_bytes + 4 * layer
-    assert zjax._overlap.compiler_options(0, "gpu", True) is None  # stages 0-2: XLA's defaults (measured)
+    assert zjax.core._overlap.compiler_options(0, "gpu", True) is None  # stages 0-2: XLA's defaults (measured)
 
 
 def test_a_step_over_the_targets_memory_marks_its_exposed_bytes():

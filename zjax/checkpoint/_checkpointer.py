@@ -23,8 +23,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
 
-from .._plan import Plan
-from .._state import TrainState
+from ..core import Plan, TrainState
 from ..sharding._annotations import path_str
 
 log = logging.getLogger("zjax.checkpoint")

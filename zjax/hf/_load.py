@@ -19,8 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._plan import Plan
-from .._state import TrainState
+from ..core import Plan, TrainState
 from ..models import Decoder, DecoderConfig, config_from_hf
 from ..models._hf_config import config_path, read_hf_config
 from ._files import checkpoint_dir, weight_map

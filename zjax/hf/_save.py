@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._state import TrainState
+from ..core import TrainState
 from ..models import Decoder, config_to_hf
 from ..planner._gpu import parse_size
 from ._files import INDEX, SINGLE

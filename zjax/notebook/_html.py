@@ -6,7 +6,7 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
-from .._memory import CATEGORIES, LABELS, _fmt
+from ..core._memory import CATEGORIES, LABELS, _fmt
 from ._rows import layout_rows
 
 _STYLE = (

@@ -29,7 +29,7 @@ from ._config import HOST
 from ._elementwise import cross_element_op
 
 if TYPE_CHECKING:
-    from .._layout import StateLayout
+    from ..core._layout import StateLayout
 
 _DEVICE = jax.memory.Space.Device
 _HOST = jax.memory.Space.Host

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .._plan import Plan
+from ..core import Plan
 from ..models import Decoder, DecoderConfig, lm_loss
 from ..offload import Offload
 from ..pipeline import Pipeline

@@ -16,13 +16,13 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ..offload._config import HOST, Offload
+from ..sharding._annotations import Leaf, path_str
+from ..sharding._batch import batch_shardings
+from ..stages._layout import Layout, Unsharded
+from ..stages._stage import Stage
 from ._loss_scale import LossScaleState
 from ._state import MixedPrecisionState, TrainState
-from .offload._config import HOST, Offload
-from .sharding._annotations import Leaf, path_str
-from .sharding._batch import batch_shardings
-from .stages._layout import Layout, Unsharded
-from .stages._stage import Stage
 
 
 def _is_spec(x: Any) -> bool:
@@ -101,7 +101,7 @@ class StateLayout:
         return self.params.unsharded
 
     def _repr_html_(self) -> str:
-        from .notebook._html import layout_html
+        from ..notebook._html import layout_html
 
         return layout_html(self)
 

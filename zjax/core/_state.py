@@ -83,7 +83,7 @@ class TrainState(struct.PyTreeNode):
         """In Jupyter: every parameter's placement and bytes per device (its layout, with its dtypes)."""
         if self.layout is None:
             return f"<pre>TrainState without a layout (step {self.step})</pre>"
-        from .notebook._html import layout_html
+        from ..notebook._html import layout_html
 
         return layout_html(self.layout, self)
 

@@ -17,12 +17,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from . import comm
+from .. import comm
+from ..sharding._axes import DATA_AXES
+from ..sharding._mesh import data_axes, data_size, manual_data_axes
+from ..sharding._rules import Rules, spec_axes
 from ._layout import StateLayout
 from ._loss_fn import loss_and_aux, split_microbatches
-from .sharding._axes import DATA_AXES
-from .sharding._mesh import data_axes, data_size, manual_data_axes
-from .sharding._rules import Rules, spec_axes
 
 if TYPE_CHECKING:
     from ._step import TrainStep

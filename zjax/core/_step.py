@@ -12,17 +12,17 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
-from . import comm, pipeline
+from .. import comm, pipeline
+from ..offload._update import streamed_update
+from ..sharding._batch import check_batch
+from ..sharding._mesh import use_mesh_platform
+from ..sharding._simulate import check_cpu_threads
 from ._layout import StateLayout
 from ._loss_fn import LossFn, loss_and_aux, split_microbatches, takes
 from ._memory import MemoryReport, memory_report
 from ._overlap import compiler_options
 from ._per_rank import defers_reduction, grads_per_rank, zero3_grads
 from ._state import MixedPrecisionState, TrainState
-from .offload._update import streamed_update
-from .sharding._batch import check_batch
-from .sharding._mesh import use_mesh_platform
-from .sharding._simulate import check_cpu_threads
 
 if TYPE_CHECKING:
     from ._plan import Plan

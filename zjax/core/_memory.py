@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from .sharding._batch import batch_shardings
-from .sharding._mesh import zero_size
-from .sharding._rules import spec_axes
-from .stages._layout import Unsharded
-from .stages._placement import shard_count
+from ..sharding._batch import batch_shardings
+from ..sharding._mesh import zero_size
+from ..sharding._rules import spec_axes
+from ..stages._layout import Unsharded
+from ..stages._placement import shard_count
 
 if TYPE_CHECKING:
     from ._plan import Plan
@@ -106,7 +106,7 @@ class MemoryReport:
         return self.peak_bytes - (self.offloaded_bytes if not self.host_bytes else 0)
 
     def _repr_html_(self) -> str:
-        from .notebook._html import memory_report_html
+        from ..notebook._html import memory_report_html
 
         return memory_report_html(self)
 

@@ -12,22 +12,22 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
+from ..comm import QUANTIZED_COMM
+from ..offload._config import Offload
+from ..offload._update import check_streamable
+from ..pipeline import Pipeline, initializing
+from ..sharding._annotations import Leaf, path_str, read_leaves, unbox
+from ..sharding._axes import CP, DP, MESH_AXES, PP
+from ..sharding._batch import shard_batch
+from ..sharding._mesh import axis_size
+from ..sharding._rules import Rules
+from ..stages._layout import Layout, Unsharded
+from ..stages._stage import Stage
 from ._layout import StateLayout
 from ._loss_scale import DynamicLossScale
 from ._precision import Precision
 from ._state import MixedPrecisionState, TrainState, Variables
 from ._step import EvalStep, LossFn, TrainStep
-from .comm import QUANTIZED_COMM
-from .offload._config import Offload
-from .offload._update import check_streamable
-from .pipeline import Pipeline, initializing
-from .sharding._annotations import Leaf, path_str, read_leaves, unbox
-from .sharding._axes import CP, DP, MESH_AXES, PP
-from .sharding._batch import shard_batch
-from .sharding._mesh import axis_size
-from .sharding._rules import Rules
-from .stages._layout import Layout, Unsharded
-from .stages._stage import Stage
 
 _STATE_RNG = 0x7A6A  # folded into the init key for TrainState.rng
 
@@ -67,7 +67,7 @@ class Plan:
         / all-reduce of the step, so a ring over many ranks does not round at every hop; 2x the gradient
         bytes on the wire). Stages 0-2 without a pipeline; each rank then holds its whole fp32 gradient
         sum until the reduction.
-      gpu_overlap: apply zjax's XLA:GPU compiler options for the stage (:data:`zjax._overlap.GPU_OVERLAP`;
+      gpu_overlap: apply zjax's XLA:GPU compiler options for the stage (:data:`zjax.core._overlap.GPU_OVERLAP`;
         at stage 3 pipelined all-gathers and reduce-scatters, so that each layer's weight gather and
         gradient reduction run under the neighbouring layer's compute); ``False`` keeps XLA's defaults.
         Only compiles for GPUs are affected.
@@ -189,7 +189,7 @@ class Plan:
 
     @property
     def reduces_gradients(self) -> bool:
-        """Whether the step reduces stage 3's gradients itself (:func:`zjax._per_rank.zero3_grads`): in
+        """Whether the step reduces stage 3's gradients itself (:func:`zjax.core._per_rank.zero3_grads`): in
         ``reduce_dtype``, or quantized."""
         return self.stage.shard_parameters and (self.reduce_dtype is not None or self.quantizes_grads)
 
