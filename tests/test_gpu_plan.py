@@ -344,8 +344,8 @@ def test_stage3_overlap_preset_hides_the_per_layer_collectives(gpu_steps):
 def test_a_step_over_the_targets_memory_marks_its_exposed_bytes():
     """XLA:GPU's scheduler gives up overlap for a program that does not fit the device: the planner marks
     those rows' exposed bytes instead of presenting them as what the step would expose."""
-    from zjax.planner._estimate import Estimate, Row
     from zjax.planner._hlo import Communication
+    from zjax.planner._result import Estimate, Row
 
     def row(total: int, memory: int | None) -> Row:
         theory = {"params": 1, "optimizer": 1, "grads": 1, "total": 3}

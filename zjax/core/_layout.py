@@ -22,6 +22,7 @@ from ..sharding._batch import batch_shardings
 from ..stages._layout import Layout, Unsharded
 from ..stages._stage import Stage
 from ._loss_scale import LossScaleState
+from ._rows import layout_html
 from ._state import MixedPrecisionState, TrainState
 
 
@@ -101,8 +102,6 @@ class StateLayout:
         return self.params.unsharded
 
     def _repr_html_(self) -> str:
-        from ..notebook._html import layout_html
-
         return layout_html(self)
 
     # -- spec trees -------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import html
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,7 @@ from ..sharding._mesh import zero_size
 from ..sharding._rules import spec_axes
 from ..stages._layout import Unsharded
 from ..stages._placement import shard_count
+from ._html import fmt_bytes, mesh_text, table
 
 if TYPE_CHECKING:
     from ._plan import Plan
@@ -42,15 +44,6 @@ def _nbytes(x: Any) -> int:
 def _shard_bytes(x: Any, sharding: Any) -> int:
     shape = sharding.shard_shape(tuple(np.shape(x))) if sharding is not None else tuple(np.shape(x))
     return int(math.prod(shape)) * _itemsize(x)
-
-
-def _fmt(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:,.2f} {unit}"
-    return f"{n:,.0f} B"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +99,6 @@ class MemoryReport:
         return self.peak_bytes - (self.offloaded_bytes if not self.host_bytes else 0)
 
     def _repr_html_(self) -> str:
-        from ..notebook._html import memory_report_html
-
         return memory_report_html(self)
 
     def to_dict(self) -> dict[str, Any]:
@@ -143,16 +134,16 @@ class MemoryReport:
         for key in CATEGORIES:
             compiled = self.compiled.get(key)
             note = "" if compiled is not None else "   (inside temporaries)"
-            lines.append(f"  {LABELS[key]:<22}{_fmt(self.theory[key]):>14}{_fmt(compiled):>14}{note}")
+            lines.append(f"  {LABELS[key]:<22}{fmt_bytes(self.theory[key]):>14}{fmt_bytes(compiled):>14}{note}")
         lines += [
-            f"  {'model state':<22}{_fmt(self.state_theory):>14}{_fmt(self.state_compiled):>14}",
-            f"  {'temporaries':<22}{'':>14}{_fmt(self.temp_bytes):>14}",
-            f"  {'peak (arg+out-alias+temp)':<36}{_fmt(self.peak_bytes):>14}",
+            f"  {'model state':<22}{fmt_bytes(self.state_theory):>14}{fmt_bytes(self.state_compiled):>14}",
+            f"  {'temporaries':<22}{'':>14}{fmt_bytes(self.temp_bytes):>14}",
+            f"  {'peak (arg+out-alias+temp)':<36}{fmt_bytes(self.peak_bytes):>14}",
         ]
         if self.offloaded_bytes:
             lines += [
-                f"  {'in pinned host memory (computed)':<36}{_fmt(self.offloaded_bytes):>14}",
-                f"  {'device peak':<36}{_fmt(self.device_peak_bytes):>14}",
+                f"  {'in pinned host memory (computed)':<36}{fmt_bytes(self.offloaded_bytes):>14}",
+                f"  {'device peak':<36}{fmt_bytes(self.device_peak_bytes):>14}",
             ]
         if self.flops is not None:
             lines.append(f"  {'step FLOPs (scan body once)':<36}{self.flops:>14.3e}")
@@ -161,6 +152,33 @@ class MemoryReport:
             more = f" and {len(self.unsharded) - 6} more" if len(self.unsharded) > 6 else ""
             lines.append(f"  replicated over dp (no divisible dim): {shown}{more}")
         return "\n".join(lines)
+
+
+def memory_report_html(report: MemoryReport) -> str:
+    """ZeRO's formula beside the compiled program's numbers, per category and in total (a Jupyter table)."""
+    rows = []
+    for key in CATEGORIES:
+        compiled = report.compiled.get(key)
+        rows.append(
+            [LABELS[key], fmt_bytes(report.theory[key]), fmt_bytes(compiled) if compiled is not None else "in temp"]
+        )
+    rows += [
+        ["model state", fmt_bytes(report.state_theory), fmt_bytes(report.state_compiled)],
+        ["temporaries", "", fmt_bytes(report.temp_bytes)],
+        ["peak (arg + out - alias + temp)", "", fmt_bytes(report.peak_bytes)],
+    ]
+    if report.offloaded_bytes:
+        rows += [["in pinned host memory", "", fmt_bytes(report.offloaded_bytes)],
+                 ["device peak", "", fmt_bytes(report.device_peak_bytes)]]  # fmt: skip
+    caption = (
+        f"memory per device: ZeRO stage {report.stage}, {report.precision}, {mesh_text(report.mesh)}, "
+        f"{report.num_params:,} params"
+    )
+    out = table(["category", "theory", "compiled"], rows, caption, numeric=(1, 2))
+    if report.unsharded:
+        items = "".join(f"<li>{html.escape(u.path)} {u.shape}: {html.escape(u.reason)}</li>" for u in report.unsharded)
+        out += f"<div style='font:12px monospace'>replicated over dp:<ul>{items}</ul></div>"
+    return out
 
 
 def theory_bytes(plan: Plan, state: TrainState, accum_steps: int = 1) -> tuple[int, dict[str, int]]:

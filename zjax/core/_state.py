@@ -10,6 +10,7 @@ import optax
 from flax import struct
 
 from ._loss_scale import LossScaleState
+from ._rows import layout_html
 
 
 class MixedPrecisionState(NamedTuple):
@@ -83,8 +84,6 @@ class TrainState(struct.PyTreeNode):
         """In Jupyter: every parameter's placement and bytes per device (its layout, with its dtypes)."""
         if self.layout is None:
             return f"<pre>TrainState without a layout (step {self.step})</pre>"
-        from ..notebook._html import layout_html
-
         return layout_html(self.layout, self)
 
     @property

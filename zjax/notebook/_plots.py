@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._rows import _spec_text
+from ..core._rows import spec_text
 
 
 def _pyplot():
@@ -131,7 +131,7 @@ def plot_mesh(state: Any, path: str | None = None, which: str = "master", ax: An
     ax.set_xticks(range(cols), [f"tp {c}" for c in range(cols)])
     ax.set_yticks(range(grid.shape[0]), [f"row {r}" for r in range(grid.shape[0])], fontsize=7)
     ax.set_title(
-        f"{which} of {name} {shape}: {_spec_text(spec)}, {len(shards)} distinct shard(s) on {mesh.size} devices",
+        f"{which} of {name} {shape}: {spec_text(spec)}, {len(shards)} distinct shard(s) on {mesh.size} devices",
         fontsize=9,
     )
     ax.figure.tight_layout()

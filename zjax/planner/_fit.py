@@ -10,8 +10,9 @@ from ..models import DecoderConfig
 from ..offload import Offload
 from ..pipeline import Pipeline
 from ..stages import Stage
-from ._estimate import Estimate, Row, estimate
+from ._estimate import estimate
 from ._models import resolve_model
+from ._result import Estimate, Row
 
 # cost order for the budget search: less communication first, then less recomputation, then fewer microbatches
 REMAT_COST = ("none", "dots_no_batch", "minimal", "dots", "save_qkv_proj", "save_out_proj", "full", "nested")

@@ -1,4 +1,4 @@
-"""Per-leaf rows of a training state's layout: specs, bytes per device, replication (data for tables)."""
+"""Per-leaf rows of a training state's layout (specs, bytes per device, replication) and their HTML table."""
 
 from __future__ import annotations
 
@@ -11,13 +11,15 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..sharding._axes import DATA_AXES
+from ._html import fmt_bytes, mesh_text, table
 
 
 def _is_spec(x: Any) -> bool:
     return isinstance(x, PartitionSpec)
 
 
-def _spec_text(spec: PartitionSpec) -> str:
+def spec_text(spec: PartitionSpec) -> str:
+    """A spec as text, ``[dp, -]``; ``replicated`` for an empty one."""
     parts = []
     for entry in spec:
         if entry is None:
@@ -107,10 +109,10 @@ def layout_rows(layout: Any, state: Any = None) -> list[LeafRow]:
                 path=leaf.path,
                 shape=tuple(leaf.shape),
                 dtype=dtype,
-                params=_spec_text(param_specs[i]),
-                master=_spec_text(master_specs[i]) if layout.master else "(params)",
-                moments=", ".join(sorted({_spec_text(s) for s in moments})) or "-",
-                grads=_spec_text(grad_specs[i]),
+                params=spec_text(param_specs[i]),
+                master=spec_text(master_specs[i]) if layout.master else "(params)",
+                moments=", ".join(sorted({spec_text(s) for s in moments})) or "-",
+                grads=spec_text(grad_specs[i]),
                 replication=replication,
                 bytes=sizes_by_cat,
                 unsharded=unsharded,
@@ -118,3 +120,29 @@ def layout_rows(layout: Any, state: Any = None) -> list[LeafRow]:
             )
         )
     return rows
+
+
+def layout_html(layout: Any, state: Any = None) -> str:
+    """Every parameter: shape, dtype, the spec of its params / master / moments / grads, bytes per device."""
+    rows = layout_rows(layout, state)
+    sized = state is not None
+    headers = ["path", "shape", "dtype", "params", "master", "moments", "grads", "replicas"]
+    if sized:
+        headers += ["bytes/device", "unsharded"]
+    body = []
+    for r in rows:
+        line = [r.path, "x".join(map(str, r.shape)) or "()", r.dtype, r.params, r.master, r.moments, r.grads,
+                r.replication]  # fmt: skip
+        if sized:
+            line += [fmt_bytes(r.total), fmt_bytes(r.unsharded) if r.unsharded else ""]
+        body.append(line)
+    if sized:
+        body.append(["total", "", "", "", "", "", "", "", fmt_bytes(sum(r.total for r in rows)),
+                     fmt_bytes(sum(r.unsharded for r in rows))])  # fmt: skip
+    caption = (
+        f"ZeRO stage {layout.stage.level} on {mesh_text(dict(layout.mesh.shape))}, {len(rows)} parameters"
+        + (f", offload {layout.offload.name}" if layout.offload.enabled else "")
+        + ("; bytes per device: params + master + moments + grads" if sized else "")
+        + "; replicas = devices holding each byte of the master weights"
+    )
+    return table(headers, body, caption, numeric=(7, 8, 9), bold_last=sized)
