@@ -18,21 +18,43 @@ path or rank still apply.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
-from ._config import HOST
+from ._config import HOST, Offload
 from ._elementwise import cross_element_op
-
-if TYPE_CHECKING:
-    from ..core._layout import StateLayout
 
 _DEVICE = jax.memory.Space.Device
 _HOST = jax.memory.Space.Host
+
+
+class StreamedLayout(Protocol):
+    """What the streamed update reads of a state's layout (:class:`zjax.StateLayout` has it all)."""
+
+    @property
+    def mesh(self) -> Mesh: ...
+
+    @property
+    def master(self) -> bool:
+        """Whether the optimizer keeps fp32 master weights apart from the compute parameters."""
+        ...
+
+    @property
+    def master_specs(self) -> Any:
+        """The master weights' tree of ``PartitionSpec``."""
+        ...
+
+    @property
+    def opt_owners(self) -> tuple[int | None, ...]:
+        """For each optimizer-state leaf, the index of the parameter it mirrors, or ``None`` (a shared scalar)."""
+        ...
+
+    @property
+    def offload(self) -> Offload: ...
 
 
 def chunk_rows(shape: tuple[int, ...], spec: PartitionSpec, mesh_shape: dict[str, int], chunk_bytes: int) -> int:
@@ -72,7 +94,7 @@ def _empty(x: Any) -> jax.Array:
 
 
 def streamed_update(
-    layout: StateLayout,
+    layout: StreamedLayout,
     tx: Any,
     grads: Any,
     inner: Any,
