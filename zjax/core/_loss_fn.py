@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +20,25 @@ def takes(fn: Callable, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in params
+
+
+@dataclasses.dataclass(frozen=True)
+class Loss:
+    """The loss a train step differentiates: the user's function, the arguments it takes, its microbatches."""
+
+    fn: LossFn
+    accum_steps: int = 1
+    takes_rng: bool = False
+    takes_model_state: bool = False
+
+    @classmethod
+    def of(cls, fn: LossFn, accum_steps: int = 1) -> Loss:
+        """``fn`` checked, with the optional arguments its signature names (``rng``, ``model_state``)."""
+        if not callable(fn):
+            raise TypeError(f"train_step: loss_fn must be callable, got {type(fn).__name__}.")
+        if not isinstance(accum_steps, int) or isinstance(accum_steps, bool) or accum_steps < 1:
+            raise ValueError(f"train_step: accum_steps={accum_steps!r} must be an int >= 1.")
+        return cls(fn, accum_steps, takes(fn, "rng"), takes(fn, "model_state"))
 
 
 def loss_and_aux(out: Any) -> tuple[jax.Array, Any]:

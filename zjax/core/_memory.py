@@ -18,9 +18,8 @@ from ..stages._placement import shard_count
 from ._html import fmt_bytes, mesh_text, table
 
 if TYPE_CHECKING:
-    from ._plan import Plan
+    from ._precision import Precision
     from ._state import TrainState
-    from ._step import TrainStep
 
 CATEGORIES = ("params", "master", "optimizer", "gradients")
 LABELS = {
@@ -181,21 +180,24 @@ def memory_report_html(report: MemoryReport) -> str:
     return out
 
 
-def theory_bytes(plan: Plan, state: TrainState, accum_steps: int = 1) -> tuple[int, dict[str, int]]:
-    """The ZeRO formula per device for ``state``: (parameter count, bytes by category)."""
-    psi, _, theory, _ = _theory(plan, state, accum_steps)
+def theory_bytes(state: TrainState, precision: Precision, accum_steps: int = 1) -> tuple[int, dict[str, int]]:
+    """The ZeRO formula per device for ``state`` (laid out: its layout gives the mesh and the stage) trained in
+    ``precision``: (parameter count, bytes by category)."""
+    psi, _, theory, _ = _theory(state, precision, accum_steps)
     return psi, theory
 
 
-def _theory(plan: Plan, state: TrainState, accum_steps: int) -> tuple[int, float, dict[str, int], dict[str, int]]:
-    sizes = dict(plan.mesh.shape)
-    stage, precision = plan.stage, plan.precision
+def _theory(
+    state: TrainState, precision: Precision, accum_steps: int
+) -> tuple[int, float, dict[str, int], dict[str, int]]:
+    mesh, stage = state.layout.mesh, state.layout.stage
+    sizes = dict(mesh.shape)
     layout = state.layout.params
     psi = sum(int(math.prod(p.leaf.shape)) for p in layout.placements)
     # per parameter: its elements per device after model parallelism (tp, an expert's ep), before ZeRO's split,
     # and ZeRO's N for it (dp x ep x cp; an expert, split over ep already: dp x cp)
     groups = [
-        (math.prod(p.leaf.shape) / shard_count(p.compute, sizes), zero_size(plan.mesh, spec_axes(p.compute)))
+        (math.prod(p.leaf.shape) / shard_count(p.compute, sizes), zero_size(mesh, spec_axes(p.compute)))
         for p in layout.placements
     ]
     psi_mp = sum(numel for numel, _ in groups)
@@ -229,12 +231,15 @@ def _theory(plan: Plan, state: TrainState, accum_steps: int) -> tuple[int, float
     return psi, psi_mp, theory, by_group
 
 
-def memory_report(plan: Plan, state: TrainState, batch: Any, step: TrainStep, compiled: Any = None) -> MemoryReport:
-    """Compile ``step`` for ``(state, batch)`` (unless ``compiled`` is given) and report per-device memory."""
+def memory_report(
+    state: TrainState, batch: Any, compiled: Any, *, precision: Precision, accum_steps: int
+) -> MemoryReport:
+    """Per-device memory of ``compiled``, a train step compiled for ``(state, batch)`` with ``accum_steps``
+    microbatches in ``precision``. The state's layout gives the mesh and the stage
+    (:meth:`zjax.TrainStep.memory_report` compiles the step and calls this)."""
     if state.layout is None:
         raise ValueError("memory_report: the state has no layout; build it with plan.init or plan.abstract_state.")
-    if compiled is None:
-        compiled = step.lower(state, batch).compile()
+    mesh = state.layout.mesh
     analysis = compiled.memory_analysis()
     state_shardings = compiled.input_shardings[0][0]
 
@@ -250,19 +255,19 @@ def memory_report(plan: Plan, state: TrainState, batch: Any, step: TrainStep, co
     }
     batch_bytes = sum(
         _shard_bytes(x, s)
-        for x, s in zip(jax.tree.leaves(batch), jax.tree.leaves(batch_shardings(batch, plan.mesh)), strict=True)
+        for x, s in zip(jax.tree.leaves(batch), jax.tree.leaves(batch_shardings(batch, mesh)), strict=True)
     )
-    psi, psi_mp, theory, by_group = _theory(plan, state, step.accum_steps)
+    psi, psi_mp, theory, by_group = _theory(state, precision, accum_steps)
     # host-placed state per device, from the layout (a deviceless mesh reports no memory kinds)
     placed, offload = state.layout.state_shardings(state.tx), state.layout.offload
     host_parts = [(state.opt_state, placed.opt_state)] if offload.optimizer else []
     host_parts += [(state.params, placed.params)] if offload.params else []
     offloaded = sum(category(tree, shardings) for tree, shardings in host_parts)
     return MemoryReport(
-        stage=plan.stage.level,
-        precision=plan.precision.name,
-        mesh={k: int(v) for k, v in plan.mesh.shape.items()},
-        accum_steps=step.accum_steps,
+        stage=state.layout.stage.level,
+        precision=precision.name,
+        mesh={k: int(v) for k, v in mesh.shape.items()},
+        accum_steps=accum_steps,
         num_params=psi,
         theory=theory,
         compiled=compiled_bytes,

@@ -10,7 +10,7 @@ gathers and reduces per layer (:func:`zero3_grads`): the parameters enter as sha
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import flax.linen as nn
 import jax
@@ -21,11 +21,9 @@ from .. import comm
 from ..sharding._axes import DATA_AXES
 from ..sharding._mesh import data_axes, data_size, manual_data_axes
 from ..sharding._rules import Rules, spec_axes
+from ._config import PlanConfig
 from ._layout import StateLayout
-from ._loss_fn import loss_and_aux, split_microbatches
-
-if TYPE_CHECKING:
-    from ._step import TrainStep
+from ._loss_fn import Loss, loss_and_aux, split_microbatches
 
 
 def without_axes(rules: Any, drop: set[str]) -> tuple[tuple[str, Any], ...]:
@@ -49,26 +47,26 @@ def split_over_data_axes(layout: StateLayout) -> list[str]:
     return [p.leaf.path for p in layout.params.placements if set(spec_axes(p.compute)) & set(DATA_AXES)]
 
 
-def defers_reduction(step: TrainStep, layout: StateLayout, model_state: Any) -> bool:
+def defers_reduction(plan: PlanConfig, loss: Loss, layout: StateLayout, model_state: Any) -> bool:
     """Stages 0 and 1 with accumulation: reduce the gradients once per step, not once per microbatch."""
     return (
-        step.accum_steps > 1
+        loss.accum_steps > 1
         and not layout.stage.shard_gradients
-        and step.plan.pipeline is None  # the pipeline reduces once per step at its own boundary
+        and plan.pipeline is None  # the pipeline reduces once per step at its own boundary
         and not jax.tree.leaves(model_state)  # batch statistics stay global-batch statistics
-        and data_size(step.plan.mesh) > 1
+        and data_size(plan.mesh) > 1
         and not split_over_data_axes(layout)
     )
 
 
-def _scaled_loss(step: TrainStep, scale: jax.Array, n: int, key: jax.Array, prepare=lambda p: p):
+def _scaled_loss(loss: Loss, scale: jax.Array, n: int, key: jax.Array, prepare=lambda p: p):
     """``(params, microbatch, i) -> (loss * scale / n, (loss, aux))`` for one rank's rows."""
 
     def scaled(p, b, i):
         p = prepare(p)
-        out = step.loss_fn(p, b, rng=jax.random.fold_in(key, i)) if step.takes_rng else step.loss_fn(p, b)
-        loss, aux = loss_and_aux(out)
-        return loss * scale / n, (loss, aux)
+        out = loss.fn(p, b, rng=jax.random.fold_in(key, i)) if loss.takes_rng else loss.fn(p, b)
+        value, aux = loss_and_aux(out)
+        return value * scale / n, (value, aux)
 
     return scaled
 
@@ -89,7 +87,9 @@ def _per_rank(x: Any) -> Any:
     return jnp.asarray(x)[None]  # one entry per rank, split over the data axes
 
 
-def grads_per_rank(step: TrainStep, layout: StateLayout, params: Any, batch: Any, scale: jax.Array, rng: jax.Array):
+def grads_per_rank(
+    plan: PlanConfig, loss: Loss, layout: StateLayout, params: Any, batch: Any, scale: jax.Array, rng: jax.Array
+):
     """Accumulation without a reduction per microbatch (stages 0 and 1, like DDP's ``no_sync``); also the
     path of ``Plan(reduce_dtype=...)`` at stages 0-2, whose one reduction runs in that dtype.
 
@@ -99,8 +99,7 @@ def grads_per_rank(step: TrainStep, layout: StateLayout, params: Any, batch: Any
     stage 1, an all-reduce at stage 0): ZeRO's 2 psi per step for every ``accum_steps``. Microbatch
     ``i`` holds the same rows as without it; each rank's dropout key is folded with its index.
     """
-    plan = step.plan
-    mesh, k = plan.mesh, step.accum_steps
+    mesh, k = plan.mesh, loss.accum_steps
     axes, n = data_axes(mesh), data_size(mesh)
     rules = without_axes(cast(Rules, plan.rules).activations_for(mesh), set(axes))
 
@@ -108,7 +107,7 @@ def grads_per_rank(step: TrainStep, layout: StateLayout, params: Any, batch: Any
         key = jax.random.fold_in(key, jax.lax.axis_index(axes))
         # each rank sees only its own rows: activation rules must not split them over the data axes again
         with nn.logical_axis_rules(rules), manual_data_axes():
-            acc, (losses, auxes) = _accumulate(_scaled_loss(step, scale, n, key), p, rows, k)
+            acc, (losses, auxes) = _accumulate(_scaled_loss(loss, scale, n, key), p, rows, k)
         aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
         return jax.tree.map(_per_rank, acc), _per_rank(jnp.mean(losses)), jax.tree.map(_per_rank, aux)
 
@@ -129,7 +128,9 @@ def grads_per_rank(step: TrainStep, layout: StateLayout, params: Any, batch: Any
     return jnp.mean(losses), aux, grads
 
 
-def zero3_grads(step: TrainStep, layout: StateLayout, primal: Any, batch: Any, scale: jax.Array, rng: jax.Array):
+def zero3_grads(
+    plan: PlanConfig, loss: Loss, layout: StateLayout, primal: Any, batch: Any, scale: jax.Array, rng: jax.Array
+):
     """Stage 3 with its gradients reduced by zjax (``Plan(reduce_dtype=...)``, ``quantized_comm`` with grads).
 
     ``primal`` is the fp32 master (or the compute parameters without master weights), split over the ZeRO axes;
@@ -138,8 +139,7 @@ def zero3_grads(step: TrainStep, layout: StateLayout, primal: Any, batch: Any, s
     comes out in the master's layout, summed over the microbatches in fp32. A parameter the model does not read
     through :func:`zjax.comm.gathered` is gathered before the loss (found by tracing the loss once abstractly).
     """
-    plan = step.plan
-    mesh, k = plan.mesh, step.accum_steps
+    mesh, k = plan.mesh, loss.accum_steps
     axes, n = data_axes(mesh), data_size(mesh)
     rules = without_axes(cast(Rules, plan.rules).activations_for(mesh), set(axes))
     compute = plan.precision.compute_dtype
@@ -149,8 +149,8 @@ def zero3_grads(step: TrainStep, layout: StateLayout, primal: Any, batch: Any, s
     # which parameters the loss reads through comm.gathered (the rest are gathered before it)
     whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute), primal)
     rows = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype), batch)
-    loss_fn: Any = step.loss_fn
-    if step.takes_rng:
+    loss_fn: Any = loss.fn
+    if loss.takes_rng:
         read = comm.reads(lambda p, b: loss_fn(p, b, rng=jax.random.key(0)), whole, rows)
     else:
         read = comm.reads(loss_fn, whole, rows)
@@ -163,7 +163,7 @@ def zero3_grads(step: TrainStep, layout: StateLayout, primal: Any, batch: Any, s
             manual_data_axes(),
             comm.manual(placements, axes, compute, reduction, weights=plan.quantizes_weights),
         ):
-            acc, (losses, auxes) = _accumulate(_scaled_loss(step, scale, n, key, gather), p, rows, k)
+            acc, (losses, auxes) = _accumulate(_scaled_loss(loss, scale, n, key, gather), p, rows, k)
         aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
         return acc, _per_rank(jnp.mean(losses)), jax.tree.map(_per_rank, aux)
 

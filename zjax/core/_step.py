@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -17,15 +17,13 @@ from ..offload._update import streamed_update
 from ..sharding._batch import check_batch
 from ..sharding._mesh import use_mesh_platform
 from ..sharding._simulate import check_cpu_threads
+from ._config import PlanConfig
 from ._layout import StateLayout
-from ._loss_fn import LossFn, loss_and_aux, split_microbatches, takes
+from ._loss_fn import Loss, LossFn, loss_and_aux, split_microbatches, takes
 from ._memory import MemoryReport, memory_report
 from ._overlap import compiler_options
 from ._per_rank import defers_reduction, grads_per_rank, zero3_grads
 from ._state import MixedPrecisionState, TrainState
-
-if TYPE_CHECKING:
-    from ._plan import Plan
 
 __all__ = ["EvalStep", "LossFn", "TrainStep"]
 
@@ -43,7 +41,7 @@ def _tree_where(pred: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.where(pred, n, o), new, old)
 
 
-def _layout_of(plan: Plan, state: TrainState, what: str) -> StateLayout:
+def _layout_of(plan: PlanConfig, state: TrainState, what: str) -> StateLayout:
     """The state's layout, checked against the plan the step belongs to (it is never rebuilt here)."""
     layout = getattr(state, "layout", None)
     if not isinstance(state, TrainState):
@@ -64,7 +62,7 @@ def _layout_of(plan: Plan, state: TrainState, what: str) -> StateLayout:
     return layout
 
 
-def _placing(plan: Plan, layout: StateLayout) -> contextlib.AbstractContextManager:
+def _placing(plan: PlanConfig, layout: StateLayout) -> contextlib.AbstractContextManager:
     """At stage 3 without a pipeline, the parameters' placements while the loss is traced (:mod:`zjax.comm`: the
     quantized weight gathers of ``quantized_comm``, the embedding lookup on the table's shard); else nothing."""
     if not plan.stage.shard_parameters or plan.pipeline is not None:
@@ -83,7 +81,7 @@ class _CompiledFn:
 
     what = "step"
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: PlanConfig):
         self.plan = plan
         self._jitted: dict[Any, Any] = {}
         self._threads_checked = False
@@ -147,7 +145,7 @@ class EvalStep(_CompiledFn):
 
     what = "eval_step"
 
-    def __init__(self, plan: Plan, fn: Callable[..., Any]):
+    def __init__(self, plan: PlanConfig, fn: Callable[..., Any]):
         if not callable(fn):
             raise TypeError(f"eval_step: fn must be callable, got {type(fn).__name__}.")
         super().__init__(plan)
@@ -188,15 +186,12 @@ class TrainStep(_CompiledFn):
 
     what = "train_step"
 
-    def __init__(self, plan: Plan, loss_fn: LossFn, accum_steps: int = 1):
-        if not callable(loss_fn):
-            raise TypeError(f"train_step: loss_fn must be callable, got {type(loss_fn).__name__}.")
-        if not isinstance(accum_steps, int) or isinstance(accum_steps, bool) or accum_steps < 1:
-            raise ValueError(f"train_step: accum_steps={accum_steps!r} must be an int >= 1.")
+    def __init__(self, plan: PlanConfig, loss_fn: LossFn, accum_steps: int = 1):
+        self.loss = Loss.of(loss_fn, accum_steps)
         super().__init__(plan)
         self.loss_fn = loss_fn
-        self.takes_rng = takes(loss_fn, "rng")
-        self._takes_model_state = takes(loss_fn, "model_state")
+        self.takes_rng = self.loss.takes_rng
+        self._takes_model_state = self.loss.takes_model_state
         self.accum_steps = accum_steps
 
     def _build(self, layout: StateLayout, state: TrainState, batch: Any) -> Any:
@@ -230,7 +225,9 @@ class TrainStep(_CompiledFn):
           batch: a batch (concrete or ``ShapeDtypeStruct``), global shape.
           compiled: this step's compiled executable, if already at hand (skips compiling again).
         """
-        return memory_report(self.plan, state, batch, self, compiled)
+        if compiled is None:
+            compiled = self.lower(state, batch).compile()
+        return memory_report(state, batch, compiled, precision=self.plan.precision, accum_steps=self.accum_steps)
 
     # -- the traced step ------------------------------------------------------------------------
 
@@ -302,10 +299,10 @@ class TrainStep(_CompiledFn):
         compute_params = _on_device(layout, state.params)
         if plan.reduces_gradients:  # stage 3, reduced in fp32 or as int8: the fp32 master's shards differentiated
             primal = state.master_params if precision.master_weights else compute_params
-            loss, aux, grads = zero3_grads(self, layout, primal, batch, scale, step_rng)
+            loss, aux, grads = zero3_grads(plan, self.loss, layout, primal, batch, scale, step_rng)
             model_state = state.model_state
-        elif defers_reduction(self, layout, state.model_state) or plan.reduce_dtype is not None:
-            loss, aux, grads = grads_per_rank(self, layout, compute_params, batch, scale, step_rng)
+        elif defers_reduction(plan, self.loss, layout, state.model_state) or plan.reduce_dtype is not None:
+            loss, aux, grads = grads_per_rank(plan, self.loss, layout, compute_params, batch, scale, step_rng)
             model_state = state.model_state
         else:
             loss, aux, grads, model_state = self._grads(

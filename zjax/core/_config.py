@@ -1,0 +1,132 @@
+"""A plan's settings: the mesh, stage, precision, rules and the options of the step, checked once.
+
+:class:`zjax.Plan` is these settings with the methods that build a state and its steps; the steps read the
+settings alone (this class), so they depend on it and not on the plan that makes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, cast
+
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from ..comm import QUANTIZED_COMM
+from ..offload._config import Offload
+from ..pipeline import Pipeline
+from ..sharding._axes import CP, DP, MESH_AXES, PP
+from ..sharding._mesh import axis_size
+from ..sharding._rules import Rules
+from ..stages._stage import Stage
+from ._loss_scale import DynamicLossScale
+from ._precision import Precision
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """The settings of a :class:`zjax.Plan`, normalized and checked (see it for each field)."""
+
+    mesh: Mesh
+    stage: Any = 0
+    precision: Any = "bf16"
+    rules: Rules | None = None
+    clip_norm: float | None = None
+    loss_scale: DynamicLossScale = DynamicLossScale()
+    pipeline: Pipeline | None = None
+    reduce_dtype: Any = None
+    offload: Any = None
+    gpu_overlap: bool = True
+    quantized_comm: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mesh, Mesh):
+            raise TypeError(f"Plan: mesh must be a jax.sharding.Mesh (zjax.make_mesh), got {type(self.mesh).__name__}.")
+        missing = [a for a in (DP,) if a not in self.mesh.shape]
+        if missing:
+            raise ValueError(
+                f"Plan: the mesh {dict(self.mesh.shape)} has no {missing[0]!r} axis; build it with "
+                f"zjax.make_mesh (axes {MESH_AXES})."
+            )
+        if self.pipeline is not None and not isinstance(self.pipeline, Pipeline):
+            raise TypeError(
+                f"Plan: pipeline must be a zjax.Pipeline(microbatches=...), got {type(self.pipeline).__name__}."
+            )
+        stages = axis_size(self.mesh, PP)
+        if stages > 1 and self.pipeline is None:
+            raise ValueError(
+                f"Plan: the mesh has {PP}={stages} but no pipeline schedule; pass "
+                f"pipeline=zjax.Pipeline(microbatches=M) with M a multiple of {stages} (e.g. {2 * stages}), "
+                f"or fold those devices into dp or tp."
+            )
+        if self.pipeline is not None:
+            self.pipeline.check(stages)
+        object.__setattr__(self, "stage", Stage.from_value(self.stage))
+        if self.pipeline is not None:
+            object.__setattr__(self, "pipeline", self.pipeline.for_stage(self.stage))
+        object.__setattr__(self, "precision", Precision.from_value(self.precision))
+        object.__setattr__(self, "rules", Rules() if self.rules is None else self.rules)
+        if not isinstance(self.rules, Rules):
+            raise TypeError(f"Plan: rules must be a zjax.Rules, got {type(self.rules).__name__}.")
+        if self.reduce_dtype is not None:
+            try:
+                dtype = jnp.dtype(self.reduce_dtype)
+            except TypeError:
+                dtype = None
+            if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+                raise ValueError(
+                    f"Plan: reduce_dtype={self.reduce_dtype!r} must be a float dtype such as 'float32', or None."
+                )
+            same = dtype == jnp.dtype(self.precision.compute_dtype)
+            object.__setattr__(self, "reduce_dtype", None if same else dtype)
+            if self.reduce_dtype is not None and self.pipeline is not None:
+                raise ValueError(
+                    f"Plan: reduce_dtype={self.reduce_dtype.name!r} is not supported with a pipeline yet (its "
+                    "schedules reduce gradients inside their own loops in the compute dtype); use reduce_dtype=None, "
+                    "or fold pp into dp."
+                )
+        object.__setattr__(self, "offload", Offload.from_value(self.offload))
+        cast(Offload, self.offload).check(self.stage)
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"Plan: clip_norm={self.clip_norm} must be > 0 or None.")
+        if self.quantized_comm is not None:
+            if self.quantized_comm not in QUANTIZED_COMM:
+                raise ValueError(f"Plan: quantized_comm={self.quantized_comm!r}; use one of {QUANTIZED_COMM} or None.")
+            if not self.stage.shard_parameters or self.pipeline is not None:
+                raise ValueError(
+                    f"Plan: quantized_comm={self.quantized_comm!r} quantizes ZeRO-3's weight gathers and gradient "
+                    f"reductions: it needs stage 3 without a pipeline (got stage {self.stage.level}"
+                    + (", a pipeline" if self.pipeline is not None else "")
+                    + "). Use stage=3, or quantized_comm=None."
+                )
+        if self.reduces_gradients:
+            what = "reduce_dtype" if self.reduce_dtype is not None else "quantized_comm"
+            value = self.reduce_dtype.name if self.reduce_dtype is not None else self.quantized_comm
+            if cast(Offload, self.offload).enabled:
+                raise ValueError(
+                    f"Plan: {what}={value!r} at stage 3 differentiates the fp32 master's shards on the device; "
+                    f"offload={cast(Offload, self.offload).name!r} keeps them in host memory. Use offload='none', "
+                    f"or {what}=None."
+                )
+            if axis_size(self.mesh, CP) > 1:
+                raise ValueError(
+                    f"Plan: {what}={value!r} at stage 3 is not supported with {CP}={axis_size(self.mesh, CP)} yet "
+                    f"(its weights are split over {CP} too, outside the data axes zjax reduces over); use "
+                    f"{what}=None, or fold {CP} into {DP}."
+                )
+
+    @property
+    def quantizes_weights(self) -> bool:
+        """Whether ZeRO-3's weight gathers cross the ZeRO axes as int8 (``quantized_comm`` with weights)."""
+        return self.quantized_comm in ("weights", "weights+grads")
+
+    @property
+    def quantizes_grads(self) -> bool:
+        """Whether gradients cross the data axes as int8 (``quantized_comm`` with grads)."""
+        return self.quantized_comm in ("grads", "weights+grads")
+
+    @property
+    def reduces_gradients(self) -> bool:
+        """Whether the step reduces stage 3's gradients itself (:func:`zjax.core._per_rank.zero3_grads`): in
+        ``reduce_dtype``, or quantized."""
+        return self.stage.shard_parameters and (self.reduce_dtype is not None or self.quantizes_grads)
