@@ -2,6 +2,7 @@
 
 from . import checkpoint as checkpoint
 from . import context as context
+from . import core as core
 from . import data as data
 from . import distributed as distributed
 from . import experts as experts
@@ -15,6 +16,7 @@ from . import remat as remat
 from . import sharding as sharding
 from . import stages as stages
 from ._jsonfile import write_json_atomic as write_json_atomic
+from ._version import __version__ as __version__
 from .checkpoint import Checkpointer as Checkpointer
 from .core import PRECISIONS as PRECISIONS
 from .core import DynamicLossScale as DynamicLossScale
@@ -37,4 +39,42 @@ from .sharding import simulate_cpu_devices as simulate_cpu_devices
 from .stages import STAGES as STAGES
 from .stages import Stage as Stage
 
-__version__ = "0.2.0"
+__all__ = [
+    "checkpoint",
+    "context",
+    "core",
+    "data",
+    "distributed",
+    "experts",
+    "hf",
+    "make_mesh",
+    "metrics",
+    "offload",
+    "pallas",
+    "pipeline",
+    "planner",
+    "remat",
+    "shard_batch",
+    "sharding",
+    "simulate_cpu_devices",
+    "stages",
+    "write_json_atomic",
+    "Checkpointer",
+    "DynamicLossScale",
+    "EvalStep",
+    "LossScaleState",
+    "MemoryReport",
+    "MixedPrecisionState",
+    "Offload",
+    "PRECISIONS",
+    "Pipeline",
+    "Plan",
+    "Precision",
+    "Rules",
+    "STAGES",
+    "Stage",
+    "StateLayout",
+    "TrainState",
+    "TrainStep",
+    "Variables",
+]

@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
 
+from .._version import __version__
 from ..core import Plan, TrainState
 from ..sharding._annotations import path_str
 
@@ -33,8 +34,6 @@ STATE, META = "state", "meta"
 
 def plan_metadata(plan: Plan) -> dict[str, Any]:
     """What a checkpoint records about the plan that wrote it."""
-    from .. import __version__
-
     return {
         "stage": plan.stage.level,
         "precision": plan.precision.name,
