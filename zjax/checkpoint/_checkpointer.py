@@ -9,8 +9,6 @@ or meshes.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
 import warnings
@@ -18,7 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec
@@ -26,10 +23,23 @@ from jax.sharding import PartitionSpec
 from .._version import __version__
 from ..core import Plan, TrainState
 from ..sharding._annotations import path_str
+from ._recovery import (
+    META,
+    STATE,
+    CallerError,
+    Damaged,
+    Failed,
+    GuardedHandler,
+    GuardedRestore,
+    GuardedSave,
+    ReadFailure,
+    agree,
+    agreed_steps,
+    damage,
+    incomplete,
+)
 
 log = logging.getLogger("zjax.checkpoint")
-
-STATE, META = "state", "meta"
 
 
 def plan_metadata(plan: Plan) -> dict[str, Any]:
@@ -47,10 +57,6 @@ def plan_metadata(plan: Plan) -> dict[str, Any]:
 
 class _Mismatch(Exception):
     """The checkpoint holds different arrays than the plan's state: never pad or truncate silently."""
-
-
-class _CallerError(ValueError):
-    """The checkpoint is fine but does not fit the caller's plan or model (raised, never skipped)."""
 
 
 def _is_key(x: Any) -> bool:
@@ -120,7 +126,7 @@ class Checkpointer:
         self.preempted = False
         self._manager = ocp.CheckpointManager(
             self.directory,
-            item_handlers={STATE: _GuardedHandler(), META: ocp.JsonCheckpointHandler()},
+            item_handlers={STATE: GuardedHandler(), META: ocp.JsonCheckpointHandler()},
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
         )
 
@@ -159,7 +165,7 @@ class Checkpointer:
         return bool(
             self._manager.save(
                 step,
-                args=ocp.args.Composite(**{STATE: _Save(_keys_to_data(state)), META: ocp.args.JsonSave(meta)}),
+                args=ocp.args.Composite(**{STATE: GuardedSave(_keys_to_data(state)), META: ocp.args.JsonSave(meta)}),
                 force=force,
             )
         )
@@ -224,13 +230,13 @@ class Checkpointer:
         """
         typed = plan.abstract_state(init_fn, tx, rng)
         target = _keys_to_data(typed)  # typed PRNG keys are saved as their raw key data
-        candidates = _agreed_steps([step] if step is not None else self.steps()[::-1])
+        candidates = agreed_steps([step] if step is not None else self.steps()[::-1])
         if not candidates:
             raise FileNotFoundError(f"No checkpoint steps in {self.directory}.")
         damaged: list[tuple[int, str]] = []
         for candidate in candidates:
-            outcome = _agree(self._try_restore(candidate, plan, target), candidate, self.directory)
-            if isinstance(outcome, _Damaged):
+            outcome = agree(self._try_restore(candidate, plan, target), candidate, self.directory)
+            if isinstance(outcome, Damaged):
                 damaged.append((candidate, outcome.reason))
                 continue
             restored, meta = outcome
@@ -253,30 +259,30 @@ class Checkpointer:
         )
 
     def _try_restore(self, step: int, plan: Plan, target: Any) -> Any:
-        """``(restored, meta)``, a :class:`_Damaged` verdict, or a :class:`_Failed` (error kept to re-raise)."""
+        """``(restored, meta)``, a :class:`Damaged` verdict, or a :class:`Failed` (error kept to re-raise)."""
         where = os.path.join(self.directory, str(step))
         try:
-            reason = _incomplete(where)
+            reason = incomplete(where)
             if reason is not None:
-                return _Damaged(reason)
+                return Damaged(reason)
             meta = self.metadata(step)
             if meta.get("precision") != plan.precision.name:
-                return _Failed(
-                    _CallerError(
+                return Failed(
+                    CallerError(
                         f"checkpoint step {step} was saved with precision {meta.get('precision')!r}; this plan "
                         f"uses {plan.precision.name!r}. Restore with a plan of the same precision."
                     )
                 )
             # A different model is the caller's error (never padded or truncated): checked before reading arrays.
             _check_shapes(step, self.array_metadata(step), target)
-            restored = self._manager.restore(step, args=ocp.args.Composite(**{STATE: _Restore(target)}))
-            if isinstance(restored[STATE], _ReadFailure):
+            restored = self._manager.restore(step, args=ocp.args.Composite(**{STATE: GuardedRestore(target)}))
+            if isinstance(restored[STATE], ReadFailure):
                 raise restored[STATE].error
         except _Mismatch as mismatch:
-            return _Failed(_CallerError(str(mismatch)))
+            return Failed(CallerError(str(mismatch)))
         except Exception as e:  # noqa: BLE001 - classified: damage falls back, everything else is raised
-            reason = _damage(e, where)
-            return _Damaged(reason) if reason is not None else _Failed(e)
+            reason = damage(e, where)
+            return Damaged(reason) if reason is not None else Failed(e)
         return restored, meta
 
     def restore_or_init(
@@ -287,150 +293,6 @@ class Checkpointer:
         If steps exist and none restores, or reading one fails for a reason other than damage, this
         raises (see :meth:`restore`) and deletes nothing: a run never silently starts over.
         """
-        if not _agreed_steps(self.steps()):
+        if not agreed_steps(self.steps()):
             return plan.init(init_fn, tx, rng), None
         return self.restore(plan, init_fn, tx, rng)
-
-
-class RestoreError(RuntimeError):
-    """Reading a checkpoint step failed for a reason that is not damage to the step (I/O, memory, a bug).
-
-    Attributes:
-      step: the step that was being read.
-      path: its directory.
-    """
-
-    def __init__(self, message: str, step: int, path: str):
-        super().__init__(message)
-        self.step = step
-        self.path = path
-
-
-@dataclasses.dataclass(frozen=True)
-class _ReadFailure:
-    error: BaseException
-
-
-class _GuardedHandler(ocp.StandardCheckpointHandler):
-    """Orbax's handler, except that a failed read is returned, not raised.
-
-    orbax ends every restore with a barrier across processes; a process whose read raised would skip it and
-    leave the others waiting. Returning the failure lets every process pass the barrier, after which they
-    agree on what to do with the step (:func:`_agree`).
-    """
-
-    def restore(self, directory: Any, args: Any = None) -> Any:
-        try:
-            return super().restore(directory, args=args)
-        except Exception as e:  # noqa: BLE001 - re-raised by Checkpointer._try_restore, after the barrier
-            return _ReadFailure(e)
-
-
-@ocp.args.register_with_handler(_GuardedHandler, for_save=True)
-@dataclasses.dataclass
-class _Save(ocp.args.StandardSave):
-    """``StandardSave`` for :class:`_GuardedHandler` (the same files on disk)."""
-
-
-@ocp.args.register_with_handler(_GuardedHandler, for_restore=True)
-@dataclasses.dataclass
-class _Restore(ocp.args.StandardRestore):
-    """``StandardRestore`` for :class:`_GuardedHandler`."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Damaged:
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class _Failed:
-    error: BaseException
-
-
-# tensorstore reports a short or garbled file with these absl status codes (a transient error is UNAVAILABLE,
-# UNKNOWN, RESOURCE_EXHAUSTED, ... and is never taken for damage)
-_DAMAGE_CODES = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND")
-_REQUIRED = (
-    ("_CHECKPOINT_METADATA",),  # written when the step is committed
-    (STATE, "_METADATA"),
-    (META, "metadata"),
-)
-
-
-def _incomplete(step_dir: str) -> str | None:
-    """Why ``step_dir`` is provably incomplete (a missing or unparsable commit/metadata file), or ``None``.
-
-    Other ``OSError`` s (permissions, I/O) propagate: they say nothing about the step.
-    """
-    for parts in _REQUIRED:
-        path = os.path.join(step_dir, *parts)
-        try:
-            with open(path, "rb") as f:
-                json.loads(f.read())
-        except FileNotFoundError:
-            return f"{os.path.join(*parts)} is missing (the write never finished)"
-        except (ValueError, UnicodeDecodeError):
-            return f"{os.path.join(*parts)} is not valid JSON (a write cut short)"
-    return None
-
-
-def _damage(error: BaseException, step_dir: str) -> str | None:
-    """Why ``error`` proves the step's files damaged (a truncated, corrupt or missing array file), or ``None``."""
-    seen: set[int] = set()
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        text = str(e)
-        if step_dir in text and any(text.lstrip().startswith(code) or f"{code}:" in text for code in _DAMAGE_CODES):
-            return text.split("[tensorstore_spec", 1)[0].strip()[:400]
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def _agreed_steps(steps: list[int]) -> list[int]:
-    """Process 0's list of steps, on every process (each could list a directory at a different moment)."""
-    if jax.process_count() == 1:
-        return list(steps)
-    n = int(multihost_utils.broadcast_one_to_all(np.int64(len(steps))))
-    if n == 0:
-        return []
-    mine = np.zeros((n,), np.int64)
-    mine[: min(n, len(steps))] = steps[:n]
-    return [int(s) for s in multihost_utils.broadcast_one_to_all(mine)]
-
-
-def _agree(outcome: Any, step: int, directory: str) -> Any:
-    """Make every process act alike on ``step``: all use it, all skip it as damaged, or all raise."""
-    verdict = 2 if isinstance(outcome, _Failed) else 1 if isinstance(outcome, _Damaged) else 0
-    if jax.process_count() > 1:
-        verdicts = np.asarray(multihost_utils.process_allgather(np.int32(verdict)))
-        worst = int(verdicts.max())
-        if worst == 1 and verdict == 0:
-            culprits = [int(i) for i in np.flatnonzero(verdicts == 1)]
-            outcome = _Damaged(f"damaged as read by process(es) {culprits}")
-        elif worst == 2 and verdict != 2:
-            culprits = [int(i) for i in np.flatnonzero(verdicts == 2)]
-            raise RestoreError(
-                f"checkpoint step {step} in {directory}: process(es) {culprits} failed to read it (see their "
-                "logs); every process stops rather than restore different steps.",
-                step,
-                os.path.join(directory, str(step)),
-            )
-    if isinstance(outcome, _Failed):
-        error = outcome.error
-        if isinstance(error, _CallerError):
-            raise error
-        raise RestoreError(
-            f"reading checkpoint step {step} in {os.path.join(directory, str(step))} failed with "
-            f"{type(error).__name__}: {_clip(error)}. This is not damage to the step, so nothing was skipped or "
-            "deleted; fix the cause and restore again.",
-            step,
-            os.path.join(directory, str(step)),
-        ) from error
-    return outcome
-
-
-def _clip(error: BaseException, limit: int = 600) -> str:
-    text = str(error).split("[tensorstore_spec", 1)[0].strip()
-    return text if len(text) <= limit else text[: limit - 3] + "..."
