@@ -1,9 +1,9 @@
 """The Llama-family decoder (Llama-2/3/3.1, Mistral, Qwen2, Mixtral and Qwen-MoE by configuration), its loss and
 its presets."""
 
+from ._config import DecoderConfig as DecoderConfig
+from ._config import RopeScaling as RopeScaling
 from ._decoder import Decoder as Decoder
-from ._decoder import DecoderConfig as DecoderConfig
-from ._decoder import RopeScaling as RopeScaling
 from ._hf_config import SUPPORTED_MODEL_TYPES as SUPPORTED_MODEL_TYPES
 from ._hf_config import config_from_hf as config_from_hf
 from ._hf_config import config_to_hf as config_to_hf

@@ -12,9 +12,7 @@ ZeRO-3 gathers one layer at a time.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -26,128 +24,14 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from .. import comm, pipeline
-from ..context import CONTEXT_MODES, attention, check_sequence, load_balance
+from ..context import attention, check_sequence, load_balance
 from ..experts._dispatch import local_experts
 from ..remat import RematPolicy, gather_checkpoint, linen_scan, nested_scan, partition_checkpoint
 from ..sharding._axes import DP, EP
 from ..sharding._rules import RESIDUAL_SEQ
-from ._moe import MoE, MoELayer
+from ._config import DecoderConfig
+from ._moe import MoELayer
 from ._params import param
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """Llama-3.1's RoPE frequency scaling (``rope_scaling`` with ``rope_type: llama3`` in a HF config):
-    wavelengths longer than ``original_max_len / low_freq_factor`` are divided by ``factor``, those shorter
-    than ``original_max_len / high_freq_factor`` kept, the band between interpolated smoothly."""
-
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_len: int = 8192
-
-
-@dataclasses.dataclass(frozen=True)
-class DecoderConfig:
-    """Sizes and variant of the decoder.
-
-    ``kv_heads`` (default: ``heads``) < ``heads`` is grouped-query attention; ``rope_theta`` and
-    ``rope_scaling`` set the rotary frequencies; ``tie_embeddings`` reads the output head from the
-    embedding table; ``qkv_bias`` adds Qwen2's q/k/v biases; ``sliding_window`` limits each token to itself and
-    the ``sliding_window`` positions before it (Mistral). ``context_mode`` says how attention reaches the keys
-    of other ``cp`` ranks (``"all-gather"`` or ``"ring"``, :func:`zjax.context.attention`). ``scan`` stacks
-    layers with ``nn.scan``; ``remat`` names the checkpointing policy of each layer (:data:`zjax.remat.POLICIES`).
-    ``qk_norm`` RMS-normalizes each query and key head before RoPE (Qwen3). ``moe`` (:class:`MoE`) makes every
-    layer's feed-forward block a mixture of experts.
-    """
-
-    vocab: int = 256
-    embed: int = 128
-    layers: int = 4
-    heads: int = 4
-    head_dim: int = 32
-    mlp: int = 512
-    max_len: int = 128
-    scan: bool = True
-    remat: str = "full"
-    kv_heads: int | None = None
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
-    norm_eps: float = 1e-6
-    tie_embeddings: bool = False
-    qkv_bias: bool = False
-    sliding_window: int | None = None
-    context_mode: str = "all-gather"
-    qk_norm: bool = False
-    moe: MoE | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("vocab", "embed", "layers", "heads", "head_dim", "mlp", "max_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"DecoderConfig: {name}={value!r} must be a positive int.")
-        if self.head_dim % 2:
-            raise ValueError(f"DecoderConfig: head_dim={self.head_dim} must be even (RoPE rotates pairs).")
-        if self.heads % self.num_kv_heads:
-            raise ValueError(
-                f"DecoderConfig: heads={self.heads} is not a multiple of kv_heads={self.num_kv_heads}; grouped-query "
-                f"attention shares each key/value head among heads/kv_heads query heads."
-            )
-        if self.context_mode not in CONTEXT_MODES:
-            raise ValueError(
-                f"DecoderConfig: context_mode={self.context_mode!r}; valid modes are {list(CONTEXT_MODES)} (how "
-                "attention gets keys and values from the other cp ranks)."
-            )
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"DecoderConfig: sliding_window={self.sliding_window} must be >= 1 or None.")
-        if self.moe is not None and not isinstance(self.moe, MoE):
-            raise TypeError(f"DecoderConfig: moe={self.moe!r} must be a zjax.models.MoE or None (a dense decoder).")
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.heads if self.kv_heads is None else self.kv_heads
-
-    @property
-    def num_params(self) -> int:
-        return self._tables() + self.layers * (self._attention() + self._feed_forward() + 2 * self.embed) + self.embed
-
-    @property
-    def num_expert_params(self) -> int:
-        """The experts' parameters (split over ``ep``); 0 for a dense decoder."""
-        return 0 if self.moe is None else self.layers * self.moe.params_per_layer(self.embed, self.mlp)[0]
-
-    @property
-    def num_active_params(self) -> int:
-        """Parameters one token passes through: :attr:`num_params` with ``top_k`` experts of each layer."""
-        if self.moe is None:
-            return self.num_params
-        return self.num_params - self.layers * (self._feed_forward() - self.moe.active_per_layer(self.embed, self.mlp))
-
-    def _tables(self) -> int:
-        return (1 if self.tie_embeddings else 2) * self.vocab * self.embed
-
-    def _attention(self) -> int:
-        kv = self.num_kv_heads * self.head_dim
-        bias = (self.heads * self.head_dim + 2 * kv) if self.qkv_bias else 0
-        norms = 2 * self.head_dim if self.qk_norm else 0
-        return 2 * self.embed * self.heads * self.head_dim + 2 * self.embed * kv + bias + norms
-
-    def _feed_forward(self) -> int:
-        if self.moe is None:
-            return 3 * self.embed * self.mlp
-        return sum(self.moe.params_per_layer(self.embed, self.mlp))
-
-    def rope_frequencies(self) -> np.ndarray:
-        """The rotary inverse frequencies ``[head_dim / 2]`` (fp32), Llama-3.1 scaling applied."""
-        inv = 1.0 / (self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
-        s = self.rope_scaling
-        if s is not None:
-            wavelen = 2 * math.pi / inv
-            low, high = s.original_max_len / s.low_freq_factor, s.original_max_len / s.high_freq_factor
-            smooth = (s.original_max_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-            mid = (1 - smooth) * inv / s.factor + smooth * inv
-            inv = np.where(wavelen > low, inv / s.factor, np.where(wavelen < high, inv, mid))
-        return inv.astype(np.float32)
 
 
 class RMSNorm(nn.Module):

@@ -7,7 +7,8 @@ import json
 import os
 from typing import Any
 
-from ._decoder import Decoder, DecoderConfig, RopeScaling
+from ._config import DecoderConfig, RopeScaling
+from ._decoder import Decoder
 from ._hf_moe import MOE_MODEL_TYPES, moe_from_hf, moe_to_hf
 from ._hf_moe import unsupported as _unsupported
 

@@ -24,7 +24,8 @@ from .. import comm, pipeline
 from ..context import context_size, load_balance
 from ..sharding._axes import DATA_AXES, PP
 from ..sharding._mesh import in_manual_data_axes
-from ._decoder import MOE_STATS, PACKED_UNDER_PIPELINE, DecoderConfig, RMSNorm, pipeline_stage_fn
+from ._config import DecoderConfig
+from ._decoder import MOE_STATS, PACKED_UNDER_PIPELINE, RMSNorm, pipeline_stage_fn
 
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
 

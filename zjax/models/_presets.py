@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._decoder import DecoderConfig, RopeScaling
+from ._config import DecoderConfig, RopeScaling
 from ._moe import MoE
 
 _LLAMA2_7B = DecoderConfig(vocab=32000, embed=4096, layers=32, heads=32, head_dim=128, mlp=11008, max_len=4096)
