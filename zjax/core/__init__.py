@@ -1,7 +1,14 @@
 """The core of zjax: a plan, the training state it lays out, and the steps that train it.
 
-Below the core: ``zjax.sharding``, ``zjax.stages``, ``zjax.offload``, ``zjax.comm``, ``zjax.pipeline``; above it:
-checkpoints, the planner, Hugging Face I/O, the notebook and the command line.
+Its modules import downward only; each may import those on its left, never those on its right:
+
+``_html``, ``_precision``, ``_loss_scale``, ``_loss_fn``, ``_overlap`` (leaves) -> ``_rows`` (a layout's per-leaf
+rows and HTML) -> ``_state`` -> ``_layout`` -> ``_memory`` (the memory report) -> ``_config`` (a plan's checked
+settings) -> ``_per_rank`` -> ``_step`` -> ``_plan``.
+
+Below the core: ``zjax.sharding``, ``zjax.stages``, ``zjax.offload``, ``zjax.comm``, ``zjax.pipeline``. Above it:
+``zjax.checkpoint``, ``zjax.planner``, ``zjax.hf``, ``zjax.notebook`` and the command line; they import the core,
+never the reverse (the core renders its own HTML tables).
 """
 
 from ._layout import StateLayout as StateLayout
