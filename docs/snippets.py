@@ -1,0 +1,128 @@
+"""Run every code block of the README and the docs, as a reader would (conventions: ``docs/_pages.py``).
+
+    python docs/snippets.py                  # every page
+    python docs/snippets.py docs/concepts/stages.md --list
+
+A python block runs in a fresh interpreter with the blocks that continue it; a bash block's commands run
+from the repository root. Figures (a command and its printed output) are left to ``docs/figures.py``, which
+runs them and compares. Exit status 1 when a block fails, with the page, line and traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _pages import ROOT, Block, blocks, figures, pages  # noqa: E402
+
+TIMEOUT_S = 600
+# run inside the fresh interpreter: exec each block of a chain in one namespace, reporting its page and line
+_DRIVER = """
+import json, sys, traceback
+chain = json.load(sys.stdin)
+namespace = {"__name__": "__main__"}
+for where, source in chain:
+    try:
+        exec(compile(source, where, "exec"), namespace)
+    except BaseException:
+        print(f"FAILED: a block of {where}", file=sys.stderr)
+        traceback.print_exc()
+        sys.exit(1)
+"""
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def chains(page: Path) -> tuple[list[list[Block]], list[Block], list[Block]]:
+    """A page's python chains (a whole block and the blocks continuing it), bash blocks to run, blocks not run."""
+    figure_commands = {f.command.line for f in figures(page)}
+    runs: list[list[Block]] = []
+    commands: list[Block] = []
+    skipped: list[Block] = []
+    for b in blocks(page):
+        if b.lang == "python":
+            if b.needs:
+                compile(b.text, b.where, "exec")  # a block CI cannot run still parses
+                skipped.append(b)
+            elif b.continues:
+                if not runs:
+                    raise SystemExit(f"{b.where}: '# continues the block above' with no python block above it")
+                runs[-1].append(b)
+            else:
+                runs.append([b])
+        elif b.lang == "bash":
+            if b.needs or b.line in figure_commands:
+                skipped.append(b)
+            else:
+                commands.append(b)
+    return runs, commands, skipped
+
+
+def run_chain(chain: list[Block]) -> tuple[bool, str]:
+    payload = json.dumps([(str(b.path.relative_to(ROOT)), "\n" * b.line + b.text) for b in chain])  # page lines
+    proc = subprocess.run(
+        [sys.executable, "-c", _DRIVER],
+        input=payload,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
+        timeout=TIMEOUT_S,
+    )
+    return proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+
+
+def run_commands(block: Block) -> tuple[bool, str]:
+    for command in block.commands():
+        proc = subprocess.run(
+            command, shell=True, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=TIMEOUT_S
+        )
+        if proc.returncode != 0:
+            return False, f"$ {command}\n(exit {proc.returncode})\n{proc.stdout[-2000:]}{proc.stderr[-6000:]}"
+    return True, ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("pages", nargs="*", type=Path, help="pages to run (default: the README and docs/)")
+    parser.add_argument("--list", action="store_true", help="list the blocks and what runs them, run nothing")
+    args = parser.parse_args(argv)
+    failed: list[str] = []
+    count = 0
+    start = time.perf_counter()
+    for page in [p.resolve() for p in args.pages] or pages():
+        runs, commands, skipped = chains(page)
+        units = [(c[0].where, "python x%d" % len(c), c) for c in runs] + [(b.where, "bash", b) for b in commands]
+        for where, kind, unit in sorted(units, key=lambda u: u[2][0].line if isinstance(u[2], list) else u[2].line):
+            if args.list:
+                print(f"run   {where}  {kind}")
+                continue
+            t0 = time.perf_counter()
+            ok, log = run_chain(unit) if isinstance(unit, list) else run_commands(unit)
+            count += 1
+            print(f"{'ok  ' if ok else 'FAIL'} {where}  {kind}  {time.perf_counter() - t0:.1f}s", flush=True)
+            if not ok:
+                failed.append(where)
+                print(log, flush=True)
+        for b in skipped:
+            if args.list:
+                print(f"skip  {b.where}  {b.lang}: {b.needs or 'figure (docs/figures.py)'}")
+    if not args.list:
+        print(f"{count} blocks run in {time.perf_counter() - start:.0f}s; {len(failed)} failed {failed or ''}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
