@@ -11,7 +11,8 @@ A page's fenced blocks follow four conventions, all visible to a reader:
   error.
 - A ``bash`` block followed by a ``text`` block is a figure: the text is what the commands print.
   ``docs/figures.py`` recomputes it; a bash block whose first line is ``# measured on <date>, <device>, commit
-  <sha>`` holds numbers that need hardware CI does not have and is only checked for that line.
+  <sha>`` holds numbers CI cannot recompute (a GPU's, wall-clock times, runs longer than CI's budget) and is
+  only checked for that line.
 """
 
 from __future__ import annotations
@@ -46,8 +47,13 @@ class Block:
         return self.text.split("\n", 1)[0].strip()
 
     @property
+    def page(self) -> str:
+        """The page's path from the repository root (or as given, for a page elsewhere)."""
+        return str(self.path.relative_to(ROOT)) if self.path.is_relative_to(ROOT) else str(self.path)
+
+    @property
     def where(self) -> str:
-        return f"{self.path.relative_to(ROOT)}:{self.line}"
+        return f"{self.page}:{self.line}"
 
     @property
     def needs(self) -> str | None:

@@ -8,7 +8,8 @@ A figure is a ``bash`` block followed by a ``text`` block (``docs/_pages.py``). 
 repository root; their standard output is the figure. Durations (``3.6s``) are wall-clock and not compared;
 every other number is, exactly, unless the command block's first line states a tolerance (``# figures within
 0.5% across CPUs (fp32 sums)``). A figure whose first line is ``# measured on <date>, <device>, commit <sha>``
-needs hardware CI lacks (a GPU): it is not recomputed, and the line must be there.
+holds what CI cannot recompute (a GPU's numbers, wall-clock times, a run longer than CI's budget): it is not
+recomputed, and the line must be there.
 """
 
 from __future__ import annotations

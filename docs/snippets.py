@@ -71,7 +71,7 @@ def chains(page: Path) -> tuple[list[list[Block]], list[Block], list[Block]]:
 
 
 def run_chain(chain: list[Block]) -> tuple[bool, str]:
-    payload = json.dumps([(str(b.path.relative_to(ROOT)), "\n" * b.line + b.text) for b in chain])  # page lines
+    payload = json.dumps([(b.page, "\n" * b.line + b.text) for b in chain])  # tracebacks give page lines
     proc = subprocess.run(
         [sys.executable, "-c", _DRIVER],
         input=payload,
