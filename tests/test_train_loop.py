@@ -68,14 +68,14 @@ def by_hand(steps):
 
 def test_a_user_model_loss_and_iterator_train_through_fit(tmp_path):
     plan, step = setup()
-    config = zjax.train.LoopConfig(steps=6, log_every=2, eval_every=3, progress=False, log_dir=tmp_path)
+    config = zjax.train.LoopConfig(steps=7, log_every=2, eval_every=3, progress=False, log_dir=tmp_path)
     state = plan.init(init_fn, TX, jax.random.key(0))
     result = zjax.train.fit(plan, step, state, batches(), config, eval_step=plan.eval_step(loss_fn), eval_data=HELD)
-    assert result.losses == by_hand(6)  # accumulation (2 microbatches) happens inside the plan's step
-    assert result.losses[-1] < result.losses[0] and int(result.state.step) == 6
+    assert result.losses == by_hand(7)  # accumulation (2 microbatches) happens inside the plan's step
+    assert result.losses[-1] < result.losses[0] and int(result.state.step) == 7
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [2, 3, 4, 6]  # every 2 steps, and the evaluations at 3 and 6
-    assert [r["step"] for r in records if "eval_loss" in r] == [3, 6]
+    assert [r["step"] for r in records] == [2, 3, 4, 6, 7]  # every 2 steps, the evaluations at 3 and 6, the end
+    assert [r["step"] for r in records if "eval_loss" in r] == [3, 6, 7]  # and at the end
     assert records[-1]["loss"] == result.losses[-1] and result.eval_loss == records[-1]["eval_loss"]
     plain = plan.eval_step(loss_fn)
     assert result.eval_loss == pytest.approx(np.mean([float(plain(result.state, plan.shard_batch(b))) for b in HELD]))
@@ -101,6 +101,10 @@ def test_checkpoint_cadence_and_resume_equal_a_straight_run(tmp_path):
     assert (two.start, two.end, two.preempted) == (5, 7, False)
     with zjax.Checkpointer(ckpt) as c:
         assert c.steps()[-1] == 7
+    state, start = zjax.train.init_or_restore(plan, init_fn, TX, jax.random.key(0), resume)
+    seven = [b for _, b in zip(range(7), batches(), strict=False)]
+    done = zjax.train.fit(plan, step, state, seven, resume, start=start)
+    assert (done.start, done.end, done.losses, done.memory) == (7, 7, [], None)  # a finished run: nothing to do
 
 
 def test_data_forms_and_their_errors():

@@ -41,7 +41,7 @@ class FitResult:
       eval_loss: the last evaluation's mean loss, or ``None``.
       mfu: the last logged model FLOPs utilization, or ``None``.
       tokens_per_second: over the whole run (``None`` without ``tokens_per_step``).
-      memory: the step's per-device memory report.
+      memory: the step's per-device memory report (``None`` when a finished run's iterable had no batch left).
     """
 
     state: TrainState
@@ -53,7 +53,7 @@ class FitResult:
     eval_loss: float | None
     mfu: float | None
     tokens_per_second: float | None
-    memory: MemoryReport
+    memory: MemoryReport | None
 
 
 def init_or_restore(
@@ -155,13 +155,14 @@ def fit(
             "eval_every=0."
         )
     mesh = plan.mesh
-    fetch = Batches(data, mesh, start)
-    batch = plan.shard_batch(fetch(start))
-    memory = step.memory_report(state, batch)
-    main = jax.process_index() == 0
-    if main:
-        print(memory, flush=True)
     end = config.steps if config.stop_at is None else min(config.steps, config.stop_at)
+    fetch = Batches(data, mesh, start)
+    memory = None
+    if start < end or hasattr(data, "batch"):  # a finished run resumed may have no batch left in an iterable
+        batch = plan.shard_batch(fetch(start))
+        memory = step.memory_report(state, batch)
+        if jax.process_index() == 0:
+            print(memory, flush=True)
     ckpt = Checkpointer(config.checkpoint_dir, save_every=config.save_every) if config.checkpoint_dir else None
     report = Reporter(config, plan, start, end, memory, tokens_per_step, schedule, mfu, aux_metrics, run_config)
     held: list[Any] | None = None

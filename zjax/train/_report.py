@@ -25,7 +25,7 @@ class Reporter:
         plan: Plan,
         start: int,
         end: int,
-        memory: MemoryReport,
+        memory: MemoryReport | None,
         tokens_per_step: int | None,
         schedule: Callable[[int], Any] | None,
         mfu: Callable[[float], float | None] | None,
@@ -71,7 +71,7 @@ class Reporter:
         if self.aux_metrics is not None and "aux" in metrics:
             record |= self.aux_metrics(metrics["aux"])
         stats = jax.local_devices()[0].memory_stats() or {}
-        if "peak_bytes_in_use" in stats:  # GPUs: the allocator's peak beside the plan's
+        if "peak_bytes_in_use" in stats and self.memory is not None:  # GPUs: the allocator's peak beside the plan's
             record |= {"device_peak_bytes": stats["peak_bytes_in_use"], "planned_peak_bytes": self.memory.peak_bytes}
         if evaluate is not None:
             self.eval_loss = record["eval_loss"] = evaluate()
