@@ -43,7 +43,8 @@ nitpicky = False
 
 def _describe_constant(app, what, name, obj, options, lines):
     """A registry or constant re-exported by a package has no docstring of its own: list what it holds."""
-    type_doc = " ".join((type(obj).__doc__ or "").split())
+    doc = getattr(type(obj), "__doc__", None)
+    type_doc = " ".join(doc.split()) if isinstance(doc, str) else ""
     if what != "data" or (lines and " ".join(" ".join(lines).split()) != type_doc):
         return
     lines.clear()

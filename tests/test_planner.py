@@ -160,8 +160,10 @@ def test_cli_errors():
     assert proc.returncode == 2 and "unknown model 'gpt5'" in proc.stderr
     proc = zjax_plan("--mesh", "dp=8", "--model", "tiny", "--batch-size", "12")
     assert proc.returncode == 2 and "not divisible by mesh axis 'dp' of size 8" in proc.stderr
-    proc = zjax_plan("--mesh", "dp=8,zp=2")
+    proc = zjax_plan("--model", "tiny", "--mesh", "dp=8,zp=2")
     assert proc.returncode == 2 and "expected entries like dp=64,tp=2" in proc.stderr
+    proc = zjax_plan("--mesh", "dp=8")  # no silent default model: a plan names what it plans
+    assert proc.returncode == 2 and "the following arguments are required: --model" in proc.stderr
 
 
 @pytest.mark.slow  # three compiles in a subprocess; the argument error below runs in the fast suite

@@ -87,7 +87,7 @@ def _plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="per-device memory and communication for each ZeRO stage, compiled ahead of time")
     p.add_argument(
         "--model",
-        default="small",
+        required=True,
         help="a preset (llama3-8b, llama3-70b, qwen2-7b, mistral-7b, llama2-7b, tiny, ...) or a Hugging Face "
         "config.json or checkpoint directory",
     )

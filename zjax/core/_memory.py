@@ -77,7 +77,7 @@ class MemoryReport:
 
     @property
     def state_theory(self) -> int:
-        """Persistent model state per device by the formula: params + master + optimizer."""
+        """Persistent state per device by the formula: params + master + optimizer (and model state)."""
         return sum(self.theory[k] for k in ("params", "master", "optimizer"))
 
     @property
@@ -135,7 +135,7 @@ class MemoryReport:
             note = "" if compiled is not None else "   (inside temporaries)"
             lines.append(f"  {LABELS[key]:<22}{fmt_bytes(self.theory[key]):>14}{fmt_bytes(compiled):>14}{note}")
         lines += [
-            f"  {'model state':<22}{fmt_bytes(self.state_theory):>14}{fmt_bytes(self.state_compiled):>14}",
+            f"  {'persistent state':<22}{fmt_bytes(self.state_theory):>14}{fmt_bytes(self.state_compiled):>14}",
             f"  {'temporaries':<22}{'':>14}{fmt_bytes(self.temp_bytes):>14}",
             f"  {'peak (arg+out-alias+temp)':<36}{fmt_bytes(self.peak_bytes):>14}",
         ]
@@ -162,7 +162,7 @@ def memory_report_html(report: MemoryReport) -> str:
             [LABELS[key], fmt_bytes(report.theory[key]), fmt_bytes(compiled) if compiled is not None else "in temp"]
         )
     rows += [
-        ["model state", fmt_bytes(report.state_theory), fmt_bytes(report.state_compiled)],
+        ["persistent state", fmt_bytes(report.state_theory), fmt_bytes(report.state_compiled)],
         ["temporaries", "", fmt_bytes(report.temp_bytes)],
         ["peak (arg + out - alias + temp)", "", fmt_bytes(report.peak_bytes)],
     ]
