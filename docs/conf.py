@@ -49,7 +49,7 @@ def _describe_constant(app, what, name, obj, options, lines):
         return
     lines.clear()
     if isinstance(obj, dict) or hasattr(obj, "keys"):
-        keys = ", ".join(f"``{k!s}``" for k in obj.keys())
+        keys = ", ".join(f"``{k!s}``" for k in obj)
         lines.append(f"A registry keyed by name: {keys}.")
     elif isinstance(obj, (tuple, list, frozenset, set)):
         items = ", ".join(f"``{v!r}``" for v in obj)

@@ -39,9 +39,7 @@ def output_of(figure: Figure) -> str:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
     parts = []
     for command in figure.command.commands():
-        proc = subprocess.run(
-            command, shell=True, capture_output=True, text=True, cwd=ROOT, env=env, timeout=TIMEOUT_S
-        )
+        proc = subprocess.run(command, shell=True, capture_output=True, text=True, cwd=ROOT, env=env, timeout=TIMEOUT_S)
         if proc.returncode != 0:
             raise RuntimeError(f"{figure.command.where}: $ {command}\n(exit {proc.returncode})\n{proc.stderr[-4000:]}")
         parts.append(proc.stdout)

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     for page in [p.resolve() for p in args.pages] or pages():
         runs, commands, skipped = chains(page)
-        units = [(c[0].where, "python x%d" % len(c), c) for c in runs] + [(b.where, "bash", b) for b in commands]
+        units = [(c[0].where, f"python x{len(c)}", c) for c in runs] + [(b.where, "bash", b) for b in commands]
         for where, kind, unit in sorted(units, key=lambda u: u[2][0].line if isinstance(u[2], list) else u[2].line):
             if args.list:
                 print(f"run   {where}  {kind}")
