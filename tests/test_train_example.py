@@ -1,9 +1,10 @@
 """examples/train_lm.py on zjax.train trains to the losses it printed before the loop moved into the library, and a
 user's own script written against zjax.train (below: the same model, data and optimizer) trains to the same ones.
 
-The recorded numbers and the commands that produced them are in train_loop_baseline.json (8 simulated CPU devices;
-XLA:CPU's arithmetic may differ on another CPU, so the checks against them are exact only on a machine like the
-one that recorded them; the example-vs-library checks hold anywhere).
+The recorded numbers and the commands that produced them are in train_loop_baseline.json (8 simulated CPU devices,
+AMD EPYC; equal bit for bit there when the loop moved). XLA:CPU's fp32 sums differ between AVX2, AVX-512 and ARM,
+so a run is compared with the recording within 1% (what a changed data order, schedule or accumulation moves far
+more) and the example with the library script exactly.
 """
 
 import dataclasses
@@ -28,6 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 BASELINE = json.loads((ROOT / "tests" / "train_loop_baseline.json").read_text())["runs"]
 DOCS = ("argparse.py", "dataclasses.py", "functools.py", "textwrap.py", "typing.py", "inspect.py", "json/decoder.py",
         "collections/__init__.py")  # fmt: skip
+
+
+def recorded(got: list[float], name: str, key: str = "losses") -> None:
+    np.testing.assert_allclose(got, BASELINE[name][key], rtol=1e-2, err_msg=BASELINE[name]["command"])
 
 
 def run_example(tmp_path: Path, name: str, ckpt: Path | None = None) -> dict:
@@ -67,12 +72,13 @@ def test_example_and_a_user_script_train_to_the_recorded_losses(tmp_path):
     example = run_example(tmp_path, "stage2_accum2_eval")
     mine = user_script(steps=6, stage=2, accum=2, eval_every=2, log_every=2)
     assert mine.losses == example["losses"] and mine.eval_loss == example["eval_loss"]
-    assert example["losses"] == want["losses"] and example["eval_loss"] == want["eval_loss"]
+    recorded(example["losses"], "stage2_accum2_eval")
+    np.testing.assert_allclose(example["eval_loss"], want["eval_loss"], rtol=1e-2)
 
 
 @pytest.mark.slow  # 30 steps of the small preset (~30 s on 2 cores)
 def test_the_main_command_trains_to_the_recorded_losses(tmp_path):
-    assert run_example(tmp_path, "default_30_steps")["losses"] == BASELINE["default_30_steps"]["losses"]
+    recorded(run_example(tmp_path, "default_30_steps")["losses"], "default_30_steps")
 
 
 @pytest.mark.slow  # three runs of the script
@@ -80,7 +86,7 @@ def test_resumed_and_tensor_parallel_runs_train_to_the_recorded_losses(tmp_path)
     ckpt = tmp_path / "ckpt"
     first = run_example(tmp_path, "stage3_fp32_stop_at_3", ckpt)
     resumed = run_example(tmp_path, "stage3_fp32_resumed", ckpt)
-    assert first["losses"] == BASELINE["stage3_fp32_stop_at_3"]["losses"]
-    assert resumed["losses"] == BASELINE["stage3_fp32_resumed"]["losses"] and resumed["resumed_from"] == 3
-    fp16 = run_example(tmp_path, "stage1_tp2_fp16_accum2")
-    assert fp16["losses"] == BASELINE["stage1_tp2_fp16_accum2"]["losses"]
+    recorded(first["losses"], "stage3_fp32_stop_at_3")
+    recorded(resumed["losses"], "stage3_fp32_resumed")
+    assert resumed["resumed_from"] == 3
+    recorded(run_example(tmp_path, "stage1_tp2_fp16_accum2")["losses"], "stage1_tp2_fp16_accum2")

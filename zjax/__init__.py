@@ -1,6 +1,7 @@
 """zjax: train large models with JAX/XLA without running out of accelerator memory."""
 
 from . import checkpoint as checkpoint
+from . import comm as comm
 from . import context as context
 from . import core as core
 from . import data as data
@@ -8,6 +9,8 @@ from . import distributed as distributed
 from . import experts as experts
 from . import hf as hf
 from . import metrics as metrics
+from . import models as models
+from . import notebook as notebook
 from . import offload as offload
 from . import pallas as pallas
 from . import pipeline as pipeline
@@ -15,6 +18,7 @@ from . import planner as planner
 from . import remat as remat
 from . import sharding as sharding
 from . import stages as stages
+from . import train as train
 from ._jsonfile import write_json_atomic as write_json_atomic
 from ._version import __version__ as __version__
 from .checkpoint import Checkpointer as Checkpointer
@@ -41,6 +45,7 @@ from .stages import Stage as Stage
 
 __all__ = [
     "checkpoint",
+    "comm",
     "context",
     "core",
     "data",
@@ -49,6 +54,8 @@ __all__ = [
     "hf",
     "make_mesh",
     "metrics",
+    "models",
+    "notebook",
     "offload",
     "pallas",
     "pipeline",
@@ -58,6 +65,7 @@ __all__ = [
     "sharding",
     "simulate_cpu_devices",
     "stages",
+    "train",
     "write_json_atomic",
     "Checkpointer",
     "DynamicLossScale",

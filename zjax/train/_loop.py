@@ -24,7 +24,7 @@ from ._data import Batches, eval_batches
 from ._report import Reporter
 
 if TYPE_CHECKING:
-    from .. import EvalStep, MemoryReport, Plan, TrainState, TrainStep
+    from ..core import EvalStep, MemoryReport, Plan, TrainState, TrainStep
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ from ..metrics import MetricsWriter
 from ._config import LoopConfig
 
 if TYPE_CHECKING:
-    from .. import MemoryReport, Plan
+    from ..core import MemoryReport, Plan
 
 
 class Reporter:
