@@ -269,7 +269,10 @@ def test_cli_plans_on_the_gpu_target_and_labels_the_backend(tmp_path):
     assert data["backend"] == "gpu" and data["rows"][0]["backend"] == "gpu"
     assert data["rows"][0]["comm_by_axes"].keys() == {"dp"}
     proc = subprocess.run(
-        [sys.executable, "-m", "zjax.cli", "plan", "--model", "tiny", "--target", "tpu9"], capture_output=True, text=True, cwd=ROOT
+        [sys.executable, "-m", "zjax.cli", "plan", "--model", "tiny", "--target", "tpu9"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
     assert proc.returncode == 2 and "known targets: ['a100', 'b200', 'h100', 'h200']" in proc.stderr
 
