@@ -102,7 +102,7 @@ def main() -> None:
         for ep in (1, 8):
             for stage in (int(s) for s in args.stages.split(",")):
                 rows.append(plan_row("mixtral-8x7b", PRESETS["mixtral-8x7b"], gpus, ep, stage, args.seq))
-                print(rows[-1], flush=True)
+                print(rows[-1], file=sys.stderr, flush=True)  # progress; the table goes to stdout
     if args.stretch:
         rows.append(plan_row("qwen3-235b-a22b", PRESETS["qwen3-235b-a22b"], 256, 8, 3, args.seq))
     show(rows)

@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -70,28 +71,40 @@ def _rewrite(path: Path, read: str, updates: list[tuple[Figure, str]]) -> None:
     tmp.replace(path)  # never a half-written page
 
 
+def _timed(figure: Figure) -> tuple[str, float]:
+    t0 = time.perf_counter()
+    return output_of(figure), time.perf_counter() - t0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", action="store_true", help="fail on a figure that changed")
     mode.add_argument("--write", action="store_true", help="rewrite the pages' figures")
+    parser.add_argument("--jobs", type=int, default=2, help="figures computed at once (compiles are single-threaded)")
     parser.add_argument("pages", nargs="*", type=Path, help="pages (default: the README and docs/)")
     args = parser.parse_args(argv)
     stale: list[str] = []
     start = time.perf_counter()
+    todo: dict[Path, tuple[str, list[Figure]]] = {}
     for page in [p.resolve() for p in args.pages] or pages():
-        updates = []
-        read = page.read_text(encoding="utf-8")
+        recompute = []
         for figure in figures(page):
-            if figure.command.first.startswith("# measured"):
-                if not figure.measured:
-                    stale.append(figure.command.where)
-                    print(f"FAIL {figure.command.where}: '# measured on <YYYY-MM-DD>, <device>, commit <sha>' expected")
-                continue
-            t0 = time.perf_counter()
-            now = output_of(figure)
+            if not figure.command.first.startswith("# measured"):
+                recompute.append(figure)
+            elif not figure.measured:
+                stale.append(figure.command.where)
+                print(f"FAIL {figure.command.where}: '# measured on <YYYY-MM-DD>, <device>, commit <sha>' expected")
+        todo[page] = (page.read_text(encoding="utf-8"), recompute)
+    everything = [f for _, recompute in todo.values() for f in recompute]
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        results = dict(zip((f.command.where for f in everything), pool.map(_timed, everything), strict=True))
+    for page, (read, recompute) in todo.items():
+        updates = []
+        for figure in recompute:
+            now, seconds = results[figure.command.where]
             ok = same(figure.output.text, now, figure.tolerance)
-            print(f"{'ok   ' if ok else 'STALE'} {figure.command.where}  {time.perf_counter() - t0:.1f}s", flush=True)
+            print(f"{'ok   ' if ok else 'STALE'} {figure.command.where}  {seconds:.1f}s", flush=True)
             if not ok:
                 updates.append((figure, now))
                 diff = difflib.unified_diff(

@@ -48,10 +48,11 @@ class Row:
         (:data:`SCHEDULER_MEMORY_SHARE` of the target's). The scheduler then trades overlap for memory (it
         serializes collectives), so ``exposed`` is not what a step that fits would show (measured:
         Llama-2-7B stage 0 on 64 x H100, peak 108.6 GB, exposes all 26.95 GB of its gradient all-reduces;
-        the same step for 64 x H200 exposes none)."""
+        the same step for 64 x H200 exposes none). An offloaded row counts its host state too: a deviceless
+        compile drops memory kinds, so its scheduler planned with that state on the device."""
         if self.device_memory is None:
             return False
-        return self.compiled["total"] > SCHEDULER_MEMORY_SHARE * self.device_memory
+        return self.compiled["total"] + self.offloaded > SCHEDULER_MEMORY_SHARE * self.device_memory
 
     @property
     def pcie_bytes(self) -> int:
