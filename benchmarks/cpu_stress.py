@@ -1,9 +1,9 @@
-"""Run the README's example commands many times on simulated CPU devices and count how many finish.
+"""Run the example commands of the docs' getting started many times on simulated CPU devices and count how many finish.
 
     python benchmarks/cpu_stress.py [--runs 20] [--variant-runs 5] [--json runs/cpu_stress.json]
 
 The main command (``python examples/train_lm.py``, 8 simulated devices) runs ``--runs`` times; each other
-variant the README shows runs ``--variant-runs`` times. A run that does not exit 0 is a failure; one whose
+variant getting started shows runs ``--variant-runs`` times. A run that does not exit 0 is a failure; one whose
 output shows XLA:CPU's rendezvous termination is counted as a deadlock. Prints a table and the machine
 (CPU model, cores, vector extensions), and writes JSON.
 """
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_lm.py"
 
 MAIN = ""  # the README's main command: no flags
-VARIANTS = {  # the other example commands the README shows, and the issue's --data run
+VARIANTS = {  # the other example commands the docs show, and a --data run
     "stage 3, dp=8, 100 steps": "--stage 3 --mesh dp=8 --steps 100",
     "stage 2, dp=4 x tp=2, fp16, accum 4": "--stage 2 --mesh dp=4,tp=2 --precision fp16 --accum 4",
     "stage 3, HSDP replica=2 x dp=4, 2 processes": "--stage 3 --mesh replica=2,dp=4 --processes 2",

@@ -17,6 +17,7 @@ Needs the CUDA compiler plugin (pip install -e ".[plan-gpu]"); no GPU. Compiles 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 

@@ -71,9 +71,14 @@ def _rewrite(path: Path, read: str, updates: list[tuple[Figure, str]]) -> None:
     tmp.replace(path)  # never a half-written page
 
 
-def _timed(figure: Figure) -> tuple[str, float]:
+def _timed(figure: Figure) -> tuple[str | None, float]:
+    """The figure's output now (``None`` when its command failed, with the error printed) and the seconds."""
     t0 = time.perf_counter()
-    return output_of(figure), time.perf_counter() - t0
+    try:
+        return output_of(figure), time.perf_counter() - t0
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        print(f"FAIL {e}", flush=True)
+        return None, time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         updates = []
         for figure in recompute:
             now, seconds = results[figure.command.where]
+            if now is None:
+                stale.append(figure.command.where)
+                continue
             ok = same(figure.output.text, now, figure.tolerance)
             print(f"{'ok   ' if ok else 'STALE'} {figure.command.where}  {seconds:.1f}s", flush=True)
             if not ok:
@@ -116,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         elif updates:
             stale += [f.command.where for f, _ in updates]
     print(f"figures {'checked' if args.check else 'written'} in {time.perf_counter() - start:.0f}s", end="")
-    if args.check and stale:
-        print(f"; {len(stale)} stale: {stale}\nRegenerate with: python docs/figures.py --write")
+    if stale:
+        print(f"; {len(stale)} failed or stale: {stale}\nRegenerate with: python docs/figures.py --write")
         return 1
     print()
     return 0

@@ -177,7 +177,7 @@ class NnxNormDrop(nnx.Module):
 
 
 def nnx_norm_drop_task():
-    """The README's nnx recipe for a module with model state."""
+    """The docs' nnx recipe (docs/howto/flax_models.md) for a module with model state."""
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: NnxNormDrop(nnx.Rngs(0))))
 
     def init_fn(rng):

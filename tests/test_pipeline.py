@@ -351,7 +351,7 @@ def peak(mesh_kw, stage, cfg, model=WIDE):
 def test_default_mode_stage_3_and_2_peak_below_stage_1(schedule):
     """With a pipeline, the default mode at stages 2 and 3 keeps weights and gradients split over dp
     through the loop: on a weight-heavy decoder stage 3 peaks well below stages 1 and 2, and with GPipe
-    stage 2 below stage 1 (with the circular schedule stage 2 saves about nothing: see the README)."""
+    stage 2 below stage 1 (with the circular schedule stage 2 saves about nothing: see docs/concepts/pipelines.md)."""
     cfg = schedules(4)[schedule]
     peaks = {stage: peak(MESHES["dp2_pp4"], stage, cfg) for stage in (1, 2, 3)}
     print({k: f"{v / 2**20:.2f} MiB" for k, v in peaks.items()})

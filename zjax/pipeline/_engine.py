@@ -1,6 +1,6 @@
 """The SPMD pipeline: one ``lax.scan`` in which every stage computes at once and outputs shift over ``pp``.
 
-Design (measured on CPU, see the README's pipeline section):
+Design (measured on CPU, see docs/concepts/pipelines.md):
 
 - Layer weights ``[L, ...]`` are stored in their natural order (what the model, checkpoints and
   Hugging Face files see) and sharded over ``pp`` on their leading dim. They are read as
