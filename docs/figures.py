@@ -52,8 +52,9 @@ def _numbers(text: str) -> list[float]:
 
 
 def same(shown: str, now: str, tolerance: float) -> bool:
-    """Whether a page's figure still holds: equal text with durations masked, numbers within the tolerance."""
-    a, b = _DURATION.sub("<t>", shown.strip()), _DURATION.sub("<t>", now.strip())
+    """Whether a page's figure still holds: equal text with durations masked and runs of spaces as one, numbers
+    within the tolerance."""
+    a, b = (re.sub(r"[ \t]+", " ", _DURATION.sub("<t>", text.strip())) for text in (shown, now))  # columns shift
     if _NUMBER.sub("<n>", a) != _NUMBER.sub("<n>", b):
         return False
     pairs = zip(_numbers(a), _numbers(b), strict=True)
