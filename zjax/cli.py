@@ -359,14 +359,8 @@ def _launch_parser(sub) -> None:
         help="run a command as N processes on this machine (one job on 127.0.0.1); end all when one fails",
     )
     p.add_argument("-n", "--processes", type=int, required=True)
-    p.add_argument(
-        "--cpu-devices-per-process",
-        "--cpu-devices",  # the older name; the example's --cpu-devices counts the whole job's devices
-        dest="cpu_devices",
-        type=int,
-        default=None,
-        help="simulated CPU devices per process",
-    )
+    per_process = "simulated CPU devices per process (--cpu-devices: the older name)"
+    p.add_argument("--cpu-devices-per-process", "--cpu-devices", dest="cpu_devices", type=int, help=per_process)
     p.add_argument("--grace", type=float, default=70.0, help="seconds the others get to end after one fails")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- python train.py ...")
 
