@@ -208,6 +208,7 @@ def check(reference, mesh_kw, stage, cfg):
         np.testing.assert_allclose(got, want, atol=2e-5)
 
 
+@pytest.mark.slow  # a Decoder through 1F1B at stage 3; every schedule's loss and gradients stay in the fast suite
 def test_decoder_trains_under_1f1b_at_stage_3(reference):
     """ZeRO-3 + 1F1B on dp=2 x pp=4: the losses, the eval loss and the parameters after two SGD+momentum steps
     equal GPipe's at stage 0."""
@@ -420,6 +421,7 @@ def test_example_1f1b_prints_gpipes_losses(tmp_path, stage):
     np.testing.assert_allclose(losses["1f1b"], losses["gpipe"], atol=1e-5)
 
 
+@pytest.mark.slow  # 38 s; a tied table reduced once stays in the fast suite (tests/test_tied_embedding.py)
 def test_a_tied_table_under_1f1b_trains_like_gpipe_and_is_reduced_once():
     """One tree of edge parameters: the tied table's lookup and head gradients meet on each rank, and the table
     crosses the ranks in one reduction (GPipe's path, outside its scan, reduces it twice)."""

@@ -66,6 +66,7 @@ def user_script(*, steps: int, stage: int, accum: int, eval_every: int, log_ever
     return zjax.train.fit(plan, step, state, data, config, eval_step=plan.eval_step(loss_fn), eval_data=held_out)
 
 
+@pytest.mark.slow  # the example in a subprocess and a user script (33 s); zjax.train's own tests stay fast
 def test_example_and_a_user_script_train_to_the_recorded_losses(tmp_path):
     """Stage 2, 2 accumulation microbatches, evaluation every 2 steps."""
     want = BASELINE["stage2_accum2_eval"]
