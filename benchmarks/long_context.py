@@ -93,7 +93,8 @@ def main() -> None:
     cfg = PRESETS["llama3-8b"]
     out: dict = {"device": "H100 (deviceless XLA:GPU)", "jax": jax.__version__, "llama3_8b": []}
     print("Llama-3-8B, stage 3, bf16, full remat, 8 x H100: per device")
-    print(f"{'seq':>8} {'cp':>3} {'state GB':>9} {'temp GB':>8} {'peak GB':>8} {'cp GB/step':>10} {'formula':>8}  s")
+    head = f"{'seq':>8} {'cp':>3} {'state GB':>9} {'temp GB':>8} {'peak GB':>8} {'cp GB/step':>10} {'formula':>8}"
+    print(head + " compile")
     for seq in [int(s) for s in args.seqs.split(",")]:
         rows = []
         for cp in [int(c) for c in args.cps.split(",")]:
@@ -106,7 +107,7 @@ def main() -> None:
             cp = r["mesh"]["cp"]
             print(
                 f"{seq:>8} {cp:>3} {r['state_gb']:>9.3f} {r['temp_gb']:>8.3f} {r['peak_gb']:>8.3f} {got:>10.3f} "
-                f"{r['cp_formula_gb']:>8.3f}  {r['seconds']}",
+                f"{r['cp_formula_gb']:>8.3f} {r['seconds']:>6.1f}s",
                 flush=True,
             )
         out["llama3_8b"] += rows
