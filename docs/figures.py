@@ -9,7 +9,8 @@ repository root; their standard output is the figure. Durations (``3.6s``) are w
 every other number is, exactly, unless the command block's first line states a tolerance (``# figures within
 0.5% across CPUs (fp32 sums)``). A figure whose first line is ``# measured on <date>, <device>, commit <sha>``
 holds what CI cannot recompute (a GPU's numbers, wall-clock times, a run longer than CI's budget): it is not
-recomputed, and the line must be there.
+recomputed, and the line must be there. Figures with the same commands (a headline figure repeated on its
+concept page) are computed once.
 """
 
 from __future__ import annotations
@@ -102,13 +103,13 @@ def main(argv: list[str] | None = None) -> int:
                 stale.append(figure.command.where)
                 print(f"FAIL {figure.command.where}: '# measured on <YYYY-MM-DD>, <device>, commit <sha>' expected")
         todo[page] = (page.read_text(encoding="utf-8"), recompute)
-    everything = [f for _, recompute in todo.values() for f in recompute]
+    distinct = {f.command.text: f for _, recompute in todo.values() for f in recompute}  # the same commands once
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        results = dict(zip((f.command.where for f in everything), pool.map(_timed, everything), strict=True))
+        results = dict(zip(distinct, pool.map(_timed, distinct.values()), strict=True))
     for page, (read, recompute) in todo.items():
         updates = []
         for figure in recompute:
-            now, seconds = results[figure.command.where]
+            now, seconds = results[figure.command.text]
             if now is None:
                 stale.append(figure.command.where)
                 continue

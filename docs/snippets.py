@@ -2,10 +2,14 @@
 
     python docs/snippets.py                  # every page
     python docs/snippets.py docs/concepts/stages.md --list
+    python docs/snippets.py --jobs 1         # one block at a time (default: two)
 
 A python block runs in a fresh interpreter with the blocks that continue it; a bash block's commands run
-from the repository root. Figures (a command and its printed output) are left to ``docs/figures.py``, which
-runs them and compares. Exit status 1 when a block fails, with the page, line and traceback.
+from the repository root. Units run two at a time (a compile is single-threaded); each writes only its own
+paths (a temporary directory, or a ``runs/`` folder no other block names).
+
+Figures (a command and its printed output) are left to ``docs/figures.py``, which runs them and compares.
+Exit status 1 when a block fails, with the page, line and traceback.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -94,33 +99,39 @@ def run_commands(block: Block) -> tuple[bool, str]:
     return True, ""
 
 
+def _run(unit: list[Block] | Block) -> tuple[bool, str, float]:
+    t0 = time.perf_counter()
+    ok, log = run_chain(unit) if isinstance(unit, list) else run_commands(unit)
+    return ok, log, time.perf_counter() - t0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("pages", nargs="*", type=Path, help="pages to run (default: the README and docs/)")
     parser.add_argument("--list", action="store_true", help="list the blocks and what runs them, run nothing")
+    parser.add_argument("--jobs", type=int, default=2, help="units run at once (compiles are single-threaded)")
     args = parser.parse_args(argv)
-    failed: list[str] = []
-    count = 0
-    start = time.perf_counter()
+    units: list[tuple[str, str, list[Block] | Block]] = []
     for page in [p.resolve() for p in args.pages] or pages():
         runs, commands, skipped = chains(page)
-        units = [(c[0].where, f"python x{len(c)}", c) for c in runs] + [(b.where, "bash", b) for b in commands]
-        for where, kind, unit in sorted(units, key=lambda u: u[2][0].line if isinstance(u[2], list) else u[2].line):
-            if args.list:
-                print(f"run   {where}  {kind}")
-                continue
-            t0 = time.perf_counter()
-            ok, log = run_chain(unit) if isinstance(unit, list) else run_commands(unit)
-            count += 1
-            print(f"{'ok  ' if ok else 'FAIL'} {where}  {kind}  {time.perf_counter() - t0:.1f}s", flush=True)
+        found = [(c[0].where, f"python x{len(c)}", c) for c in runs] + [(b.where, "bash", b) for b in commands]
+        found.sort(key=lambda u: u[2][0].line if isinstance(u[2], list) else u[2].line)
+        if args.list:
+            print("\n".join(f"run   {where}  {kind}" for where, kind, _ in found))
+            print("\n".join(f"skip  {b.where}  {b.lang}: {b.needs or 'figure (docs/figures.py)'}" for b in skipped))
+        units += found
+    if args.list:
+        return 0
+    failed: list[str] = []
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        results = pool.map(lambda u: _run(u[2]), units)  # printed in page order as each finishes
+        for (where, kind, _), (ok, log, seconds) in zip(units, results, strict=True):
+            print(f"{'ok  ' if ok else 'FAIL'} {where}  {kind}  {seconds:.1f}s", flush=True)
             if not ok:
                 failed.append(where)
                 print(log, flush=True)
-        for b in skipped:
-            if args.list:
-                print(f"skip  {b.where}  {b.lang}: {b.needs or 'figure (docs/figures.py)'}")
-    if not args.list:
-        print(f"{count} blocks run in {time.perf_counter() - start:.0f}s; {len(failed)} failed {failed or ''}")
+    print(f"{len(units)} blocks run in {time.perf_counter() - start:.0f}s; {len(failed)} failed {failed or ''}")
     return 1 if failed else 0
 
 

@@ -358,19 +358,6 @@ def _assert_resumes(ckpt: Path, step: int) -> None:
     assert resumed.returncode == 0 and f"resumed from step {step}" in resumed.stdout, resumed.stdout + resumed.stderr
 
 
-@pytest.mark.slow
-def test_sigterm_saves_the_agreed_step_and_exits_cleanly(tmp_path):
-    """With jax.distributed up (--preemptible), SIGTERM saves at the processes' agreed step and exits 0."""
-    ckpt = tmp_path / "ckpt"
-    lines = _preempt(ckpt, "step ")
-    saved = [line for line in lines if line.startswith("preempted: saved step")]
-    assert saved, "".join(lines)
-    step = int(saved[0].split()[3].rstrip(","))
-    with zjax.Checkpointer(ckpt) as c:
-        assert c.steps() == [step]
-    _assert_resumes(ckpt, step)
-
-
 def _two_processes(directory: Path, mode: str) -> list[str]:
     port = str(free_port())
     cmd = [sys.executable, "-m", "tests._mp_checkpoint_worker"]

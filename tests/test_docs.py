@@ -134,6 +134,18 @@ def test_an_edited_figure_fails_the_check(tmp_path):
     assert figures.main(["--check", str(_page(tmp_path, tolerant.format("2.100")))]) == 1
 
 
+def test_a_figure_repeated_on_two_pages_is_computed_once_and_checked_on_both(tmp_path):
+    count = tmp_path / "count"
+    figure = f"```bash\necho x >> {count} && echo 'loss 2.000'\n```\n\n```text\nloss {{}}\n```\n"
+    a, b = tmp_path / "a.md", tmp_path / "b.md"
+    a.write_text(figure.format("2.000"), encoding="utf-8")
+    b.write_text(figure.format("2.000"), encoding="utf-8")
+    assert figures.main(["--check", str(a), str(b)]) == 0
+    assert count.read_text().count("x") == 1
+    b.write_text(figure.format("2.001"), encoding="utf-8")
+    assert figures.main(["--check", str(a), str(b)]) == 1
+
+
 def test_a_measured_figure_must_say_when_where_and_at_which_commit(tmp_path):
     measured = "```bash\n# measured on {}\nexit 1\n```\n\n```text\n0.197 s per step\n```\n"
     ok = measured.format("2026-11-26, one NVIDIA H200, commit 0e6ee88")

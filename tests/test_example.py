@@ -22,35 +22,17 @@ def run_example(tmp_path: Path, name: str, *flags: str) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.slow  # two runs of the script; the slow step runs it end to end many more times
-def test_metrics_schema_and_determinism(tmp_path):
+@pytest.mark.slow  # two runs of the script (its determinism: the recorded losses of test_train_example.py)
+def test_metrics_schema_and_offload(tmp_path):
     a = run_example(tmp_path, "a", "--stage", "3", "--mesh", "dp=8", "--seed", "1")
-    b = run_example(tmp_path, "b", "--stage", "3", "--mesh", "dp=8", "--seed", "1")
     assert a["stage"] == 3 and a["mesh"] == {"replica": 1, "dp": 8, "ep": 1, "cp": 1, "tp": 1, "pp": 1}
     assert len(a["losses"]) == 4 and all(isinstance(x, float) for x in a["losses"])
     assert set(a["state_bytes_per_device"]) == {"theory", "compiled"}
     assert a["state_bytes_per_device"]["compiled"] == pytest.approx(a["state_bytes_per_device"]["theory"], rel=0.01)
     assert isinstance(a["temp_bytes_per_device"], int) and a["temp_bytes_per_device"] > 0
-    assert a["losses"] == b["losses"]
     c = run_example(tmp_path, "c", "--stage", "3", "--mesh", "dp=8", "--seed", "1", "--offload", "optimizer+params")
     assert c["offload"] == "optimizer+params" and a["offload"] == "none"
     assert c["losses"] == a["losses"]  # every parameter of the small preset fits in one chunk: the same bits
-
-
-@pytest.mark.slow  # the same paths run in-process elsewhere; this is the script end to end
-def test_tp_fp16_accumulation(tmp_path):
-    m = run_example(
-        tmp_path, "c", "--stage", "2", "--mesh", "dp=4,tp=2", "--precision", "fp16", "--accum", "2", "--remat", "dots"
-    )
-    assert m["remat"] == "dots"
-    assert m["mesh"] == {"replica": 1, "dp": 4, "ep": 1, "cp": 1, "tp": 2, "pp": 1}
-    assert m["accum"] == 2 and m["final_step"] == 4
-    assert all(math.isfinite(x) for x in m["losses"])
-    # fp16 loss scaling: at most the first step overflows at the initial scale 2^15; each skip halves it
-    # (growth needs 2000 good steps), and the steps that were not skipped trained the model
-    assert m["skipped_steps"] <= 1
-    assert m["final_loss_scale"] == 2.0**15 / 2 ** m["skipped_steps"]
-    assert m["losses"][-1] < m["losses"][0]
 
 
 @pytest.mark.slow

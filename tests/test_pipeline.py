@@ -263,10 +263,25 @@ def test_a_circular_checkpoint_restores_into_any_plan_and_computes_the_same_func
         np.testing.assert_allclose(losses, reference[0][1:3], atol=1e-5)
 
 
+# Every (stage, gathering mode) on both meshes, the schedules taken in turn so that each meets each mesh and
+# each stage-3 gathering mode (the fast suite runs stage 3, "step", circular_m_2s on dp2_pp4; the HSDP test
+# below runs every gathering mode under circular_m_2s).
+GRID = [
+    ("dp2_pp4", 1, "step", "gpipe"),
+    ("dp2_pp4", 2, "step", "circular_m_eq_s"),
+    ("dp2_pp4", 3, "step", "gpipe"),
+    ("dp2_pp4", 3, "layer", "circular_m_eq_s"),
+    ("dp2_pp4", 3, "chunk", "circular_m_2s"),
+    ("dp2_tp2_pp2", 1, "step", "circular_m_2s"),
+    ("dp2_tp2_pp2", 2, "step", "gpipe"),
+    ("dp2_tp2_pp2", 3, "step", "circular_m_eq_s"),
+    ("dp2_tp2_pp2", 3, "layer", "gpipe"),
+    ("dp2_tp2_pp2", 3, "chunk", "circular_m_eq_s"),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh_name", list(MESHES))
-@pytest.mark.parametrize(("stage", "gather"), [(1, "step"), (2, "step"), (3, "step"), (3, "layer"), (3, "chunk")])
-@pytest.mark.parametrize("schedule", ["gpipe", "circular_m_eq_s", "circular_m_2s"])
+@pytest.mark.parametrize(("mesh_name", "stage", "gather", "schedule"), GRID)
 def test_decoder_grid(reference, mesh_name, stage, gather, schedule):
     check_against_reference(reference, MESHES[mesh_name], stage, schedule, gather)
 
@@ -347,7 +362,7 @@ def peak(mesh_kw, stage, cfg, model=WIDE):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "circular_m_2s"])
+@pytest.mark.parametrize("schedule", ["circular_m_2s"])  # the circular schedule, which holds more in flight
 def test_default_mode_stage_3_and_2_peak_below_stage_1(schedule):
     """With a pipeline, the default mode at stages 2 and 3 keeps weights and gradients split over dp
     through the loop: on a weight-heavy decoder stage 3 peaks well below stages 1 and 2, and with GPipe
@@ -533,29 +548,7 @@ def test_apply_needs_a_schedule_and_a_mesh():
 
 
 @pytest.mark.slow
-def test_compile_time_flat_in_microbatches():
-    """The scan keeps compile time flat: M=32 compiles within 1.5x of M=8 (best of two each)."""
-    import time
-
-    def best(m: int) -> float:
-        times = []
-        for _ in range(2):
-            init_fn, loss_fn = decoder_task()
-            plan = zjax.Plan(zjax.make_mesh(dp=2, pp=4), stage=1, precision="bf16", pipeline=Pipeline(m))
-            state = plan.abstract_state(init_fn, optax.adamw(1e-3), jax.random.key(0))
-            lowered = plan.train_step(loss_fn).lower(state, jax.ShapeDtypeStruct((64, 17), jnp.int32))
-            start = time.perf_counter()
-            lowered.compile()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    small, large = best(8), best(32)
-    print(f"compile: M=8 {small:.2f} s, M=32 {large:.2f} s")
-    assert large <= 1.5 * small
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("mesh", "gather"), [("dp=2,pp=4", "step"), ("dp=2,tp=2,pp=2", "layer")])
+@pytest.mark.parametrize(("mesh", "gather"), [("dp=2,tp=2,pp=2", "layer")])  # docs/getting_started.md runs dp=2,pp=4
 def test_example_trains_with_a_pipeline(tmp_path, mesh, gather):
     import json
     import subprocess

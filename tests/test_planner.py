@@ -148,7 +148,7 @@ def test_cli_budget_offloads_only_when_nothing_else_fits(tmp_path):
 def test_cli_impossible_budget_shows_closest(tmp_path):
     out = tmp_path / "none.json"
     args = ["--model", "tiny", "--mesh", "dp=8", "--stages", "3", "--remat", "full", "--batch-size", "16"]
-    proc = zjax_plan(*args, "--budget", "1KB", "--json", str(out))
+    proc = zjax_plan(*args, "--accum", "1", "--offload", "none", "--budget", "1KB", "--json", str(out))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "nothing fits in 0.000 GB per device; closest: stage 3" in proc.stdout
     data = json.loads(out.read_text())

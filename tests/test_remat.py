@@ -58,9 +58,11 @@ def test_equal_gradients(name, reference_grads):
         np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
 
 
+# Every policy's gradients equal no remat's (test_equal_gradients; partitioned twins below): here one policy of
+# each remaining mechanism (partitioned, nested, offloaded names) trains the Decoder at stage 3.
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(POLICIES))
-def test_every_policy_trains_the_example(name):
+@pytest.mark.parametrize("name", ["full+partitioned", "nested", "offload_minimal"])
+def test_each_remaining_mechanism_trains_the_decoder_at_stage_3(name):
     cfg = dataclasses.replace(TINY, remat=name)
     losses, state, _ = train(decoder_task(cfg), [token_batch(16, cfg, seed=i) for i in range(2)], stage=3)
     assert int(state.step) == 2 and all(np.isfinite(losses))
