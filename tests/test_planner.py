@@ -10,6 +10,7 @@ import pytest
 import zjax
 from zjax import planner
 from zjax.planner import count_collectives, zero_bytes
+from zjax.planner._fit import weigh
 from zjax.planner._table import text_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,6 +107,23 @@ def test_mesh_larger_than_devices_is_a_clear_error():
         planner.estimate("gpt5", mesh={"dp": 8})
 
 
+def test_the_budget_weighs_what_stage_3_exposes_on_the_wire():
+    """Quantizations allowed at stage 3: the search compiles each and takes the one exposing the fewest bytes
+    (XLA:CPU's collectives are synchronous, so every byte is exposed and int8 weights beat bf16); at a tie, the
+    first listed; a quantization the plan refuses is listed with its reason, never dropped."""
+    import dataclasses
+
+    common = dict(mesh={"dp": 8}, stages=(3,), remats=("full",), accums=(1,), batch_size=16, offloads=("none",))
+    fit = planner.fit(1e12, "tiny", quantized=(None, "weights"), **common)
+    assert [e.rows[0].wire for e in fit.tried] == ["bf16/bf16", "int8/bf16"]
+    exact, int8 = (e.rows[0] for e in fit.tried)
+    assert int8.comm.exposed_volume < exact.comm.exposed_volume and fit.row is int8
+    same = dataclasses.replace(int8, comm=exact.comm)  # equal exposure: the order given decides
+    assert weigh([exact, same]) is exact and weigh([same, exact]) is same
+    with pytest.raises(ValueError, match="no candidate can run: .*quantized_comm='grads' at stage 3 .*offload"):
+        planner.fit(1e12, "tiny", **{**common, "offloads": ("optimizer",)}, quantized=("grads",))
+
+
 def zjax_plan(*flags: str, timeout: int = 600) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "zjax.cli", "plan", *flags]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
@@ -148,11 +166,13 @@ def test_cli_budget_offloads_only_when_nothing_else_fits(tmp_path):
 def test_cli_impossible_budget_shows_closest(tmp_path):
     out = tmp_path / "none.json"
     args = ["--model", "tiny", "--mesh", "dp=8", "--stages", "3", "--remat", "full", "--batch-size", "16"]
-    proc = zjax_plan(*args, "--accum", "1", "--offload", "none", "--budget", "1KB", "--json", str(out))
+    flags = ["--accum", "1", "--offload", "none", "--quantize-comm", "none,weights"]  # each tried at stage 3
+    proc = zjax_plan(*args, *flags, "--budget", "1KB", "--json", str(out))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "nothing fits in 0.000 GB per device; closest: stage 3" in proc.stdout
     data = json.loads(out.read_text())
     assert data["fits"] is None and data["closest"]["stage"] == 3
+    assert [r["wire_dtypes"] for r in data["rows"]] == ["bf16/bf16", "int8/bf16"]
 
 
 def test_cli_errors():

@@ -128,7 +128,8 @@ def _plan_parser(sub) -> None:
         "--quantize-comm",
         default="none",
         help="stage 3 rows: what crosses dp as int8 blocks (ZeRO++; zjax.comm): none, weights (qwZ), grads (qgZ) "
-        "or weights+grads; a comma list plans each, side by side (e.g. none,weights,weights+grads)",
+        "or weights+grads; a comma list plans each, side by side (e.g. none,weights,weights+grads); with "
+        "--budget, stage 3 takes the listed value that exposes the fewest bytes (at a tie, the first listed)",
     )
     p.add_argument(
         "--reduce-dtype",
@@ -237,9 +238,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     quantized = [None if q == "none" else q for q in args.quantize_comm.split(",") if q]
     known = ("none", "weights", "grads", "weights+grads")  # zjax.comm.QUANTIZED_COMM
     bad = [q for q in args.quantize_comm.split(",") if q and q not in known]
-    if bad or not quantized or (args.budget is not None and quantized != [None]):
+    if bad or not quantized:
         print(f"zjax plan: --quantize-comm {args.quantize_comm}: give none, weights, grads or weights+grads (a "
-              "comma list compares them; not with --budget)", file=sys.stderr)  # fmt: skip
+              "comma list compares them; with --budget, the values stage 3 may take)", file=sys.stderr)  # fmt: skip
         return 2
     try:
         if args.budget is None:
@@ -275,7 +276,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                 limit.usable, args.model, mesh=args.mesh, stages=args.stages, remats=remats, accums=args.accum,
                 precision=args.precision, batch_size=batch, seq_len=args.seq_len, target=args.target,
                 offloads=offloads, pipeline=pipeline, schedules=names if pipeline is not None else (),
-                eps=args.ep or (), cps=args.cp or (),
+                eps=args.ep or (), cps=args.cp or (), quantized=quantized, reduce_dtype=args.reduce_dtype,
             )  # fmt: skip
             est = type(tried[0])(**{**tried[0].__dict__, "rows": tuple(r for e in tried for r in e.rows)})
             print(est)
@@ -290,6 +291,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                     + (f", schedule {row.schedule}" if row.schedule else "")
                     + (f", mesh {','.join(f'{k}={v}' for k, v in row.mesh.items() if v > 1)}" if args.ep else "")
                     + (f", offload {row.offload}" if row.offloaded else "")
+                    + (f", wire {row.wire}" if "int8" in row.wire else "")
                     + f": {row.compiled['total'] / 1e9:.3f} GB per device"
                     + (f" (+{row.offloaded / 1e9:.3f} GB in host memory)" if row.offloaded else "")
                 )

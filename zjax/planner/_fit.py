@@ -29,12 +29,14 @@ class Candidate:
     schedule: str = "-"  # the pipeline schedule (pp > 1), "-" without one
     ep: int = 0  # the ep taken out of the data-parallel ranks (a mixture of experts); 0: the mesh as given
     cp: int = 0  # the cp taken out of dp (sequences split over cp); 0: the mesh as given
+    quantized: str = "none"  # Plan(quantized_comm=...) at stage 3 ("none": the compute dtype on the wire)
 
     def describe(self) -> str:
         text = f"stage {self.stage}, remat {self.remat}, {self.accum} microbatch(es)"
         text += f", schedule {self.schedule}" if self.schedule != "-" else ""
         text += f", ep {self.ep}" if self.ep else ""
         text += f", cp {self.cp}" if self.cp else ""
+        text += f", quantized {self.quantized}" if self.quantized != "none" else ""
         return text + (f", offload {self.offload}" if self.offload != "none" else "")
 
 
@@ -64,6 +66,7 @@ def describe_skipped(skipped: Sequence[tuple[Candidate, str]]) -> list[str]:
         what += values("offload") + (f" x schedule {values('schedule')}" if cs[0].schedule != "-" else "")
         what += f" x ep {values('ep')}" if cs[0].ep else ""
         what += f" x cp {values('cp')}" if cs[0].cp else ""
+        what += f" x quantized {values('quantized')}" if cs[0].quantized != "none" else ""
         lines.append(f"{what} ({len(cs)}): {reason}")
     return lines
 
@@ -143,6 +146,16 @@ def _reason(c: Candidate, batch_size: int, mesh: dict[str, int], base: Pipeline 
     return None
 
 
+def weigh(rows: Sequence[Row]) -> Row:
+    """Of rows that differ only in what crosses the data axes (``quantized_comm``), the one whose step waits least
+    on the wire: the fewest exposed bytes (what the scheduler did not hide under compute; on XLA:CPU, whose
+    collectives are synchronous, every byte), and at a tie the earliest in the order given. So a quantization
+    listed after ``None`` is taken only where it exposes fewer bytes than the exact step does."""
+    if not rows:
+        raise ValueError("weigh: no rows to choose from.")
+    return min(enumerate(rows), key=lambda ir: (ir[1].comm.exposed_volume, ir[0]))[1]
+
+
 def fit(
     budget: float,
     model: str | DecoderConfig = "small",
@@ -160,6 +173,8 @@ def fit(
     schedules: Sequence[str] = (),
     eps: Sequence[int] = (),
     cps: Sequence[int] = (),
+    quantized: Sequence[str | None] = (None,),
+    reduce_dtype: str | None = None,
 ) -> Fit:
     """The cheapest (stage, ep, cp, remat, schedule, microbatches, offload) whose compiled per-device total fits
     in ``budget``.
@@ -171,7 +186,9 @@ def fit(
     more devices hold less state and cross dp less; ``dp x ep`` stays the mesh's), then less recomputation, then
     the pipeline schedule with the smaller
     bubble (``schedules``, with ``pp`` > 1: ``pipeline``'s microbatches and repeats under each), then
-    fewer microbatches. A candidate that cannot
+    fewer microbatches. At stage 3, each value of ``quantized`` (``Plan(quantized_comm=...)``, ``None`` for
+    none) is compiled and, of those that fit, :func:`weigh` takes the one that exposes the fewest bytes on the
+    wire. A candidate that cannot
     run (microbatches that do not divide the global batch, an offload the stage does not support) is listed
     in :attr:`Fit.skipped` with the reason.
 
@@ -214,17 +231,27 @@ def fit(
         if reason is not None:
             skipped.append((c, reason))
             continue
-        est = estimate(
-            model, mesh=split, stages=(c.stage,), remat=c.remat, precision=precision,
-            batch_size=batch_size, seq_len=seq_len, accum=c.accum, target=target, offload=c.offload,
-            pipeline=_schedule(base, c, mesh),
-        )  # fmt: skip
-        tried.append(est)
-        row = est.rows[0]
-        if closest is None or row.compiled["total"] < closest.compiled["total"]:
-            closest = row
-        if row.compiled["total"] <= budget:
-            return Fit(row, row, tried, skipped)
+        fitting = []
+        for q in list(dict.fromkeys(quantized)) if c.stage == 3 else [None]:  # quantization is stage 3's
+            try:
+                est = estimate(
+                    model, mesh=split, stages=(c.stage,), remat=c.remat, precision=precision,
+                    batch_size=batch_size, seq_len=seq_len, accum=c.accum, target=target, offload=c.offload,
+                    pipeline=_schedule(base, c, mesh), quantized_comm=q, reduce_dtype=reduce_dtype,
+                )  # fmt: skip
+            except ValueError as e:
+                if q is None:
+                    raise
+                skipped.append((dataclasses.replace(c, quantized=q), str(e)))  # e.g. int8 grads with offload
+                continue
+            tried.append(est)
+            row = est.rows[0]
+            if closest is None or row.compiled["total"] < closest.compiled["total"]:
+                closest = row
+            if row.compiled["total"] <= budget:
+                fitting.append(row)
+        if fitting:
+            return Fit(weigh(fitting), weigh(fitting), tried, skipped)
     if closest is None:
         reasons = sorted({r for _, r in skipped})
         raise ValueError("planner: no candidate can run: " + "; ".join(reasons) + ".")
