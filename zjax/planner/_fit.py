@@ -251,7 +251,8 @@ def fit(
             if row.compiled["total"] <= budget:
                 fitting.append(row)
         if fitting:
-            return Fit(weigh(fitting), weigh(fitting), tried, skipped)
+            best = weigh(fitting)
+            return Fit(best, best, tried, skipped)
     if closest is None:
         reasons = sorted({r for _, r in skipped})
         raise ValueError("planner: no candidate can run: " + "; ".join(reasons) + ".")
