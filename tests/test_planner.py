@@ -166,13 +166,16 @@ def test_cli_budget_offloads_only_when_nothing_else_fits(tmp_path):
 def test_cli_impossible_budget_shows_closest(tmp_path):
     out = tmp_path / "none.json"
     args = ["--model", "tiny", "--mesh", "dp=8", "--stages", "3", "--remat", "full", "--batch-size", "16"]
-    flags = ["--accum", "1", "--offload", "none", "--quantize-comm", "none,weights"]  # each tried at stage 3
+    # --budget with --offload none tries every offload; each candidate at stage 3 once per --quantize-comm value
+    flags = ["--accum", "1", "--offload", "none", "--quantize-comm", "none,weights"]
     proc = zjax_plan(*args, *flags, "--budget", "1KB", "--json", str(out))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "nothing fits in 0.000 GB per device; closest: stage 3" in proc.stdout
     data = json.loads(out.read_text())
     assert data["fits"] is None and data["closest"]["stage"] == 3
-    assert [r["wire_dtypes"] for r in data["rows"]] == ["bf16/bf16", "int8/bf16"]
+    assert [(r["offload"]["name"], r["wire_dtypes"]) for r in data["rows"]] == [
+        (offload, wire) for offload in ("none", "optimizer", "optimizer+params") for wire in ("bf16/bf16", "int8/bf16")
+    ]
 
 
 def test_cli_errors():
