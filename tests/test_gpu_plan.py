@@ -164,6 +164,25 @@ def test_llama2_7b_on_64_gpus_moves_what_int8_allows():
         assert comm[wire] == pytest.approx(share * comm["bf16/bf16"], rel=0.01), (wire, comm)
 
 
+def test_llama2_7b_on_8_gpus_without_the_compute_copy_holds_maxtexts_state():
+    """The issue's comparison, state: MaxText keeps 12 bytes per parameter (fp32 weights, m, v) and peaks at 19.0 GB;
+    zjax without the compute copy holds the same, moves what the copy's step moves and peaks no higher. Read from
+    the figure of both forms on docs/concepts/quantized_comm.md (recomputed in CI by docs/figures.py --check)."""
+    text = _figure("docs/concepts/quantized_comm.md", "--compute-copy keep,drop")
+    rows = {}  # copy (yes/no) -> (state, total, comm) in GB
+    for line in text.splitlines():
+        cells = line.split("|")
+        if len(cells) == 4 and cells[0].split()[:3] == ["3", "full", "1"]:
+            state, _, total = (float(x) for x in cells[2].split())
+            rows[cells[0].split()[3]] = (state, total, float(cells[3].split()[0]))
+    assert set(rows) == {"yes", "no"}, text
+    psi = 6_738_415_616
+    assert rows["no"][0] == pytest.approx(12 * psi / 8 / 1e9, abs=1e-3)  # and MaxText's 10.1
+    assert rows["yes"][0] == pytest.approx(14 * psi / 8 / 1e9, abs=1e-3)
+    assert rows["no"][1] <= min(19.0, rows["yes"][1])
+    assert rows["no"][2] == rows["yes"][2]
+
+
 @pytest.mark.slow
 def test_llama2_7b_on_8_gpus_moves_maxtexts_bytes_with_nothing_exposed():
     """The issue's comparison: Llama-2-7B, 8 H100s, one 4,096-token sequence each, full remat, stage 3. MaxText

@@ -9,6 +9,7 @@ or meshes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import warnings
@@ -47,6 +48,7 @@ def plan_metadata(plan: Plan) -> dict[str, Any]:
     return {
         "stage": plan.stage.level,
         "precision": plan.precision.name,
+        "compute_copy": plan.compute_copy,
         "offload": plan.offload.name,
         "mesh": {k: int(v) for k, v in plan.mesh.shape.items()},
         "processes": jax.process_count(),
@@ -57,6 +59,19 @@ def plan_metadata(plan: Plan) -> dict[str, Any]:
 
 class _Mismatch(Exception):
     """The checkpoint holds different arrays than the plan's state: never pad or truncate silently."""
+
+
+def _keeps_master(plan: Plan, meta: dict[str, Any]) -> bool:
+    """Whether a checkpoint (of ``plan``'s precision) holds a compute copy beside fp32 master weights."""
+    return plan.precision.master_weights and bool(meta.get("compute_copy", True))
+
+
+def _other_form(plan: Plan) -> Plan:
+    """``plan`` with the other form of state: without a compute copy (its fp32 weights as ``state.params``, laid
+    out as an fp32 plan's) if it keeps one, else with one."""
+    if plan.keeps_master:
+        return dataclasses.replace(plan, precision="fp32", reduce_dtype=None)
+    return dataclasses.replace(plan, compute_copy=True)
 
 
 def _is_key(x: Any) -> bool:
@@ -229,20 +244,33 @@ class Checkpointer:
           ValueError: if the checkpoint's precision or array shapes differ from the plan's state.
         """
         typed = plan.abstract_state(init_fn, tx, rng)
-        target = _keys_to_data(typed)  # typed PRNG keys are saved as their raw key data
+        forms = {plan.keeps_master: typed}
+
+        def form(keeps_master: bool) -> Any:
+            """The abstract state of a checkpoint that holds a compute copy beside its master or not."""
+            if keeps_master not in forms:
+                other = _other_form(plan)
+                forms[keeps_master] = other.abstract_state(init_fn, tx, rng)
+            return forms[keeps_master]
+
         candidates = agreed_steps([step] if step is not None else self.steps()[::-1])
         if not candidates:
             raise FileNotFoundError(f"No checkpoint steps in {self.directory}.")
         damaged: list[tuple[int, str]] = []
         for candidate in candidates:
-            outcome = agree(self._try_restore(candidate, plan, target), candidate, self.directory)
+            outcome = agree(self._try_restore(candidate, plan, form), candidate, self.directory)
             if isinstance(outcome, Damaged):
                 damaged.append((candidate, outcome.reason))
                 continue
             restored, meta = outcome
             for bad, why in damaged:
                 warnings.warn(f"zjax: skipped damaged checkpoint step {bad} in {self.directory}: {why}", stacklevel=2)
-            changed = {k: (meta.get(k), v) for k, v in plan_metadata(plan).items() if k in ("stage", "mesh")}
+            moved = ("stage", "mesh", "compute_copy")
+            changed = {
+                k: (meta.get(k, True if k == "compute_copy" else None), v)
+                for k, v in plan_metadata(plan).items()
+                if k in moved
+            }
             changed = {k: v for k, v in changed.items() if v[0] != v[1]}
             if changed:
                 log.warning(
@@ -250,7 +278,10 @@ class Checkpointer:
                     candidate,
                     ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()),
                 )
-            state = _data_to_keys(restored[STATE], typed, jax.random.key_impl(rng))
+            saved = form(_keeps_master(plan, meta))
+            state = _data_to_keys(restored[STATE], saved, jax.random.key_impl(rng)).replace(layout=saved.layout)
+            if saved is not typed:  # saved with(out) a compute copy: moved into this plan's form
+                state = plan.reshard(state)
             return state.replace(layout=typed.layout), meta
         detail = "; ".join(f"step {s}: {why}" for s, why in damaged)
         raise FileNotFoundError(
@@ -258,7 +289,7 @@ class Checkpointer:
             "deleted; move the directory aside to start fresh."
         )
 
-    def _try_restore(self, step: int, plan: Plan, target: Any) -> Any:
+    def _try_restore(self, step: int, plan: Plan, form: Callable[[bool], Any]) -> Any:
         """``(restored, meta)``, a :class:`Damaged` verdict, or a :class:`Failed` (error kept to re-raise)."""
         where = os.path.join(self.directory, str(step))
         try:
@@ -273,6 +304,7 @@ class Checkpointer:
                         f"uses {plan.precision.name!r}. Restore with a plan of the same precision."
                     )
                 )
+            target = _keys_to_data(form(_keeps_master(plan, meta)))  # typed PRNG keys are saved as key data
             # A different model is the caller's error (never padded or truncated): checked before reading arrays.
             _check_shapes(step, self.array_metadata(step), target)
             restored = self._manager.restore(step, args=ocp.args.Composite(**{STATE: GuardedRestore(target)}))

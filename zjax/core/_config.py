@@ -38,6 +38,7 @@ class PlanConfig:
     offload: Any = None
     gpu_overlap: bool = True
     quantized_comm: str | None = None
+    compute_copy: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):
@@ -99,6 +100,10 @@ class PlanConfig:
                     + (", a pipeline" if self.pipeline is not None else "")
                     + "). Use stage=3, or quantized_comm=None."
                 )
+        if not isinstance(self.compute_copy, bool):
+            raise TypeError(f"Plan: compute_copy must be True or False, got {self.compute_copy!r}.")
+        if not self.compute_copy:
+            self._check_without_compute_copy()
         if self.reduces_gradients:
             what = "reduce_dtype" if self.reduce_dtype is not None else "quantized_comm"
             value = self.reduce_dtype.name if self.reduce_dtype is not None else self.quantized_comm
@@ -114,6 +119,36 @@ class PlanConfig:
                     f"(its weights are split over {CP} too, outside the data axes zjax reduces over); use "
                     f"{what}=None, or fold {CP} into {DP}."
                 )
+
+    def _check_without_compute_copy(self) -> None:
+        """``compute_copy=False`` casts stage 3's shards before each gather: it needs stage 3 on the device."""
+        problem = (
+            f"stage {self.stage.level} (its parameters are not split: the cast would be gathered whole every step)"
+            if not self.stage.shard_parameters
+            else "a pipeline (its stages read the compute copy in their own loops)"
+            if self.pipeline is not None
+            else f"offload={cast(Offload, self.offload).name!r} (the fp32 weights live in host memory)"
+            if cast(Offload, self.offload).enabled
+            else None
+        )
+        if problem is not None:
+            raise ValueError(
+                f"Plan: compute_copy=False keeps only the fp32 weights and casts each shard to "
+                f"{jnp.dtype(self.precision.compute_dtype).name} before it is gathered; it is supported at stage 3 "
+                f"without a pipeline or offload, not with {problem}. Use stage=3, or compute_copy=True."
+            )
+
+    @property
+    def keeps_master(self) -> bool:
+        """Whether the state holds fp32 master weights beside compute parameters (mixed precision with a
+        compute copy); without one (``compute_copy=False``, or fp32) ``state.params`` are the fp32 weights."""
+        return self.precision.master_weights and self.compute_copy
+
+    @property
+    def casts_params(self) -> bool:
+        """Whether the step casts ``state.params`` (the fp32 weights, ``compute_copy=False``) to the compute
+        dtype on their shards before the model reads them."""
+        return self.precision.master_weights and not self.compute_copy
 
     @property
     def quantizes_weights(self) -> bool:

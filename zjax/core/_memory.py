@@ -204,6 +204,9 @@ def _theory(
     inner_bytes = sum(_nbytes(x) for x in jax.tree.leaves(state.opt_state.inner))
     opt_per_param = inner_bytes / psi if psi else 0.0
     grad_bytes = 4 if accum_steps > 1 else precision.compute_bytes  # accumulation runs in fp32
+    master_bytes = 4 if state.layout.master else 0
+    # without a compute copy (Plan(compute_copy=False)) the parameters are the fp32 weights themselves
+    param_bytes = precision.compute_bytes if state.layout.master or not precision.master_weights else 4
 
     def per_device(bytes_per_param: float, sharded: bool, pick=lambda i: True) -> int:
         return round(
@@ -212,14 +215,14 @@ def _theory(
 
     def state_of(pick) -> int:
         return (
-            per_device(precision.compute_bytes, stage.shard_parameters, pick)
-            + per_device(4 if precision.master_weights else 0, stage.shard_optimizer, pick)
+            per_device(param_bytes, stage.shard_parameters, pick)
+            + per_device(master_bytes, stage.shard_optimizer, pick)
             + per_device(opt_per_param, stage.shard_optimizer, pick)
         )
 
     theory = {
-        "params": per_device(precision.compute_bytes, stage.shard_parameters),
-        "master": per_device(4 if precision.master_weights else 0, stage.shard_optimizer),
+        "params": per_device(param_bytes, stage.shard_parameters),
+        "master": per_device(master_bytes, stage.shard_optimizer),
         "optimizer": per_device(opt_per_param, stage.shard_optimizer),
         "gradients": per_device(grad_bytes, stage.shard_gradients),
     }

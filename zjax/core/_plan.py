@@ -74,6 +74,12 @@ class Plan(PlanConfig):
         about half of ZeRO-3's gather bytes; gradients still reduce in the compute dtype and the fp32
         master never sees quantization. The model must read its parameters through
         :func:`zjax.comm.gathered` (``zjax.models.Decoder`` does). ``None`` (default): no quantization.
+      compute_copy: ``True`` (default) keeps the parameters in the compute dtype (``state.params``) beside the
+        fp32 master in the optimizer state: 14 bytes per parameter with Adam at stage 3. ``False`` (stage 3,
+        bf16/fp16, no pipeline or offload) keeps only the fp32 weights, as ``state.params``, and each step
+        casts every shard to the compute dtype before it is gathered (quantized from that cast with
+        ``quantized_comm``): 12 bytes per parameter of state, as MaxText and FSDP2 keep, the same bytes on
+        the wire and the cast's temporaries during the step. :meth:`reshard` moves a state between the two.
 
     Example:
       >>> plan = zjax.Plan(zjax.make_mesh(dp=-1, tp=2), stage=3, precision="bf16")
@@ -120,7 +126,7 @@ class Plan(PlanConfig):
             check_streamable(tx, master_tree, opt_inner, master_tree)
         return StateLayout(
             params=params,
-            master=self.precision.master_weights,
+            master=self.keeps_master,
             opt_treedef=opt_treedef,
             opt_specs=tuple(opt_flat),
             model_treedef=model_treedef,
@@ -133,7 +139,8 @@ class Plan(PlanConfig):
     # -- state ----------------------------------------------------------------------------------
 
     def _make_state_fn(self, init_fn: Callable[[jax.Array], Any], tx: Any, layout: StateLayout | None):
-        precision = self.precision
+        precision, keeps_master = self.precision, self.keeps_master
+        compute_dtype = precision.compute_dtype if keeps_master or not precision.master_weights else jnp.float32
 
         def make(rng: jax.Array, given: Any = None) -> TrainState:
             # zjax places parameters; nnx must not on its own. A model's pipeline runs its stages in turn.
@@ -146,11 +153,11 @@ class Plan(PlanConfig):
                 return lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p
 
             master = jax.tree.map(cast(jnp.float32), params)
-            compute = jax.tree.map(cast(precision.compute_dtype), params)
+            compute = jax.tree.map(cast(compute_dtype), params)  # compute_copy=False: the fp32 weights
             return TrainState(
                 step=jnp.zeros((), jnp.int32),
                 params=compute,
-                opt_state=MixedPrecisionState(master if precision.master_weights else None, tx.init(master)),
+                opt_state=MixedPrecisionState(master if keeps_master else None, tx.init(master)),
                 loss_scale=self.loss_scale.init(precision.loss_scaling),
                 rng=jax.random.fold_in(rng, _STATE_RNG),  # not the key init_fn used
                 tx=tx,
@@ -230,16 +237,21 @@ class Plan(PlanConfig):
         """Place a same-shaped ``state`` into this plan's layout (another stage, mesh or rules; arrays
         put elsewhere by hand). Nothing is recomputed; arrays move with ``jax.device_put``.
 
+        Between ``compute_copy=True`` and ``False`` of one precision the state changes form: the fp32 master
+        becomes ``state.params`` (the compute copy is dropped), or ``state.params`` become the master and their
+        cast the compute copy.
+
         Raises:
           ValueError: if the state's precision (master weights or not) differs from this plan's.
         """
         if not isinstance(state, TrainState):
             raise TypeError(f"Plan.reshard: expected a zjax.TrainState, got {type(state).__name__}.")
-        if (state.opt_state.master is None) == self.precision.master_weights:
+        state = self._with_compute_copy(state)
+        if (state.opt_state.master is None) == self.keeps_master:
             raise ValueError(
                 f"Plan.reshard: the state {'has no' if state.opt_state.master is None else 'has'} fp32 master "
                 f"weights but this plan's precision {self.precision.name!r} "
-                f"{'keeps' if self.precision.master_weights else 'does not keep'} them; reshard into a plan "
+                f"{'keeps' if self.keeps_master else 'does not keep'} them; reshard into a plan "
                 f"of the state's precision."
             )
         old = state.layout
@@ -261,6 +273,22 @@ class Plan(PlanConfig):
         )
         state = state.replace(layout=layout)
         return jax.device_put(state, layout.state_shardings(state.tx))
+
+    def _with_compute_copy(self, state: TrainState) -> TrainState:
+        """``state`` in this plan's form (compute copy and master, or the fp32 weights alone) when it holds the
+        same precision's values in the other form; else as it is."""
+        compute = jnp.dtype(self.precision.compute_dtype)
+        leaves = [x for x in jax.tree.leaves(state.params) if jnp.issubdtype(x.dtype, jnp.floating)]
+        if not self.precision.master_weights or not leaves:
+            return state
+        master = state.opt_state.master
+        if master is not None and not self.keeps_master and all(x.dtype == compute for x in leaves):
+            return state.replace(params=master, opt_state=MixedPrecisionState(None, state.opt_state.inner))
+        if master is None and self.keeps_master and all(x.dtype == jnp.float32 for x in leaves):
+            to_compute = lambda x: x.astype(compute) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
+            params = jax.tree.map(to_compute, state.params)
+            return state.replace(params=params, opt_state=MixedPrecisionState(state.params, state.opt_state.inner))
+        return state
 
     # -- steps ----------------------------------------------------------------------------------
 

@@ -32,9 +32,17 @@ def _constrain(tree: Any, specs: Any, mesh) -> Any:
     return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)), tree, specs)
 
 
-def _on_device(layout: StateLayout, params: Any) -> Any:
-    """The compute parameters in device memory (a copy in when the layout offloads them)."""
-    return jax.device_put(params, jax.memory.Space.Device) if layout.offload.params else params
+def _compute_params(plan: PlanConfig, layout: StateLayout, params: Any) -> Any:
+    """The parameters the model computes with: ``state.params`` in device memory (a copy in when the layout
+    offloads them), or, without a compute copy (``compute_copy=False``), the fp32 weights cast on their shards
+    (then gathered as the model reads them, like the copy would be)."""
+    if layout.offload.params:
+        return jax.device_put(params, jax.memory.Space.Device)
+    if not plan.casts_params:
+        return params
+    dtype = plan.precision.compute_dtype
+    cast = jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+    return _constrain(cast, layout.param_specs, plan.mesh)
 
 
 def _tree_where(pred: jax.Array, new: Any, old: Any) -> Any:
@@ -50,6 +58,12 @@ def _layout_of(plan: PlanConfig, state: TrainState, what: str) -> StateLayout:
         raise ValueError(
             f"{what}: this TrainState has no layout; build it with plan.init, plan.abstract_state or a checkpoint "
             "restore, or place it with state = plan.reshard(state)."
+        )
+    if layout.master != plan.keeps_master:
+        raise ValueError(
+            f"{what}: the state {'keeps' if layout.master else 'has no'} compute copy beside its fp32 master but "
+            f"this step's plan {'keeps' if plan.keeps_master else 'does not keep'} one (compute_copy="
+            f"{plan.compute_copy}); call state = plan.reshard(state) to move it into this plan's form."
         )
     if layout.mesh != plan.mesh or layout.stage != plan.stage or layout.offload != plan.offload:
         raise ValueError(
@@ -154,7 +168,7 @@ class EvalStep(_CompiledFn):
 
     def _build(self, layout: StateLayout, state: TrainState, batch: Any) -> Any:
         def evaluate(s: TrainState, b: Any) -> Any:
-            params = _on_device(layout, s.params)
+            params = _compute_params(self.plan, layout, s.params)
             with _placing(self.plan, layout):
                 if self._takes_model_state:
                     return self.fn(params, b, model_state=s.model_state)
@@ -296,9 +310,9 @@ class TrainStep(_CompiledFn):
                 "Plan(reduce_dtype=...) and quantized gradients do not support models with model state (batch "
                 "statistics) yet; use reduce_dtype=None and quantized_comm=None or 'weights'."
             )
-        compute_params = _on_device(layout, state.params)
+        compute_params = _compute_params(plan, layout, state.params)
         if plan.reduces_gradients:  # stage 3, reduced in fp32 or as int8: the fp32 master's shards differentiated
-            primal = state.master_params if precision.master_weights else compute_params
+            primal = state.master_params if precision.master_weights else compute_params  # cast per layer
             loss, aux, grads = zero3_grads(plan, self.loss, layout, primal, batch, scale, step_rng)
             model_state = state.model_state
         elif defers_reduction(plan, self.loss, layout, state.model_state) or plan.reduce_dtype is not None:
@@ -328,7 +342,7 @@ class TrainStep(_CompiledFn):
                 finite=finite if skip_nonfinite else None, compute_dtype=precision.compute_dtype,
             )  # fmt: skip
             params = new_master if cast is None else cast
-            opt_state = MixedPrecisionState(new_master if precision.master_weights else None, inner)
+            opt_state = MixedPrecisionState(new_master if layout.master else None, inner)
             skip_nonfinite = False
         else:
             if fused is not None:
@@ -347,7 +361,7 @@ class TrainStep(_CompiledFn):
                 new_master = optax.apply_updates(master, updates)
                 cast = jax.tree.map(lambda m: m.astype(precision.compute_dtype), new_master)
             new_master = _constrain(new_master, layout.master_specs, mesh)
-            if precision.master_weights:
+            if layout.master:
                 # Cast on the shard, then gather: XLA would otherwise all-gather the fp32 master (2x bytes).
                 params = _constrain(_constrain(cast, layout.master_specs, mesh), layout.param_specs, mesh)
                 opt_state = MixedPrecisionState(new_master, inner)

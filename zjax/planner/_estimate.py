@@ -79,6 +79,7 @@ def estimate_fn(
     rules: Rules | None = None,
     quantized_comm: str | None = None,
     reduce_dtype: str | None = None,
+    compute_copy: bool = True,
 ) -> Estimate:
     """Estimate a user's model: ``init_fn``/``loss_fn`` as for :meth:`zjax.Plan.init`, ``batch`` a tree of
     ``ShapeDtypeStruct`` (global shapes). Nothing is allocated; every stage is compiled ahead of time.
@@ -89,8 +90,8 @@ def estimate_fn(
     simulated devices. Every row says which compiler produced it. ``offload`` (``"optimizer"``,
     ``"optimizer+params"``) estimates ZeRO-Offload plans: rows then show device memory, and the host
     bytes and PCIe traffic computed from the placements. ``rules`` (default ``zjax.Rules()``) places
-    parameters and activations, e.g. ``Rules(sequence_parallel=False)``. ``quantized_comm`` (stage 3 rows) and
-    ``reduce_dtype`` are the :class:`zjax.Plan` options of those names."""
+    parameters and activations, e.g. ``Rules(sequence_parallel=False)``. ``quantized_comm`` and ``compute_copy``
+    (stage 3 rows) and ``reduce_dtype`` are the :class:`zjax.Plan` options of those names."""
     offload = Offload.from_value(offload)
     devices = _devices(mesh, target)
     device_mesh = make_mesh(
@@ -111,10 +112,11 @@ def estimate_fn(
         schedule = pipeline if pipeline is not None or stages_pp == 1 else Pipeline(2 * stages_pp)
         if schedule is not None and schedule.refusal(Stage.from_value(stage)) is not None:
             schedule = dataclasses.replace(schedule, zero3_gather="step")  # the mode does not run at this stage
-        quantize = quantized_comm if Stage.from_value(stage).shard_parameters else None  # stage 3's gathers
+        zero3 = Stage.from_value(stage).shard_parameters
+        quantize = quantized_comm if zero3 else None  # stage 3's gathers
         plan = Plan(
             device_mesh, stage=stage, precision=precision, pipeline=schedule, offload=offload, rules=rules,
-            quantized_comm=quantize, reduce_dtype=reduce_dtype,
+            quantized_comm=quantize, reduce_dtype=reduce_dtype, compute_copy=compute_copy or not zero3,
         )  # fmt: skip
         state = plan.abstract_state(init_fn, tx, jax.random.key(0))
         step = plan.train_step(loss_fn, accum_steps=accum)
@@ -164,6 +166,7 @@ def estimate_fn(
                 mesh={k: int(v) for k, v in device_mesh.shape.items()},
                 state_by_group=dict(report.state_by_group),
                 wire=wire_dtypes(plan),
+                compute_copy=plan.compute_copy,
                 **_pipeline_fields(plan.pipeline, stages_pp),
             )
         )
@@ -212,6 +215,7 @@ def estimate(
     rules: Rules | None = None,
     quantized_comm: str | None = None,
     reduce_dtype: str | None = None,
+    compute_copy: bool = True,
 ) -> Estimate:
     """Estimate a decoder preset (``zjax.models.PRESETS``, e.g. ``"llama2-7b"``) or a ``DecoderConfig``.
 
@@ -240,4 +244,5 @@ def estimate(
         rules=rules,
         quantized_comm=quantized_comm,
         reduce_dtype=reduce_dtype,
+        compute_copy=compute_copy,
     )

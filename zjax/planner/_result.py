@@ -41,6 +41,7 @@ class Row:
     # a mixture of experts: the formula's persistent state per device of its "experts" and "dense" parameters
     state_by_group: dict[str, int] = dataclasses.field(default_factory=dict)
     wire: str = ""  # what crosses the data axes (:func:`wire_dtypes`): the row's quantized_comm / reduce_dtype
+    compute_copy: bool = True  # Plan(compute_copy=...): a compute-dtype copy of the parameters beside the fp32 master
 
     @property
     def over_memory(self) -> bool:
@@ -74,6 +75,7 @@ class Row:
             "comm_wire_bytes": dict(self.comm.wire),
             "comm_psi": round(self.comm_psi, 4),
             "wire_dtypes": self.wire,
+            "compute_copy": self.compute_copy,
             "comm_by_axes": {",".join(k) or "none": v for k, v in self.comm.by_axes.items()},
             "comm_overlapped_by_axes": {",".join(k) or "none": v for k, v in self.comm.overlapped_by_axes.items()},
             "comm_overlapped_bytes": self.comm.overlapped_volume,
@@ -190,7 +192,14 @@ class Estimate:
                 "; wire = what the data-parallel gradients and stage 3's weights cross in (int8: ZeRO++'s blocks, "
                 "fp32 scales included in comm)"
             )
+        copies = any(not r.compute_copy for r in self.rows)
+        if copies:
+            head += (
+                "; copy = whether the state keeps the parameters in the compute dtype beside the fp32 master (no: "
+                "Plan(compute_copy=False), each shard cast before its gather; params = the fp32 weights)"
+            )
         columns = [("stage", ">"), ("remat", "<"), ("acc", ">")] + ([("wire dtype", "<")] if quant else [])
+        columns += [("copy", "<")] if copies else []
         columns += [(SEP, "<")]
         columns += [(name, ">") for name in ("params", "optim", "grads", "theory")] + [(SEP, "<")]
         columns += [(name, ">") for name in ("state", "temp", "total")] + [(SEP, "<")]
@@ -203,7 +212,8 @@ class Estimate:
         cells = []
         for r in self.rows:
             t, c = r.theory, r.compiled
-            row = [str(r.stage), r.remat, str(r.accum)] + ([r.wire] if quant else []) + [SEP]
+            row = [str(r.stage), r.remat, str(r.accum)] + ([r.wire] if quant else [])
+            row += (["yes" if r.compute_copy else "no"] if copies else []) + [SEP]
             row += [f(t["params"]), f(t["optimizer"]), f(t["grads"]), f(t["total"]), SEP]
             row += [f(c["state"]), f(c["temp"]), f(c["total"]), SEP]
             row += [f(r.comm.total_volume), f"{r.comm_psi:.2f}", f(r.comm.total_wire)]

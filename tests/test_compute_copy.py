@@ -1,0 +1,139 @@
+"""Stage 3 without a compute copy (``Plan(compute_copy=False)``): the fp32 weights alone, cast before each gather."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zjax
+from zjax.models import Decoder, DecoderConfig, lm_loss
+
+from ._models import linen_mlp_task, regression_batch
+
+CFG = DecoderConfig(vocab=256, embed=128, layers=2, heads=4, head_dim=32, mlp=512, max_len=32)
+TOKENS = np.random.RandomState(0).randint(0, CFG.vocab, (8, CFG.max_len + 1)).astype(np.int32)
+
+
+def _state_bytes(report) -> int:
+    return report.compiled["params"] + report.compiled["master"] + report.compiled["optimizer"]
+
+
+def _run(copy: bool, quantized: str | None):
+    model = Decoder(CFG)
+    plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, compute_copy=copy, quantized_comm=quantized)
+    loss = lambda p, b: lm_loss(model, p, b)  # noqa: E731
+    state = plan.init(
+        lambda r: model.init(r, jnp.zeros((1, CFG.max_len), jnp.int32))["params"], optax.adamw(1e-3), jax.random.key(0)
+    )
+    step, batch = plan.train_step(loss), plan.shard_batch(TOKENS)
+    report = step.memory_report(state, batch)
+    losses = []
+    for _ in range(2):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, report, losses, float(plan.eval_step(loss)(state, batch))
+
+
+@pytest.mark.parametrize(
+    "quantized", [None, pytest.param("weights+grads", marks=pytest.mark.slow)], ids=["bf16", "int8"]
+)
+def test_without_a_compute_copy_the_state_holds_12_bytes_per_parameter_and_trains_the_same(quantized):
+    """The Decoder on dp=8 at stage 3, with and without the copy: the state is 2 bytes per parameter per rank
+    smaller (the bf16 copy), ``state.params`` are the fp32 weights, and the losses, evaluation and weights are the
+    ones the copy gives (the same bf16 values reach the model: cast at the end of a step or at the start of the
+    next)."""
+    kept, kept_report, kept_losses, kept_eval = _run(True, quantized)
+    state, report, losses, evaluated = _run(False, quantized)
+    psi, ranks = report.num_params, 8  # every dim of CFG divides by 8: shards are exact
+    assert _state_bytes(kept_report) - _state_bytes(report) == 2 * psi // ranks
+    assert report.compiled["master"] == 0 and report.compiled["params"] == 4 * psi // ranks
+    assert report.theory["params"] == 4 * psi // ranks and report.theory["master"] == 0
+    assert state.opt_state.master is None
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
+    np.testing.assert_allclose(losses, kept_losses, rtol=1e-6)
+    np.testing.assert_allclose(evaluated, kept_eval, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(kept.master_params), jax.tree.leaves(state.master_params), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6)
+
+
+def _equal(a, b) -> None:
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)), np.asarray(y.astype(jnp.float32)))
+
+
+def test_reshard_and_checkpoints_move_a_state_between_the_forms(tmp_path):
+    """A state with the copy becomes one without (its master becomes ``state.params``) and back (the cast is the
+    copy again), by ``plan.reshard`` and by a checkpoint restored into the other form, at another stage too; a
+    step refuses a state of the other form with the fix."""
+    init_fn, loss_fn = linen_mlp_task()
+    mesh, tx = zjax.make_mesh(dp=8), optax.adamw(1e-2)
+    keep = zjax.Plan(mesh, stage=3)
+    drop = zjax.Plan(mesh, stage=3, compute_copy=False)
+    state, _ = keep.train_step(loss_fn)(keep.init(init_fn, tx, jax.random.key(0)), keep.shard_batch(regression_batch()))
+    master = jax.device_get(state.opt_state.master)
+
+    dropped = drop.reshard(state)
+    assert dropped.opt_state.master is None and dropped.layout.master is False
+    _equal(dropped.params, master)
+    with pytest.raises(ValueError, match="compute copy.*plan.reshard"):
+        keep.train_step(loss_fn)(dropped, keep.shard_batch(regression_batch()))
+    back = keep.reshard(dropped)
+    _equal(back.opt_state.master, master)
+    _equal(back.params, jax.tree.map(lambda x: x.astype(jnp.bfloat16), master))
+
+    stage_1 = zjax.Plan(mesh, stage=1)
+    with zjax.Checkpointer(tmp_path / "dropped") as ckpt:
+        ckpt.save(dropped, drop)
+    with zjax.Checkpointer(tmp_path / "dropped") as ckpt:
+        restored, _ = ckpt.restore(stage_1, init_fn, tx, jax.random.key(0))
+    _equal(restored.opt_state.master, master)
+    _equal(restored.params, jax.tree.map(lambda x: x.astype(jnp.bfloat16), master))
+    _equal(restored.opt_state.inner, dropped.opt_state.inner)
+    restored.layout.check(restored)  # placed as stage 1 lays it out
+    with zjax.Checkpointer(tmp_path / "kept") as ckpt:
+        ckpt.save(back, keep)
+    with zjax.Checkpointer(tmp_path / "kept") as ckpt:
+        restored, _ = ckpt.restore(drop, init_fn, tx, jax.random.key(0))
+    assert restored.opt_state.master is None
+    _equal(restored.params, master)
+    step = drop.train_step(loss_fn)  # and it trains on
+    assert np.isfinite(float(step(restored, drop.shard_batch(regression_batch()))[1]["loss"]))
+
+
+def test_compute_copy_false_needs_stage_3_on_the_device():
+    mesh = zjax.make_mesh(dp=8)
+    with pytest.raises(ValueError, match="compute_copy=False.*stage 2"):
+        zjax.Plan(mesh, stage=2, compute_copy=False)
+    with pytest.raises(ValueError, match="compute_copy=False.*offload='optimizer'"):
+        zjax.Plan(mesh, stage=3, compute_copy=False, offload="optimizer")
+    with pytest.raises(ValueError, match="compute_copy=False.*pipeline"):
+        zjax.Plan(zjax.make_mesh(dp=4, pp=2), stage=3, compute_copy=False, pipeline=zjax.Pipeline(4))
+    with pytest.raises(TypeError, match="compute_copy must be True or False"):
+        zjax.Plan(mesh, stage=3, compute_copy="no")
+    # fp32 keeps no copy to drop: the flag changes nothing
+    init_fn, _ = linen_mlp_task()
+    state = zjax.Plan(mesh, stage=3, precision="fp32", compute_copy=False).init(
+        init_fn, optax.sgd(0.1), jax.random.key(0)
+    )
+    assert state.opt_state.master is None and state.layout.master is False
+
+
+def test_a_model_without_gathered_reads_trains_without_a_copy():
+    """A linen MLP that knows nothing of zjax.comm: its cast parameters are gathered by GSPMD where used, and the
+    step equals the copy's."""
+    init_fn, loss_fn = linen_mlp_task()
+    out = []
+    for copy in (True, False):
+        plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, compute_copy=copy)
+        state = plan.init(init_fn, optax.adamw(1e-2), jax.random.key(0))
+        step, batch = plan.train_step(loss_fn), plan.shard_batch(regression_batch())
+        for _ in range(3):
+            state, metrics = step(state, batch)
+        out.append((float(metrics["loss"]), jax.device_get(state.master_params)))
+    assert out[0][0] == pytest.approx(out[1][0], rel=1e-6)
+    for a, b in zip(jax.tree.leaves(out[0][1]), jax.tree.leaves(out[1][1]), strict=True):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)

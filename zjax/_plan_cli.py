@@ -1,0 +1,332 @@
+"""``zjax plan``: its arguments and its run (the planner on the command line; :mod:`zjax.cli` dispatches)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+from ._jsonfile import write_json_atomic
+from .pipeline._config import GATHER_MODES
+
+
+def parse_bytes(text: str) -> float:
+    """``"80GB"`` (1e9), ``"80GiB"`` (2**30) or a plain number of bytes."""
+    from .planner._gpu import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--budget: {e}") from None
+
+
+def parse_budget(text: str) -> str:
+    """``80%`` (of a GPU target's memory) or a size; resolved once the target is known."""
+    if not text.strip().endswith("%"):
+        parse_bytes(text)
+    return text.strip()
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for part in filter(None, text.replace(" ", "").split(",")):
+        name, eq, value = part.partition("=")
+        if not eq or name not in ("replica", "dp", "ep", "cp", "tp", "pp") or not value.isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(
+                f"--mesh: expected entries like dp=64,tp=2 or replica=8,dp=8 (HSDP), got {part!r}"
+            )
+        sizes[name] = int(value)
+    if not sizes:
+        raise argparse.ArgumentTypeError("--mesh: give at least one axis, e.g. dp=64")
+    return sizes
+
+
+def parse_ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints, got {text!r}") from None
+
+
+def _plot(est, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"stage {r.stage}\n{r.remat}" + (f" x{r.accum}" if r.accum > 1 else "") for r in est.rows]
+    parts = {
+        "compute params": [r.theory["params"] for r in est.rows],
+        "master + optimizer": [r.theory["optimizer"] for r in est.rows],
+        "temporaries (compiled)": [r.compiled["temp"] for r in est.rows],
+    }
+    fig, ax = plt.subplots(figsize=(1.6 * len(labels) + 2, 4))
+    bottom = [0.0] * len(labels)
+    for name, values in parts.items():
+        gb = [v / 1e9 for v in values]
+        ax.bar(labels, gb, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, gb, strict=True)]
+    ax.scatter(labels, [r.compiled["total"] / 1e9 for r in est.rows], color="black", zorder=3, label="compiled total")
+    mesh = " ".join(f"{k}={v}" for k, v in est.mesh.items())
+    ax.set_ylabel("GB per device")
+    ax.set_title(f"{est.model} ({est.params / 1e9:.2f}B params), {mesh}, {est.precision}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="per-device memory and communication for each ZeRO stage, compiled ahead of time")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="a preset (llama3-8b, llama3-70b, qwen2-7b, mistral-7b, llama2-7b, tiny, ...) or a Hugging Face "
+        "config.json or checkpoint directory",
+    )
+    p.add_argument(
+        "--mesh", type=parse_mesh, default={"dp": 8}, help="dp=64, dp=32,tp=2, replica=8,dp=8 (HSDP), dp=8,ep=8 (MoE)"
+    )
+    p.add_argument("--stages", type=parse_ints, default=[0, 1, 2, 3])
+    p.add_argument("--remat", default="full", help="remat policy (zjax.remat.POLICIES); comma list with --budget")
+    p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="global batch (default: one sequence per dp rank in each microbatch, for every --accum value)",
+    )
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--accum", type=parse_ints, default=[1], help="microbatches; comma list with --budget")
+    p.add_argument(
+        "--budget",
+        type=parse_budget,
+        default=None,
+        help="per-device memory to fit: 80%% (of the --target's memory, as the allocator's fraction) or 70GB; a "
+        "GPU target keeps a reserve for what the compiler does not count; picks the cheapest fit",
+    )
+    p.add_argument(
+        "--target",
+        default=None,
+        help="compile with XLA:GPU for this GPU (h100, h200, b200, a100, or a GpuTargetConfigProto .txtpb file), "
+        'no GPU needed (pip install "zjax[plan-gpu]"); default: XLA:CPU on simulated devices',
+    )
+    p.add_argument(
+        "--offload",
+        default="none",
+        help="ZeRO-Offload: none, optimizer (master + optimizer state in host memory) or optimizer+params "
+        "(stage 3); with --budget a comma list of those allowed (default: all, tried after every on-device plan)",
+    )
+    p.add_argument(
+        "--quantize-comm",
+        default="none",
+        help="stage 3 rows: what crosses dp as int8 blocks (ZeRO++; zjax.comm): none, weights (qwZ), grads (qgZ) "
+        "or weights+grads; a comma list plans each, side by side (e.g. none,weights,weights+grads); with "
+        "--budget, stage 3 takes the listed value that exposes the fewest bytes (at a tie, the first listed)",
+    )
+    p.add_argument(
+        "--compute-copy",
+        default="keep",
+        help="stage 3 rows: keep the parameters' compute-dtype copy beside the fp32 master (keep), or keep only the "
+        "fp32 weights and cast each shard before its gather (drop: Plan(compute_copy=False), 12 bytes per "
+        "parameter of state with Adam); keep,drop plans both",
+    )
+    p.add_argument(
+        "--reduce-dtype",
+        default=None,
+        help="the dtype gradients are reduced in over the data axes (Plan(reduce_dtype=...), e.g. float32); "
+        "default: the compute dtype",
+    )
+    p.add_argument(
+        "--ep",
+        type=parse_ints,
+        default=None,
+        help="with --budget, a mixture of experts: the ep sizes the search may take out of dp x ep (e.g. 1,2,4,8)",
+    )
+    p.add_argument(
+        "--cp",
+        type=parse_ints,
+        default=None,
+        help="with --budget, the cp sizes the search may take out of dp x cp, smallest first (e.g. 1,2,4,8)",
+    )
+    p.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches when pp > 1 (default 2 x pp)")
+    p.add_argument("--repeats", type=int, default=1, help="pipeline repeats: chunks of layers per stage")
+    p.add_argument(
+        "--schedule",
+        default="gpipe",
+        help="pipeline schedule: gpipe, 1f1b, interleaved-1f1b (repeats > 1) or zero-bubble; with --budget a comma "
+        "list to choose from (smallest bubble first)",
+    )
+    p.add_argument(
+        "--zero3-gather",
+        choices=GATHER_MODES,
+        default=None,
+        help="pipeline at stages 2-3: weights gathered once per step, per use, or per repeat's chunk (stage 3) "
+        "(default: layer at 2-3, step below)",
+    )
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None, help="PNG bar chart of memory by category")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    devices = math.prod(args.mesh.values())
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")  # also what a deviceless GPU compile needs
+    if args.target is None:
+        from .sharding import simulate_cpu_devices
+
+        simulate_cpu_devices(devices)
+    from . import planner
+    from .planner._gpu import budget as make_budget
+    from .remat import POLICIES
+
+    try:
+        planner.resolve_model(args.model)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"zjax plan: --model: {e}", file=sys.stderr)
+        return 2
+    remats = [r for r in args.remat.split(",") if r]
+    bad = [r for r in remats if r not in POLICIES]
+    if bad:
+        print(f"zjax plan: unknown --remat {bad}; valid: {sorted(POLICIES)}", file=sys.stderr)
+        return 2
+    from .offload import Offload
+
+    offloads = [o for o in args.offload.split(",") if o]
+    if args.budget is not None and args.offload == "none":
+        offloads = list(Offload.NAMES)  # offload is tried only when nothing fits on the device
+    bad = [o for o in offloads if o not in Offload.NAMES]
+    if bad or not offloads or (args.budget is None and len(offloads) > 1):
+        print(f"zjax plan: --offload {args.offload}: one of {list(Offload.NAMES)} (a comma list with --budget)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    pp = args.mesh.get("pp", 1)
+    pipeline = None
+    names = [n for n in args.schedule.split(",") if n]
+    if pp > 1 or args.microbatches is not None:
+        from .pipeline import SCHEDULES, Pipeline
+
+        if not names or [n for n in names if n not in SCHEDULES] or (args.budget is None and len(names) > 1):
+            print(f"zjax plan: --schedule {args.schedule}: one of {list(SCHEDULES)} (a comma list with --budget)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        try:
+            pipeline = Pipeline(
+                args.microbatches or 2 * pp,
+                repeats=args.repeats,
+                zero3_gather=args.zero3_gather,
+                schedule=names[0] if args.budget is None else "gpipe",  # --budget: fit tries each name
+            )
+        except ValueError as e:
+            print(f"zjax plan: {e}", file=sys.stderr)
+            return 2
+    ranks = args.mesh.get("dp", 1) * args.mesh.get("replica", 1) * args.mesh.get("ep", 1)
+    rows = ranks * (pipeline.microbatches if pipeline else 1)
+    for name in ("ep", "cp"):
+        sizes = getattr(args, name)
+        if sizes is not None and (args.budget is None or not sizes or min(sizes) < 1):
+            print(f"zjax plan: --{name} {sizes}: give positive {name} sizes with --budget (without it, put {name} "
+                  "in --mesh)", file=sys.stderr)  # fmt: skip
+            return 2
+    if not args.accum or min(args.accum) < 1:
+        print(f"zjax plan: --accum {args.accum}: give positive microbatch counts, e.g. 1,2,4", file=sys.stderr)
+        return 2
+    # default: one row per data-parallel rank in each microbatch, with a global batch that every --accum
+    # value splits (their least common multiple), so that all of them are planned on the same batch
+    batch = args.batch_size or rows * math.lcm(*args.accum)
+    quantized = [None if q == "none" else q for q in args.quantize_comm.split(",") if q]
+    known = ("none", "weights", "grads", "weights+grads")  # zjax.comm.QUANTIZED_COMM
+    bad = [q for q in args.quantize_comm.split(",") if q and q not in known]
+    if bad or not quantized:
+        print(f"zjax plan: --quantize-comm {args.quantize_comm}: give none, weights, grads or weights+grads (a "
+              "comma list compares them; with --budget, the values stage 3 may take)", file=sys.stderr)  # fmt: skip
+        return 2
+    copies = [c for c in args.compute_copy.split(",") if c]
+    if not copies or set(copies) - {"keep", "drop"} or (args.budget is not None and len(copies) > 1):
+        print(f"zjax plan: --compute-copy {args.compute_copy}: keep or drop (keep,drop compares them without "
+              "--budget)", file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        if args.budget is None:
+            if len(remats) > 1:
+                raise ValueError(f"--remat {args.remat}: several policies are compared only with --budget.")
+            estimates = [
+                planner.estimate(
+                    args.model,
+                    mesh=args.mesh,
+                    stages=stages,
+                    remat=remats[0],
+                    precision=args.precision,
+                    batch_size=batch,
+                    seq_len=args.seq_len,
+                    accum=accum,
+                    pipeline=pipeline,
+                    target=args.target,
+                    offload=offloads[0],
+                    quantized_comm=q,
+                    reduce_dtype=args.reduce_dtype,
+                    compute_copy=copy == "keep",
+                )  # fmt: skip
+                for copy in copies
+                for q in quantized  # each after the first plans stage 3 only (the only rows it changes)
+                for stages in [
+                    args.stages if (q, copy) == (quantized[0], copies[0]) else [s for s in args.stages if s == 3]
+                ]
+                if stages
+                for accum in args.accum  # every value is planned
+            ]
+            est = type(estimates[0])(**{**estimates[0].__dict__, "rows": tuple(r for e in estimates for r in e.rows)})
+            print(est)
+            result = est.to_dict()
+        else:
+            limit = make_budget(args.budget, args.target)
+            row, closest, tried, skipped = planner.fit(
+                limit.usable, args.model, mesh=args.mesh, stages=args.stages, remats=remats, accums=args.accum,
+                precision=args.precision, batch_size=batch, seq_len=args.seq_len, target=args.target,
+                offloads=offloads, pipeline=pipeline, schedules=names if pipeline is not None else (),
+                eps=args.ep or (), cps=args.cp or (), quantized=quantized, reduce_dtype=args.reduce_dtype,
+                compute_copy=copies[0] == "keep",
+            )  # fmt: skip
+            est = type(tried[0])(**{**tried[0].__dict__, "rows": tuple(r for e in tried for r in e.rows)})
+            print(est)
+            if skipped:
+                print("\nnot planned (cannot run):")
+                for line in planner.describe_skipped(skipped):
+                    print(f"  {line}")
+            print(f"\nbudget: {limit.describe()}")
+            if row is not None:
+                print(
+                    f"fits: stage {row.stage}, remat {row.remat}, {row.accum} microbatch(es)"
+                    + (f", schedule {row.schedule}" if row.schedule else "")
+                    + (f", mesh {','.join(f'{k}={v}' for k, v in row.mesh.items() if v > 1)}" if args.ep else "")
+                    + (f", offload {row.offload}" if row.offloaded else "")
+                    + (f", wire {row.wire}" if "int8" in row.wire else "")
+                    + f": {row.compiled['total'] / 1e9:.3f} GB per device"
+                    + (f" (+{row.offloaded / 1e9:.3f} GB in host memory)" if row.offloaded else "")
+                )
+            else:
+                print(
+                    f"nothing fits in {limit.usable / 1e9:.3f} GB per device; closest: stage {closest.stage}, "
+                    f"remat {closest.remat}, {closest.accum} microbatch(es) at {closest.compiled['total'] / 1e9:.3f} GB"
+                )
+            result = est.to_dict() | {
+                "budget": limit.usable,
+                "budget_detail": limit.describe(),
+                "fits": row.to_dict() if row is not None else None,
+                "closest": closest.to_dict(),
+                "skipped": [dataclasses.asdict(c) | {"reason": reason} for c, reason in skipped],
+            }
+    except (ValueError, ImportError) as e:
+        print(f"zjax plan: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        write_json_atomic(args.json, result)
+        print(f"wrote {args.json}")
+    if args.plot:
+        _plot(est, args.plot)
+        print(f"wrote {args.plot}")
+    return 0 if args.budget is None or result.get("fits") is not None else 1
