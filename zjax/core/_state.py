@@ -57,8 +57,10 @@ class TrainState(struct.PyTreeNode):
 
     Attributes:
       step: int32 scalar, incremented by every step (skipped ones too).
-      params: the compute parameters (bf16/fp16/fp32), in the layout the plan's stage gives them.
-      opt_state: :class:`MixedPrecisionState` with the fp32 master weights and the optax state.
+      params: the compute parameters (bf16/fp16/fp32), in the layout the plan's stage gives them; with
+        ``Plan(compute_copy=False)`` the fp32 weights themselves (each step casts them).
+      opt_state: :class:`MixedPrecisionState` with the fp32 master weights (``None`` when ``params`` are
+        the fp32 weights) and the optax state.
       loss_scale: dynamic loss scale (constant 1 unless the precision scales the loss).
       rng: a PRNG key (typed, e.g. from ``jax.random.key``) that each step splits: the step passes a fresh
         key to a ``loss_fn`` that takes ``rng`` (dropout), and a resumed run draws the same keys.
