@@ -122,6 +122,10 @@ def test_the_budget_weighs_what_stage_3_exposes_on_the_wire():
     assert weigh([exact, same]) is exact and weigh([same, exact]) is same
     with pytest.raises(ValueError, match="no candidate can run: .*quantized_comm='grads' at stage 3 .*offload"):
         planner.fit(1e12, "tiny", **{**common, "offloads": ("optimizer",)}, quantized=("grads",))
+    # without the compute copy: the fp32 weights alone, 2 bytes per parameter per rank less state
+    lean = planner.fit(1e12, "tiny", compute_copy=False, **common).row
+    assert exact.compute_copy and not lean.compute_copy
+    assert exact.compiled["state"] - lean.compiled["state"] == 2 * fit.tried[0].params // 8
 
 
 def zjax_plan(*flags: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -210,6 +214,9 @@ def test_cli_refuses_an_unknown_quantization():
     proc = zjax_plan("--model", "tiny", "--mesh", "dp=8", "--quantize-comm", "none,int4")
     assert proc.returncode == 2
     assert "--quantize-comm none,int4: give none, weights, grads or weights+grads" in proc.stderr
+    for flags in (["--compute-copy", "maybe"], ["--compute-copy", "keep,drop", "--budget", "1GB"]):
+        proc = zjax_plan("--model", "tiny", "--mesh", "dp=8", *flags)
+        assert proc.returncode == 2 and "--compute-copy" in proc.stderr and "keep or drop" in proc.stderr
 
 
 COND_HLO = """
