@@ -217,6 +217,8 @@ def test_cli_refuses_an_unknown_quantization():
     for flags in (["--compute-copy", "maybe"], ["--compute-copy", "keep,drop", "--budget", "1GB"]):
         proc = zjax_plan("--model", "tiny", "--mesh", "dp=8", *flags)
         assert proc.returncode == 2 and "--compute-copy" in proc.stderr and "keep or drop" in proc.stderr
+    proc = zjax_plan("--model", "tiny", "--mesh", "replica=2,dp=4", "--hpz", "maybe")
+    assert proc.returncode == 2 and "--hpz maybe: no or yes" in proc.stderr
 
 
 COND_HLO = """

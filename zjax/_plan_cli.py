@@ -135,6 +135,13 @@ def plan_parser(sub) -> None:
         "parameter of state with Adam); keep,drop plans both",
     )
     p.add_argument(
+        "--hpz",
+        default="no",
+        help="stage 3 rows on a mesh with replica > 1: ZeRO++'s hierarchical partitioning (yes: state split over "
+        "replica x dp, each step gathers the parameters across nodes once and every layer inside the node; "
+        "Plan(hpz=True)); no,yes plans both",
+    )
+    p.add_argument(
         "--reduce-dtype",
         default=None,
         help="the dtype gradients are reduced in over the data axes (Plan(reduce_dtype=...), e.g. float32); "
@@ -250,6 +257,10 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"zjax plan: --compute-copy {args.compute_copy}: keep or drop (keep,drop compares them without "
               "--budget)", file=sys.stderr)  # fmt: skip
         return 2
+    hpzs = [h for h in args.hpz.split(",") if h]
+    if not hpzs or set(hpzs) - {"no", "yes"} or (args.budget is not None and len(hpzs) > 1):
+        print(f"zjax plan: --hpz {args.hpz}: no or yes (no,yes compares them without --budget)", file=sys.stderr)
+        return 2
     try:
         if args.budget is None:
             if len(remats) > 1:
@@ -270,11 +281,15 @@ def run_plan(args: argparse.Namespace) -> int:
                     quantized_comm=q,
                     reduce_dtype=args.reduce_dtype,
                     compute_copy=copy == "keep",
+                    hpz=hpz == "yes",
                 )  # fmt: skip
+                for hpz in hpzs
                 for copy in copies
                 for q in quantized  # each after the first plans stage 3 only (the only rows it changes)
                 for stages in [
-                    args.stages if (q, copy) == (quantized[0], copies[0]) else [s for s in args.stages if s == 3]
+                    args.stages
+                    if (q, copy, hpz) == (quantized[0], copies[0], hpzs[0])
+                    else [s for s in args.stages if s == 3]
                 ]
                 if stages
                 for accum in args.accum  # every value is planned
@@ -289,7 +304,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 precision=args.precision, batch_size=batch, seq_len=args.seq_len, target=args.target,
                 offloads=offloads, pipeline=pipeline, schedules=names if pipeline is not None else (),
                 eps=args.ep or (), cps=args.cp or (), quantized=quantized, reduce_dtype=args.reduce_dtype,
-                compute_copy=copies[0] == "keep",
+                compute_copy=copies[0] == "keep", hpz=hpzs[0] == "yes",
             )  # fmt: skip
             est = type(tried[0])(**{**tried[0].__dict__, "rows": tuple(r for e in tried for r in e.rows)})
             print(est)

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from ..comm import QUANTIZED_COMM
 from ..offload._config import Offload
 from ..pipeline import Pipeline
-from ..sharding._axes import CP, DP, MESH_AXES, PP
+from ..sharding._axes import CP, DP, EP, MESH_AXES, PP, REPLICA
 from ..sharding._mesh import axis_size
 from ..sharding._rules import Rules
 from ..stages._stage import Stage
@@ -39,6 +39,7 @@ class PlanConfig:
     gpu_overlap: bool = True
     quantized_comm: str | None = None
     compute_copy: bool = True
+    hpz: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):
@@ -104,6 +105,10 @@ class PlanConfig:
             raise TypeError(f"Plan: compute_copy must be True or False, got {self.compute_copy!r}.")
         if not self.compute_copy:
             self._check_without_compute_copy()
+        if not isinstance(self.hpz, bool):
+            raise TypeError(f"Plan: hpz must be True or False, got {self.hpz!r}.")
+        if self.hpz:
+            self._check_hpz()
         if self.reduces_gradients:
             what = "reduce_dtype" if self.reduce_dtype is not None else "quantized_comm"
             value = self.reduce_dtype.name if self.reduce_dtype is not None else self.quantized_comm
@@ -136,6 +141,36 @@ class PlanConfig:
                 f"Plan: compute_copy=False keeps only the fp32 weights and casts each shard to "
                 f"{jnp.dtype(self.precision.compute_dtype).name} before it is gathered; it is supported at stage 3 "
                 f"without a pipeline or offload, not with {problem}. Use stage=3, or compute_copy=True."
+            )
+
+    def _check_hpz(self) -> None:
+        """hpZ splits stage 3's state over ``replica x dp`` and gathers weights through their node's shard."""
+        offload = cast(Offload, self.offload)
+        problem = (
+            f"stage {self.stage.level} (only stage 3 gathers weights)"
+            if not self.stage.shard_parameters
+            else f"{REPLICA}={axis_size(self.mesh, REPLICA)} (hpZ keeps a shard per node: the mesh needs replica > 1)"
+            if axis_size(self.mesh, REPLICA) < 2
+            else "a pipeline"
+            if self.pipeline is not None
+            else f"quantized_comm={self.quantized_comm!r}"
+            if self.quantized_comm is not None
+            else f"reduce_dtype={self.reduce_dtype.name!r}"
+            if self.reduce_dtype is not None
+            else f"offload={offload.name!r}"
+            if offload.enabled
+            else f"{CP}={axis_size(self.mesh, CP)}"
+            if axis_size(self.mesh, CP) > 1
+            else f"{EP}={axis_size(self.mesh, EP)}"
+            if axis_size(self.mesh, EP) > 1
+            else None
+        )
+        if problem is not None:
+            raise ValueError(
+                f"Plan: hpz=True (ZeRO++'s hierarchical partitioning: stage 3's state split over {REPLICA} x {DP}, "
+                f"the per-layer weight gathers inside a node) is supported at stage 3 on a mesh with "
+                f"{REPLICA} > 1, without a pipeline, quantized_comm, reduce_dtype, offload, {CP} or {EP}; not with "
+                f"{problem}. Use hpz=False (HSDP: state split over {DP} alone)."
             )
 
     @property

@@ -195,9 +195,12 @@ def _theory(
     layout = state.layout.params
     psi = sum(int(math.prod(p.leaf.shape)) for p in layout.placements)
     # per parameter: its elements per device after model parallelism (tp, an expert's ep), before ZeRO's split,
-    # and ZeRO's N for it (dp x ep x cp; an expert, split over ep already: dp x cp)
+    # and ZeRO's N for it (dp x ep x cp; an expert, split over ep already: dp x cp; x replica with hpZ)
     groups = [
-        (math.prod(p.leaf.shape) / shard_count(p.compute, sizes), zero_size(mesh, spec_axes(p.compute)))
+        (
+            math.prod(p.leaf.shape) / shard_count(p.compute, sizes),
+            zero_size(mesh, spec_axes(p.compute), layout.hierarchical),
+        )
         for p in layout.placements
     ]
     psi_mp = sum(numel for numel, _ in groups)

@@ -80,6 +80,12 @@ class Plan(PlanConfig):
         casts every shard to the compute dtype before it is gathered (quantized from that cast with
         ``quantized_comm``): 12 bytes per parameter of state, as MaxText and FSDP2 keep, the same bytes on
         the wire and the cast's temporaries during the step. :meth:`reshard` moves a state between the two.
+      hpz: ZeRO++'s hierarchical partitioning (stage 3, a mesh with ``replica`` > 1): the state is split over
+        ``replica x dp`` (ZeRO-3's memory over every rank, not HSDP's over ``dp`` alone); each step gathers the
+        parameters across nodes once, to their node's shards (ZeRO++'s secondary partition), and the forward
+        and rematerialized passes gather each layer from those over ``dp``, inside the node; gradients
+        reduce-scatter over ``dp`` per layer, then over ``replica``. Costs the node's shards (2 bytes per
+        parameter / dp in bf16) in temporaries during the step. Any model (no :mod:`zjax.comm` reads needed).
 
     Example:
       >>> plan = zjax.Plan(zjax.make_mesh(dp=-1, tp=2), stage=3, precision="bf16")
@@ -98,7 +104,7 @@ class Plan(PlanConfig):
 
     def _param_layout(self, leaves: list[Leaf], treedef: Any) -> Layout:
         compute = cast(Rules, self.rules).compute_specs(leaves, self.mesh)
-        return Layout.build(self.stage, self.mesh, treedef, leaves, compute)
+        return Layout.build(self.stage, self.mesh, treedef, leaves, compute, hierarchical=self.hpz)
 
     def _state_layout(
         self,

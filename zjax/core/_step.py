@@ -35,14 +35,19 @@ def _constrain(tree: Any, specs: Any, mesh) -> Any:
 def _compute_params(plan: PlanConfig, layout: StateLayout, params: Any) -> Any:
     """The parameters the model computes with: ``state.params`` in device memory (a copy in when the layout
     offloads them), or, without a compute copy (``compute_copy=False``), the fp32 weights cast on their shards
-    (then gathered as the model reads them, like the copy would be)."""
+    (then gathered as the model reads them, like the copy would be). With hpZ (``Plan(hpz=True)``) they are
+    first gathered over ``replica`` to their node's shards, once per step, which the model's forward and
+    rematerialized passes gather over ``dp`` inside the node (their gradients reduce-scatter back over ``dp``
+    per layer, then over ``replica``)."""
     if layout.offload.params:
         return jax.device_put(params, jax.memory.Space.Device)
-    if not plan.casts_params:
-        return params
-    dtype = plan.precision.compute_dtype
-    cast = jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
-    return _constrain(cast, layout.param_specs, plan.mesh)
+    if plan.casts_params:
+        dtype = plan.precision.compute_dtype
+        cast = jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+        params = _constrain(cast, layout.param_specs, plan.mesh)
+    if plan.hpz:
+        params = _constrain(params, layout.params.node_specs, plan.mesh)
+    return params
 
 
 def _tree_where(pred: jax.Array, new: Any, old: Any) -> Any:

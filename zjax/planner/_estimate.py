@@ -80,6 +80,7 @@ def estimate_fn(
     quantized_comm: str | None = None,
     reduce_dtype: str | None = None,
     compute_copy: bool = True,
+    hpz: bool = False,
 ) -> Estimate:
     """Estimate a user's model: ``init_fn``/``loss_fn`` as for :meth:`zjax.Plan.init`, ``batch`` a tree of
     ``ShapeDtypeStruct`` (global shapes). Nothing is allocated; every stage is compiled ahead of time.
@@ -90,8 +91,8 @@ def estimate_fn(
     simulated devices. Every row says which compiler produced it. ``offload`` (``"optimizer"``,
     ``"optimizer+params"``) estimates ZeRO-Offload plans: rows then show device memory, and the host
     bytes and PCIe traffic computed from the placements. ``rules`` (default ``zjax.Rules()``) places
-    parameters and activations, e.g. ``Rules(sequence_parallel=False)``. ``quantized_comm`` and ``compute_copy``
-    (stage 3 rows) and ``reduce_dtype`` are the :class:`zjax.Plan` options of those names."""
+    parameters and activations, e.g. ``Rules(sequence_parallel=False)``. ``quantized_comm``, ``compute_copy`` and
+    ``hpz`` (stage 3 rows) and ``reduce_dtype`` are the :class:`zjax.Plan` options of those names."""
     offload = Offload.from_value(offload)
     devices = _devices(mesh, target)
     device_mesh = make_mesh(
@@ -117,6 +118,7 @@ def estimate_fn(
         plan = Plan(
             device_mesh, stage=stage, precision=precision, pipeline=schedule, offload=offload, rules=rules,
             quantized_comm=quantize, reduce_dtype=reduce_dtype, compute_copy=compute_copy or not zero3,
+            hpz=hpz and zero3,
         )  # fmt: skip
         state = plan.abstract_state(init_fn, tx, jax.random.key(0))
         step = plan.train_step(loss_fn, accum_steps=accum)
@@ -167,6 +169,7 @@ def estimate_fn(
                 state_by_group=dict(report.state_by_group),
                 wire=wire_dtypes(plan),
                 compute_copy=plan.compute_copy,
+                hpz=plan.hpz,
                 **_pipeline_fields(plan.pipeline, stages_pp),
             )
         )
@@ -216,6 +219,7 @@ def estimate(
     quantized_comm: str | None = None,
     reduce_dtype: str | None = None,
     compute_copy: bool = True,
+    hpz: bool = False,
 ) -> Estimate:
     """Estimate a decoder preset (``zjax.models.PRESETS``, e.g. ``"llama2-7b"``) or a ``DecoderConfig``.
 
@@ -245,4 +249,5 @@ def estimate(
         quantized_comm=quantized_comm,
         reduce_dtype=reduce_dtype,
         compute_copy=compute_copy,
+        hpz=hpz,
     )

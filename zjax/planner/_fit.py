@@ -176,6 +176,7 @@ def fit(
     quantized: Sequence[str | None] = (None,),
     reduce_dtype: str | None = None,
     compute_copy: bool = True,
+    hpz: bool = False,
 ) -> Fit:
     """The cheapest (stage, ep, cp, remat, schedule, microbatches, offload) whose compiled per-device total fits
     in ``budget``.
@@ -190,7 +191,8 @@ def fit(
     fewer microbatches. At stage 3, each value of ``quantized`` (``Plan(quantized_comm=...)``, ``None`` for
     none) is compiled and, of those that fit, :func:`weigh` takes the one that exposes the fewest bytes on the
     wire. ``compute_copy=False`` plans stage 3's on-device candidates without the compute copy
-    (``Plan(compute_copy=False)``); offloaded ones keep it (their fp32 weights live in host memory). A candidate
+    (``Plan(compute_copy=False)``); offloaded ones keep it (their fp32 weights live in host memory); ``hpz``
+    plans them with ZeRO++'s hierarchical partitioning (``Plan(hpz=True)``). A candidate
     that cannot
     run (microbatches that do not divide the global batch, an offload the stage does not support) is listed
     in :attr:`Fit.skipped` with the reason.
@@ -241,7 +243,7 @@ def fit(
                     model, mesh=split, stages=(c.stage,), remat=c.remat, precision=precision,
                     batch_size=batch_size, seq_len=seq_len, accum=c.accum, target=target, offload=c.offload,
                     pipeline=_schedule(base, c, mesh), quantized_comm=q, reduce_dtype=reduce_dtype,
-                    compute_copy=compute_copy or c.offload != "none",
+                    compute_copy=compute_copy or c.offload != "none", hpz=hpz and c.offload == "none",
                 )  # fmt: skip
             except ValueError as e:
                 if q is None:

@@ -42,6 +42,7 @@ class Row:
     state_by_group: dict[str, int] = dataclasses.field(default_factory=dict)
     wire: str = ""  # what crosses the data axes (:func:`wire_dtypes`): the row's quantized_comm / reduce_dtype
     compute_copy: bool = True  # Plan(compute_copy=...): a compute-dtype copy of the parameters beside the fp32 master
+    hpz: bool = False  # Plan(hpz=True): ZeRO++'s hierarchical partitioning (state over replica x dp)
 
     @property
     def over_memory(self) -> bool:
@@ -76,6 +77,7 @@ class Row:
             "comm_psi": round(self.comm_psi, 4),
             "wire_dtypes": self.wire,
             "compute_copy": self.compute_copy,
+            "hpz": self.hpz,
             "comm_by_axes": {",".join(k) or "none": v for k, v in self.comm.by_axes.items()},
             "comm_overlapped_by_axes": {",".join(k) or "none": v for k, v in self.comm.overlapped_by_axes.items()},
             "comm_overlapped_bytes": self.comm.overlapped_volume,
@@ -200,6 +202,13 @@ class Estimate:
             )
         columns = [("stage", ">"), ("remat", "<"), ("acc", ">")] + ([("wire dtype", "<")] if quant else [])
         columns += [("copy", "<")] if copies else []
+        hpz = any(r.hpz for r in self.rows)
+        if hpz:
+            head += (
+                "; hpz = ZeRO++'s hierarchical partitioning (Plan(hpz=True): state split over replica x dp, the "
+                "per-layer weight gathers inside a node)"
+            )
+        columns += [("hpz", "<")] if hpz else []
         columns += [(SEP, "<")]
         columns += [(name, ">") for name in ("params", "optim", "grads", "theory")] + [(SEP, "<")]
         columns += [(name, ">") for name in ("state", "temp", "total")] + [(SEP, "<")]
@@ -213,7 +222,8 @@ class Estimate:
         for r in self.rows:
             t, c = r.theory, r.compiled
             row = [str(r.stage), r.remat, str(r.accum)] + ([r.wire] if quant else [])
-            row += (["yes" if r.compute_copy else "no"] if copies else []) + [SEP]
+            row += (["yes" if r.compute_copy else "no"] if copies else []) + (["yes" if r.hpz else "no"] if hpz else [])
+            row += [SEP]
             row += [f(t["params"]), f(t["optimizer"]), f(t["grads"]), f(t["total"]), SEP]
             row += [f(c["state"]), f(c["temp"]), f(c["total"]), SEP]
             row += [f(r.comm.total_volume), f"{r.comm_psi:.2f}", f(r.comm.total_wire)]

@@ -159,21 +159,26 @@ def data_size(mesh: Mesh) -> int:
     return math.prod(axis_size(mesh, a) for a in DATA_AXES)
 
 
-def zero_axes(mesh: Mesh, taken: Collection[str] = ()) -> tuple[str, ...]:
+def zero_axes(mesh: Mesh, taken: Collection[str] = (), hierarchical: bool = False) -> tuple[str, ...]:
     """The axes ZeRO shards model state over on ``mesh``: ``dp``, and ``ep`` and ``cp`` when larger than 1, less
-    the axes in ``taken`` (those a parameter's compute spec already splits it over: an expert's ``ep``)."""
-    return tuple(a for a in ZERO_AXES if (a == DP or axis_size(mesh, a) > 1) and a not in taken)
+    the axes in ``taken`` (those a parameter's compute spec already splits it over: an expert's ``ep``).
+    ``hierarchical`` (ZeRO++'s hpZ, ``Plan(hpz=True)``): ``replica`` too, innermost, so that gathering a shard
+    over ``replica`` alone gives its node's ``dp`` shard."""
+    axes = tuple(a for a in ZERO_AXES if (a == DP or axis_size(mesh, a) > 1) and a not in taken)
+    return axes + ((REPLICA,) if hierarchical and axis_size(mesh, REPLICA) > 1 else ())
 
 
-def zero_size(mesh: Mesh, taken: Collection[str] = ()) -> int:
+def zero_size(mesh: Mesh, taken: Collection[str] = (), hierarchical: bool = False) -> int:
     """ZeRO's ``N``: into how many shards a stage splits model state (``dp x ep x cp``; ``dp x cp`` for the
-    experts, ``taken`` = ``("ep",)``)."""
-    return math.prod(axis_size(mesh, a) for a in ZERO_AXES if a not in taken)
+    experts, ``taken`` = ``("ep",)``; times ``replica`` when ``hierarchical``)."""
+    return math.prod(axis_size(mesh, a) for a in ZERO_AXES if a not in taken) * (
+        axis_size(mesh, REPLICA) if hierarchical else 1
+    )
 
 
-def zero_target(mesh: Mesh, taken: Collection[str] = ()) -> str | tuple[str, ...]:
+def zero_target(mesh: Mesh, taken: Collection[str] = (), hierarchical: bool = False) -> str | tuple[str, ...]:
     """:func:`zero_axes` as one ``PartitionSpec`` entry (``"dp"`` or ``("dp", "cp")``)."""
-    axes = zero_axes(mesh, taken) or (DP,)
+    axes = zero_axes(mesh, taken, hierarchical) or (DP,)
     return axes[0] if len(axes) == 1 else axes
 
 

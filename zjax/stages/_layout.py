@@ -10,6 +10,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec
 
 from ..sharding._annotations import Leaf
+from ..sharding._axes import REPLICA
 from ..sharding._mesh import zero_target
 from ..sharding._rules import spec_axes
 from ._placement import add_axis
@@ -44,19 +45,28 @@ class Layout:
     mesh: Mesh
     treedef: Any  # of the (unboxed) parameter tree
     placements: tuple[Placement, ...]
+    hierarchical: bool = False  # ZeRO++'s hpZ: ZeRO's axes include replica (innermost)
 
     @classmethod
-    def build(cls, stage: Stage, mesh: Mesh, treedef: Any, leaves: list[Leaf], compute: list[PartitionSpec]):
+    def build(
+        cls,
+        stage: Stage,
+        mesh: Mesh,
+        treedef: Any,
+        leaves: list[Leaf],
+        compute: list[PartitionSpec],
+        hierarchical: bool = False,
+    ):
         sizes = dict(mesh.shape)
         placements = []
         for leaf, spec in zip(leaves, compute, strict=True):
             # ZeRO's axes less those the compute spec already uses (an expert's weights are split over ep)
-            zero = zero_target(mesh, taken=spec_axes(spec))
+            zero = zero_target(mesh, taken=spec_axes(spec), hierarchical=hierarchical)
             # a table split along its hidden dim is looked up where it lies (zjax.comm.lookup), without a pipeline
             names = leaf.names if sizes.get("pp", 1) == 1 else None
             sharded, reason = add_axis(spec, leaf.shape, zero, sizes, names)
             placements.append(Placement(leaf, spec, sharded, reason))
-        return cls(stage, mesh, treedef, tuple(placements))
+        return cls(stage, mesh, treedef, tuple(placements), hierarchical)
 
     def _tree(self, pick) -> Any:
         return jax.tree_util.tree_unflatten(self.treedef, [pick(p) for p in self.placements])
@@ -69,6 +79,12 @@ class Layout:
     def param_specs(self) -> Any:
         """Compute parameters: dp-sharded only at stage 3."""
         return self._tree(lambda p: p.sharded if self.stage.shard_parameters else p.compute)
+
+    @property
+    def node_specs(self) -> Any:
+        """ZeRO++'s hpZ (``hierarchical``): the parameter specs without ``replica``, each node's shard of a
+        parameter split over ``replica x dp`` (the parameter specs themselves otherwise)."""
+        return self._tree(lambda p: _without(p.sharded if self.stage.shard_parameters else p.compute, REPLICA))
 
     @property
     def grad_specs(self) -> Any:
@@ -95,7 +111,7 @@ class Layout:
         from its parameter's (e.g. Adafactor's factored rows) and every other state leaf get their own
         placement: dp on their largest divisible dimension when the stage shards the optimizer.
         """
-        sizes, zero = dict(self.mesh.shape), zero_target(self.mesh)
+        sizes, zero = dict(self.mesh.shape), zero_target(self.mesh, hierarchical=self.hierarchical)
         shard = self.stage.shard_optimizer
 
         def own(x: Any) -> PartitionSpec:
@@ -139,6 +155,14 @@ class Layout:
     def _tree_indexed(self, pick) -> Any:
         leaves = [_SpecLeaf(p.leaf.shape, pick(p), i) for i, p in enumerate(self.placements)]
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+def _without(spec: PartitionSpec, axis: str) -> PartitionSpec:
+    entries = []
+    for entry in spec:
+        kept = tuple(a for a in spec_axes(PartitionSpec(entry)) if a != axis)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return PartitionSpec(*entries)
 
 
 @dataclasses.dataclass(frozen=True)
