@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--quantize-comm", choices=("none", "weights", "grads", "weights+grads"), default="none", help="ZeRO++")
     add("--reduce-dtype", default=None, help="reduce gradients over dp in this dtype (e.g. float32)")
     add("--compute-copy", choices=("keep", "drop"), default="keep", help="stage 3: drop = fp32 weights only")
+    add("--hpz", action="store_true", help="stage 3 with replica: ZeRO++'s hierarchical partitioning")
     add("--microbatches", type=int, default=None, help="pipeline microbatches per step (default 2 x pp)")
     add("--repeats", type=int, default=1, help="pipeline repeats: chunks of layers per stage")
     add("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"), default="gpipe")
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
         plan = zjax.Plan(
             mesh, stage=args.stage, precision=args.precision, clip_norm=args.clip_norm, pipeline=pipeline,
             offload=args.offload, quantized_comm=None if args.quantize_comm == "none" else args.quantize_comm,
-            reduce_dtype=args.reduce_dtype, compute_copy=args.compute_copy == "keep",
+            reduce_dtype=args.reduce_dtype, compute_copy=args.compute_copy == "keep", hpz=args.hpz,
         )  # fmt: skip
         pipeline = plan.pipeline  # with its gathering mode settled for the stage
         schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, loop.steps // 10), max(2, loop.steps))
@@ -215,8 +216,8 @@ def report(args, cfg, plan, result) -> dict:
             "schedule": pipe.schedule, "microbatches": pipe.microbatches, "repeats": pipe.repeats,
             "zero3_gather": pipe.zero3_gather, "ticks": pipe.table(pp).ticks, "bubble": pipe.bubble(pp),
         },
-        **{k: getattr(args, k) for k in ("precision", "quantize_comm", "reduce_dtype", "compute_copy", "offload",
-                                         "accum", "remat", "optimizer")},
+        **{k: getattr(args, k) for k in ("precision", "quantize_comm", "reduce_dtype", "compute_copy", "hpz",
+                                         "offload", "accum", "remat", "optimizer")},
         "preset": None if args.hf is not None else args.preset, "hf": None if args.hf is None else str(args.hf),
         "num_params": cfg.num_params, "active_params": cfg.num_active_params, "losses": result.losses,
         "state_bytes_per_device": {"theory": memory.state_theory, "compiled": memory.state_compiled},

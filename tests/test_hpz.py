@@ -18,6 +18,29 @@ CFG = DecoderConfig(vocab=256, embed=128, layers=2, heads=4, head_dim=32, mlp=51
 TOKENS = np.random.RandomState(0).randint(0, CFG.vocab, (8, CFG.max_len + 1)).astype(np.int32)
 
 
+def _decoder_step(hpz: bool, precision: str = "bf16"):
+    model = Decoder(CFG)
+    plan = zjax.Plan(zjax.make_mesh(dp=(2, 4)), stage=3, precision=precision, hpz=hpz)
+    init = lambda r: model.init(r, jnp.zeros((1, CFG.max_len), jnp.int32))["params"]  # noqa: E731
+    state = plan.init(init, optax.adamw(1e-3), jax.random.key(0))
+    return plan, state, plan.train_step(lambda p, b: lm_loss(model, p, b)), plan.shard_batch(TOKENS)
+
+
+def test_hpz_gathers_across_nodes_once_per_step_and_every_layer_inside_the_node():
+    """The Decoder on replica=2 x dp=4 with hpZ: the state is split over all 8 ranks, the parameters cross
+    ``replica`` before the layer loop, and every gather inside it stays within ``dp``."""
+    plan, state, step, batch = _decoder_step(True)
+    held = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.params))
+    assert held * 8 == sum(x.nbytes for x in jax.tree.leaves(state.params))  # every leaf split 8 ways
+    _, hlo = partitioned_hlo(step.lower(state, batch))
+    gathers = [
+        (c.in_loop, spanned_axes(c.groups, dict(plan.mesh.shape))) for c in collectives(hlo) if c.kind == "all-gather"
+    ]
+    assert {axes for loop, axes in gathers if loop} == {("dp",)}, gathers
+    assert (False, ("replica",)) in gathers
+
+
+@pytest.mark.slow  # four Decoder compiles; the fast suite checks hpZ's layout and gathers
 def test_hpz_splits_the_state_over_every_rank_gathers_across_nodes_once_and_trains_like_hsdp():
     """The Decoder on replica=2 x dp=4 in fp32 (so that only the order of sums differs): with hpZ the state is
     half HSDP's (split over 8 ranks, not 4), the parameters cross ``replica`` once per step (before the layer
