@@ -38,6 +38,10 @@ def test_hpz_gathers_across_nodes_once_per_step_and_every_layer_inside_the_node(
     ]
     assert {axes for loop, axes in gathers if loop} == {("dp",)}, gathers
     assert (False, ("replica",)) in gathers
+    hsdp = zjax.Plan(plan.mesh, stage=3)  # the other layout: a step of one refuses a state of the other
+    with pytest.raises(ValueError, match="hpz=True, but this step's plan .* hpz=False; call state = plan.reshard"):
+        hsdp.train_step(lambda p, b: 0.0)(state, batch)
+    assert hsdp.reshard(state).layout.params.hierarchical is False
 
 
 @pytest.mark.slow  # four Decoder compiles; the fast suite checks hpZ's layout and gathers

@@ -70,12 +70,13 @@ def _layout_of(plan: PlanConfig, state: TrainState, what: str) -> StateLayout:
             f"this step's plan {'keeps' if plan.keeps_master else 'does not keep'} one (compute_copy="
             f"{plan.compute_copy}); call state = plan.reshard(state) to move it into this plan's form."
         )
-    if layout.mesh != plan.mesh or layout.stage != plan.stage or layout.offload != plan.offload:
+    hpz = layout.params.hierarchical
+    if layout.mesh != plan.mesh or layout.stage != plan.stage or layout.offload != plan.offload or hpz != plan.hpz:
         raise ValueError(
             f"{what}: the state is laid out for ZeRO stage {layout.stage.level} on mesh {dict(layout.mesh.shape)} "
-            f"with offload {layout.offload.name!r}, but this step's plan is stage {plan.stage.level} on mesh "
-            f"{dict(plan.mesh.shape)} with offload {plan.offload.name!r}; call state = plan.reshard(state) to "
-            "move it into this plan's layout."
+            f"with offload {layout.offload.name!r} and hpz={hpz}, but this step's plan is stage {plan.stage.level} "
+            f"on mesh {dict(plan.mesh.shape)} with offload {plan.offload.name!r} and hpz={plan.hpz}; call "
+            "state = plan.reshard(state) to move it into this plan's layout."
         )
     layout.check_structure(state)
     return layout
