@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import jax
@@ -19,7 +20,7 @@ import zjax
 from zjax.models import PRESETS, Decoder, lm_loss
 from zjax.planner import count_collectives, zero_bytes
 from zjax.planner._gpu import budget, cost_analysis, cudnn_for_target, gpu_devices
-from zjax.planner._hlo import collectives
+from zjax.planner._hlo import collectives, spanned_axes
 from zjax.planner._targets import get_target, target_names, topology_string
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,8 +113,31 @@ def test_reduce_dtype_float32_reduces_gradients_in_f32_on_the_gpu_target(stage, 
     assert narrow <= 2 * twice * CFG.num_params + 4096  # and a few scalars (loss, norms)
     with pytest.raises(ValueError, match="reduce_dtype='int8' must be a float dtype"):
         zjax.Plan(zjax.make_mesh(dp=8), reduce_dtype="int8")
-    with pytest.raises(ValueError, match="reduce_dtype='float32' is not supported with a pipeline yet"):
-        zjax.Plan(zjax.make_mesh(dp=2, pp=4), stage=3, reduce_dtype="float32", pipeline=zjax.Pipeline(8))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", pytest.param("1f1b", marks=pytest.mark.slow)])
+def test_reduce_dtype_float32_under_a_pipeline_reduces_over_dp_in_f32_on_the_gpu_target(schedule):
+    """Stage 3 on dp=4 x pp=2: every gradient reduction over dp is an f32 reduce-scatter (once per step, each
+    rank's whole gradients), twice the bytes of the bf16 default's; a table schedule sums the edge parameters'
+    gradients over pp in f32 too."""
+    mesh_axes, pipe = {"dp": 4, "pp": 2}, zjax.Pipeline(4, schedule=schedule, zero3_gather="step")
+    runs = {
+        rd: _compiled(3, mesh_axes=mesh_axes, pipeline=pipe, reduce_dtype=rd and "float32")[0].as_text()
+        for rd in (None, "f32")
+    }
+    shape = {"pp": 2, "dp": 4}
+    reduced: dict = {None: Counter(), "f32": Counter()}
+    for rd, text in runs.items():
+        for c in collectives(text):
+            reduced[rd][c.kind, c.dtype, spanned_axes(c.groups, shape)] += c.bytes
+    by_dp = lambda r: {(k, d): b for (k, d, a), b in r.items() if "dp" in a and k in ("reduce-scatter", "all-reduce")}  # noqa: E731
+    wide, narrow = by_dp(reduced["f32"]), by_dp(reduced[None])
+    assert not [k for k, d in wide if d != "f32" and wide[k, d] > 64], wide  # (a few scalars: the loss, norms)
+    assert ("reduce-scatter", "bf16") in narrow, narrow
+    volume = lambda text: count_collectives(text, shape).volume["reduce-scatter"]  # noqa: E731
+    assert volume(runs["f32"]) == pytest.approx(2 * volume(runs[None]), rel=0.01)
+    if schedule != "gpipe":  # the edge parameters' per-stage sums (embedding, norm, head)
+        assert not [k for k in reduced["f32"] if k[2] == ("pp",) and k[1] == "bf16" and k[0] == "all-reduce"]
 
 
 def test_quantized_gathers_and_reductions_are_int8_with_their_scales_on_the_gpu_target(gpu_steps):

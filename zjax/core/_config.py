@@ -64,8 +64,6 @@ class PlanConfig:
         if self.pipeline is not None:
             self.pipeline.check(stages)
         object.__setattr__(self, "stage", Stage.from_value(self.stage))
-        if self.pipeline is not None:
-            object.__setattr__(self, "pipeline", self.pipeline.for_stage(self.stage))
         object.__setattr__(self, "precision", Precision.from_value(self.precision))
         object.__setattr__(self, "rules", Rules() if self.rules is None else self.rules)
         if not isinstance(self.rules, Rules):
@@ -81,12 +79,9 @@ class PlanConfig:
                 )
             same = dtype == jnp.dtype(self.precision.compute_dtype)
             object.__setattr__(self, "reduce_dtype", None if same else dtype)
-            if self.reduce_dtype is not None and self.pipeline is not None:
-                raise ValueError(
-                    f"Plan: reduce_dtype={self.reduce_dtype.name!r} is not supported with a pipeline yet (its "
-                    "schedules reduce gradients inside their own loops in the compute dtype); use reduce_dtype=None, "
-                    "or fold pp into dp."
-                )
+        if self.pipeline is not None:  # each rank's whole gradients, reduced once, when reduce_dtype asks
+            whole = None if self.reduce_dtype is None else f"reduce_dtype={self.reduce_dtype.name!r}"
+            object.__setattr__(self, "pipeline", self.pipeline.for_stage(self.stage, whole_gradients=whole))
         object.__setattr__(self, "offload", Offload.from_value(self.offload))
         cast(Offload, self.offload).check(self.stage)
         if self.clip_norm is not None and not self.clip_norm > 0:
@@ -197,6 +192,11 @@ class PlanConfig:
 
     @property
     def reduces_gradients(self) -> bool:
-        """Whether the step reduces stage 3's gradients itself (:func:`zjax.core._per_rank.zero3_grads`): in
-        ``reduce_dtype``, or quantized."""
-        return self.stage.shard_parameters and (self.reduce_dtype is not None or self.quantizes_grads)
+        """Whether the step reduces stage 3's gradients per layer itself (:func:`zjax.core._per_rank.zero3_grads`):
+        in ``reduce_dtype``, or quantized. (Under a pipeline ``reduce_dtype`` reduces each rank's whole gradients
+        once per step, as at stages 0-2: :func:`zjax.core._per_rank.grads_per_rank`.)"""
+        return (
+            self.stage.shard_parameters
+            and self.pipeline is None
+            and (self.reduce_dtype is not None or self.quantizes_grads)
+        )

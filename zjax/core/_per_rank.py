@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from .. import comm
+from ..pipeline._context import accumulating
 from ..sharding._axes import DATA_AXES
 from ..sharding._mesh import data_axes, data_size, manual_data_axes
 from ..sharding._rules import Rules, spec_axes
@@ -106,7 +107,8 @@ def grads_per_rank(
     def local(p, rows, key):
         key = jax.random.fold_in(key, jax.lax.axis_index(axes))
         # each rank sees only its own rows: activation rules must not split them over the data axes again
-        with nn.logical_axis_rules(rules), manual_data_axes():
+        # under a pipeline its loop sums the microbatches' gradients in reduce_dtype too
+        with nn.logical_axis_rules(rules), manual_data_axes(), accumulating(plan.reduce_dtype):
             acc, (losses, auxes) = _accumulate(_scaled_loss(loss, scale, n, key), p, rows, k)
         aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
         return jax.tree.map(_per_rank, acc), _per_rank(jnp.mean(losses)), jax.tree.map(_per_rank, aux)

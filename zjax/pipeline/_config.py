@@ -98,19 +98,29 @@ class Pipeline:
         """Whether the table engine runs this schedule (every schedule but ``gpipe``)."""
         return self.schedule in TABLE_SCHEDULES
 
-    def for_stage(self, stage: Any) -> Pipeline:
+    def for_stage(self, stage: Any, whole_gradients: str | None = None) -> Pipeline:
         """This schedule with its gathering mode settled for ZeRO ``stage`` (a :class:`zjax.Stage`).
 
         The default (``zero3_gather=None``) is ``"layer"`` at stages 2 and 3, the mode whose weights and
         gradients stay split over ``dp`` through the loop, and ``"step"`` below (stages 0 and 1 keep
-        whole weights and gradients on every rank anyway).
+        whole weights and gradients on every rank anyway). ``whole_gradients`` names the plan setting that
+        keeps every rank's whole gradients for the step and reduces them once (``reduce_dtype=...``): the
+        mode is then ``"step"``.
 
         Raises:
-          ValueError: ``"layer"`` at stage 0 or 1; ``"chunk"`` below stage 3.
+          ValueError: ``"layer"`` at stage 0 or 1; ``"chunk"`` below stage 3; ``"layer"`` or ``"chunk"`` with
+            ``whole_gradients``.
         """
+        if whole_gradients is not None and self.zero3_gather not in (None, "step"):
+            raise ValueError(
+                f"Pipeline: zero3_gather={self.zero3_gather!r} with Plan({whole_gradients}): the plan reduces each "
+                f"data-parallel rank's whole gradients once per step in that dtype (the weights gathered over dp "
+                f"once, before the loop), which is zero3_gather='step'. Use zero3_gather='step' (or None), or "
+                f"reduce_dtype=None to reduce inside the loop in the compute dtype."
+            )
         if self.zero3_gather is None:
-            mode = "layer" if stage.shard_gradients and not self.tabled else "step"
-            return dataclasses.replace(self, zero3_gather=mode)
+            split = stage.shard_gradients and not self.tabled and whole_gradients is None
+            return dataclasses.replace(self, zero3_gather="layer" if split else "step")
         reason = self.refusal(stage)
         if reason is not None:
             raise ValueError(reason)

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 
+from ..sharding._axes import DATA_AXES
 from ._config import Pipeline
 
 _CURRENT: contextvars.ContextVar[Pipeline | None] = contextvars.ContextVar("zjax_pipeline", default=None)
@@ -40,6 +44,82 @@ def initializing() -> Iterator[None]:
 def current() -> Pipeline | None:
     """The schedule set by :func:`use` (the plan's, while its step traces the loss), or ``None``."""
     return _CURRENT.get()
+
+
+_ACCUMULATE: contextvars.ContextVar[Any] = contextvars.ContextVar("zjax_pipeline_accumulate", default=None)
+
+
+@contextlib.contextmanager
+def accumulating(dtype: Any) -> Iterator[None]:
+    """While a train step traces its loss: sum the layer weights' gradients over the microbatches in ``dtype``
+    (``Plan(reduce_dtype=...)``; ``None``: in the weights' own dtype, as the transpose of the loop does)."""
+    token = _ACCUMULATE.set(None if dtype is None else jnp.dtype(dtype))
+    try:
+        yield
+    finally:
+        _ACCUMULATE.reset(token)
+
+
+def accumulate_dtype() -> Any:
+    """The dtype set by :func:`accumulating` (``None``: the weights' own)."""
+    return _ACCUMULATE.get()
+
+
+def summed_wide(stage_fn: Callable[[Any, jax.Array], Any], call: Callable[..., Any], layers: Any, x: Any) -> Any:
+    """``call(stage_fn, layers, x)`` (the pipeline's loop) with the layer weights' gradients summed over its
+    iterations in :func:`accumulating`'s dtype, then cast to the weights' dtype once.
+
+    A loop's transpose sums a loop-invariant's gradient in that invariant's dtype; entering the weights in fp32
+    would cost an fp32 copy of them for the step. Instead every stage reads its weights through :func:`_tie`
+    to an fp32 zero of the same shape, whose gradient (the fp32 sum) becomes the weights' gradient.
+    """
+    wide = _ACCUMULATE.get()
+    if wide is None:
+        return call(stage_fn, layers, x)
+
+    def tied(wz: Any, h: jax.Array) -> Any:
+        w, z = wz
+        return stage_fn(jax.tree.map(lambda a, b: _tie(a, b, wide), w, z), h)
+
+    @jax.custom_vjp
+    def run(w: Any, x: Any) -> Any:
+        return call(stage_fn, w, x)
+
+    def fwd(w: Any, x: Any) -> tuple[Any, Any]:
+        z = jax.tree.map(lambda a: jnp.zeros(a.shape, wide), w)
+        return jax.vjp(lambda w, z, x: call(tied, (w, z), x), w, z, x)
+
+    def bwd(pull: Any, ct: Any) -> tuple[Any, Any]:
+        _, dz, dx = pull(ct)
+        return jax.tree.map(lambda d, a: d.astype(a.dtype), dz, dtypes), dx
+
+    dtypes = jax.tree.map(lambda a: jax.ShapeDtypeStruct((), a.dtype), layers)
+    run.defvjp(fwd, bwd)
+    return run(layers, x)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _tie(w: jax.Array, z: jax.Array, dtype: Any) -> jax.Array:
+    """``w``, whose gradient goes to ``z`` in ``dtype`` (a loop's transpose then sums it in that dtype)."""
+    return w
+
+
+def _tie_fwd(w: jax.Array, z: jax.Array, dtype: Any) -> tuple[jax.Array, None]:
+    return w, None
+
+
+def _tie_bwd(dtype: Any, _: None, ct: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return jnp.zeros_like(ct), ct.astype(dtype)
+
+
+_tie.defvjp(_tie_fwd, _tie_bwd)
+
+
+def data_axes_here(sizes: dict[str, int]) -> tuple[str, ...]:
+    """The data axes (size > 1) the pipeline splits rows over itself: those not already manual (a train step
+    that makes each rank's gradients in a ``shard_map`` over the data axes runs the pipeline inside it)."""
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    return tuple(a for a in DATA_AXES if sizes.get(a, 1) > 1 and a not in manual)
 
 
 def mesh_sizes() -> dict[str, int]:

@@ -40,11 +40,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ..remat import RematPolicy, nested_scan
-from ..sharding._axes import DATA_AXES, DP, PP
+from ..sharding._axes import DP, PP
 from ..stages._placement import add_axis
 from ._chunked import _chunked
 from ._config import Pipeline
-from ._context import _INITIALIZING, current, mesh_sizes
+from ._context import _INITIALIZING, current, data_axes_here, mesh_sizes, summed_wide
 from ._scan import _pipeline
 
 
@@ -135,7 +135,7 @@ def apply(
             "first=..., last=...) instead (zjax.models.lm_loss does), or use schedule='gpipe'."
         )
     sizes = mesh_sizes()
-    data = tuple(a for a in DATA_AXES if sizes.get(a, 1) > 1)
+    data = data_axes_here(sizes)
     ranks = math.prod(sizes[a] for a in data)
     cfg.check(stages, count, x.shape[0] // ranks if x.shape[0] % ranks == 0 else None)
     if x.shape[0] % (ranks * cfg.microbatches):
@@ -160,11 +160,15 @@ def apply(
         y = io.reshape(s_, k_, n, -1, *rest).swapaxes(1, 2).swapaxes(0, 1).reshape(h.shape)
         return (y, *sums) if outputs else y
 
-    def engine(w: Any, io: jax.Array) -> Any:
-        return _pipeline(stage_fn, w, io, cfg, stages, _bubble_fill, inner or None, outputs)
+    def engine(w: Any, io: jax.Array, fn: Callable = stage_fn) -> Any:
+        return _pipeline(fn, w, io, cfg, stages, _bubble_fill, inner or None, outputs)
 
-    if not region:
-        return run(stacked, x, engine)
+    if not region:  # the data axes are manual already (each rank's gradients, Plan(reduce_dtype=...))
+
+        def loop(fn: Callable, w: Any, h: jax.Array) -> Any:
+            return run(by_visit(w, cfg.repeats, stages), h, lambda w, io: engine(w, io, fn))
+
+        return summed_wide(stage_fn, loop, layers, x)
     leaves, treedef = jax.tree.flatten(stacked)
     dims: list[int | None] = [None] * len(leaves)
     if cfg.zero3_gather == "chunk" and DP in region and outputs:
@@ -177,8 +181,8 @@ def apply(
         # each leaf's dim split over dp, in the [R, S, Lps, ...] view (the natural [L, ...] dim d is d + 2)
         dims = [None if (d := _dp_dim(w.shape, sizes)) is None else d + 2 for w in jax.tree.leaves(layers)]
 
-        def engine(w: Any, io: jax.Array) -> Any:
-            return _chunked(stage_fn, w, io, cfg, stages, _bubble_fill, dims)
+        def engine(w: Any, io: jax.Array, fn: Callable = stage_fn) -> Any:
+            return _chunked(fn, w, io, cfg, stages, _bubble_fill, dims)
 
     # a leaf that a region axis already splits (split_over, in the natural [L, ...] dims) enters split over it
     is_split = lambda x: x is None or (isinstance(x, dict) and all(isinstance(k, int) for k in x))  # noqa: E731

@@ -10,10 +10,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..sharding._axes import DATA_AXES, PP
+from ..sharding._axes import PP
 from . import _ticks
 from ._config import Pipeline
-from ._context import current
+from ._context import current, data_axes_here
 from ._engine import _layer_count, apply, by_visit
 
 
@@ -60,7 +60,7 @@ def loss(
         return jnp.asarray(last(params, y, inputs), jnp.float32)
     sizes = dict(jax.sharding.get_abstract_mesh().shape)
     stages = sizes.get(PP, 1)
-    ranks = math.prod(sizes.get(a, 1) for a in DATA_AXES)
+    ranks = math.prod(sizes[a] for a in data_axes_here(sizes))
     rows = jax.tree.leaves(inputs)[0].shape[0]
     cfg.check(stages, _layer_count(layers), rows // ranks if rows % ranks == 0 else None)
     if rows % (ranks * cfg.microbatches):

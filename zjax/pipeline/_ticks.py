@@ -33,9 +33,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ..sharding._axes import DATA_AXES, PP
+from ..sharding._axes import PP
 from . import _schedule
 from ._config import Pipeline
+from ._context import accumulate_dtype, data_axes_here
 
 _SEED: contextvars.ContextVar[Any] = contextvars.ContextVar("zjax_pipeline_seed", default=None)
 
@@ -158,7 +159,7 @@ def run(
     parameters' dtypes."""
     sizes = dict(jax.sharding.get_abstract_mesh().shape)
     stages = sizes.get(PP, 1)
-    data = tuple(a for a in DATA_AXES if sizes.get(a, 1) > 1)
+    data = data_axes_here(sizes)
     n = math.prod(sizes[a] for a in data)
     lead = data or None
     every = (*data, PP)
@@ -189,10 +190,15 @@ def run(
     )(w_in, ep_in, inputs, scale)
 
     # the reduction over the ranks in the parameters' (compute) dtype: ZeRO's bytes, as under GPipe
-    # (lax.reduce: jnp.sum would accumulate a 16-bit sum in fp32, and the all-reduce with it)
+    # (lax.reduce: jnp.sum would accumulate a 16-bit sum in fp32, and the all-reduce with it); in
+    # Plan(reduce_dtype=...)'s dtype when the step asks
+    wide = accumulate_dtype()
+
     def total(tree: Any, like: Any) -> Any:
-        return jax.tree.map(
-            lambda a, p: jax.lax.reduce(a.astype(p.dtype), jnp.zeros((), p.dtype), jax.lax.add, (0,)), tree, like
-        )
+        def one(a: jax.Array, p: jax.Array) -> jax.Array:
+            dtype = p.dtype if wide is None or p.dtype.itemsize >= wide.itemsize else wide
+            return jax.lax.reduce(a.astype(dtype), jnp.zeros((), dtype), jax.lax.add, (0,))
+
+        return jax.tree.map(one, tree, like)
 
     return jnp.sum(loss), total(dw, stacked), total(dep, ep)
