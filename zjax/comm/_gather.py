@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ..sharding._axes import REPLICA
 from ..sharding._rules import spec_axes
 from ._quantize import DEFAULT_BLOCK, dequantize, quantize
 from ._reduce import Reduction, reduce
@@ -195,6 +196,17 @@ def gathered(value: Any, path: Sequence[str], now: bool = False) -> Any:
 
 def _axes(entry: Any) -> tuple[str, ...]:
     return entry if isinstance(entry, tuple) else (entry,)
+
+
+def across_replica(x: jax.Array, spec: P, node: P, block: int = DEFAULT_BLOCK) -> jax.Array:
+    """hpZ with qwZ: ``x`` (split over ``replica x dp`` by ``spec``, ``replica`` innermost) gathered over ``replica``
+    to its node's shard (``node``, the spec without ``replica``) as int8 blocks with fp32 scales, dequantized on
+    arrival; its gradient reduce-scatters back over ``replica`` unquantized. A leaf not split over ``replica`` is
+    constrained to ``node``."""
+    dims = [d for d, entry in enumerate(spec) if entry is not None and REPLICA in _axes(entry)]
+    if not dims or not jnp.issubdtype(x.dtype, jnp.floating):
+        return jax.lax.with_sharding_constraint(x, node)
+    return _quantized_gather(x, spec, node, dims[0], (REPLICA,), block)
 
 
 def _quantized_gather(

@@ -13,6 +13,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from .. import comm, pipeline
+from ..comm._gather import across_replica
 from ..offload._update import streamed_update
 from ..sharding._batch import check_batch
 from ..sharding._mesh import use_mesh_platform
@@ -36,18 +37,17 @@ def _compute_params(plan: PlanConfig, layout: StateLayout, params: Any) -> Any:
     """The parameters the model computes with: ``state.params`` in device memory (a copy in when the layout
     offloads them), or, without a compute copy (``compute_copy=False``), the fp32 weights cast on their shards
     (then gathered as the model reads them, like the copy would be). With hpZ (``Plan(hpz=True)``) they are
-    first gathered over ``replica`` to their node's shards, once per step, which the model's forward and
-    rematerialized passes gather over ``dp`` inside the node (their gradients reduce-scatter back over ``dp``
-    per layer, then over ``replica``)."""
+    first gathered over ``replica`` to their node's shards once per step (as int8 with qwZ), which the forward
+    and rematerialized passes gather over ``dp`` inside the node (gradients reduce-scatter back per layer)."""
     if layout.offload.params:
         return jax.device_put(params, jax.memory.Space.Device)
     if plan.casts_params:
         dtype = plan.precision.compute_dtype
         cast = jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
         params = _constrain(cast, layout.param_specs, plan.mesh)
-    if plan.hpz:
-        params = _constrain(params, layout.params.node_specs, plan.mesh)
-    return params
+    if plan.hpz and plan.quantizes_weights:
+        return jax.tree.map(across_replica, params, layout.param_specs, layout.params.node_specs)
+    return _constrain(params, layout.params.node_specs, plan.mesh) if plan.hpz else params
 
 
 def _tree_where(pred: jax.Array, new: Any, old: Any) -> Any:
@@ -84,10 +84,11 @@ def _layout_of(plan: PlanConfig, state: TrainState, what: str) -> StateLayout:
 
 def _placing(plan: PlanConfig, layout: StateLayout) -> contextlib.AbstractContextManager:
     """At stage 3 without a pipeline, the parameters' placements while the loss is traced (:mod:`zjax.comm`: the
-    quantized weight gathers of ``quantized_comm``, the embedding lookup on the table's shard); else nothing."""
+    quantized weight gathers of ``quantized_comm``, the embedding lookup on the table's shard); else nothing.
+    (With hpZ the quantized gather is the one across nodes, before the loss; the per-layer ones stay bf16.)"""
     if not plan.stage.shard_parameters or plan.pipeline is not None:
         return contextlib.nullcontext()
-    return comm.use(layout.params.placements, quantize=plan.quantizes_weights)
+    return comm.use(layout.params.placements, quantize=plan.quantizes_weights and not plan.hpz)
 
 
 def _mismatch(error: ValueError) -> bool:
@@ -107,8 +108,7 @@ class _CompiledFn:
         self._threads_checked = False
 
     def _context(self):
-        """The mesh and activation rules under which the loss is traced, so that
-        ``nn.with_logical_constraint`` inside the model resolves to this plan's mesh axes."""
+        """The mesh and activation rules the loss is traced under (the model's constraints use this plan's axes)."""
         stack = contextlib.ExitStack()
         stack.enter_context(jax.set_mesh(self.plan.mesh))
         stack.enter_context(nn.logical_axis_rules(self.plan.rules.activations_for(self.plan.mesh)))
