@@ -89,12 +89,17 @@ class PlanConfig:
         if self.quantized_comm is not None:
             if self.quantized_comm not in QUANTIZED_COMM:
                 raise ValueError(f"Plan: quantized_comm={self.quantized_comm!r}; use one of {QUANTIZED_COMM} or None.")
-            if not self.stage.shard_parameters or self.pipeline is not None:
+            if not self.stage.shard_parameters:
                 raise ValueError(
                     f"Plan: quantized_comm={self.quantized_comm!r} quantizes ZeRO-3's weight gathers and gradient "
-                    f"reductions: it needs stage 3 without a pipeline (got stage {self.stage.level}"
-                    + (", a pipeline" if self.pipeline is not None else "")
-                    + "). Use stage=3, or quantized_comm=None."
+                    f"reductions: it needs stage 3 (got stage {self.stage.level}). Use stage=3, or quantized_comm=None."
+                )
+            gather = None if self.pipeline is None else self.pipeline.zero3_gather
+            if self.pipeline is not None and (self.quantized_comm != "weights" or gather != "chunk"):
+                raise ValueError(
+                    f"Plan: quantized_comm={self.quantized_comm!r} under a pipeline: its stages gather their chunks "
+                    f"as int8 with Pipeline(zero3_gather='chunk') and quantized_comm='weights' (got zero3_gather="
+                    f"{gather!r}); gradients reduce in the compute dtype there. Use those, or quantized_comm=None."
                 )
         if not isinstance(self.compute_copy, bool):
             raise TypeError(f"Plan: compute_copy must be True or False, got {self.compute_copy!r}.")

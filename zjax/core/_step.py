@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding
 from .. import comm, pipeline
 from ..comm._gather import across_replica
 from ..offload._update import streamed_update
+from ..pipeline._context import quantizing
 from ..sharding._batch import check_batch
 from ..sharding._mesh import use_mesh_platform
 from ..sharding._simulate import check_cpu_threads
@@ -83,11 +84,10 @@ def _layout_of(plan: PlanConfig, state: TrainState, what: str) -> StateLayout:
 
 
 def _placing(plan: PlanConfig, layout: StateLayout) -> contextlib.AbstractContextManager:
-    """At stage 3 without a pipeline, the parameters' placements while the loss is traced (:mod:`zjax.comm`: the
-    quantized weight gathers of ``quantized_comm``, the embedding lookup on the table's shard); else nothing.
-    (With hpZ the quantized gather is the one across nodes, before the loss; the per-layer ones stay bf16.)"""
-    if not plan.stage.shard_parameters or plan.pipeline is not None:
-        return contextlib.nullcontext()
+    """At stage 3, the parameters' placements while the loss is traced (:mod:`zjax.comm`: qwZ's gathers, the lookup
+    on the table's shard; with hpZ qwZ is the gather across nodes, before the loss); a pipeline's chunk gathers."""
+    if plan.pipeline is not None or not plan.stage.shard_parameters:
+        return quantizing(comm.DEFAULT_BLOCK if plan.quantizes_weights else None)
     return comm.use(layout.params.placements, quantize=plan.quantizes_weights and not plan.hpz)
 
 

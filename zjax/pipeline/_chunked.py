@@ -9,9 +9,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ..comm._quantize import dequantize, quantize
 from ..sharding._axes import DP, PP
 from ..sharding._mesh import mesh_platform
 from ._config import Pipeline
+from ._context import quantize_block
 from ._scan import _Loop, _where_stage
 
 
@@ -20,6 +22,17 @@ def _per_stage(collective: Callable[[jax.Array], jax.Array], x: jax.Array) -> ja
     one manual over the data axes only, GSPMD first replicates the operand over ``pp`` (4x the bytes at
     pp=4)."""
     return jax.shard_map(collective, in_specs=P(PP), out_specs=P(PP), axis_names={PP}, check_vma=False)(x)
+
+
+def _gather(x: jax.Array, dim: int, block: int | None) -> jax.Array:
+    """A stage's chunk tile gathered over ``dp`` along ``dim``: as it is, or as int8 blocks of ``block`` values with
+    their fp32 scales, dequantized on arrival (ZeRO++'s qwZ)."""
+    if block is None:
+        return jax.lax.all_gather(x, DP, axis=dim, tiled=True)
+    q, scale = quantize(x, block)
+    q = jax.lax.all_gather(q, DP, axis=dim, tiled=True)
+    scale = jax.lax.all_gather(scale, DP, axis=dim, tiled=True)
+    return dequantize(q, scale, x.dtype)
 
 
 def _chunked(
@@ -39,6 +52,7 @@ def _chunked(
     gradient over the two phases that used it and reduce-scatters it once.
     """
     loop = _Loop(stage_fn, cfg, stages, fill, None)
+    block = quantize_block()  # Plan(quantized_comm="weights"): the chunks cross dp as int8 blocks
     m_, r_ = loop.m, loop.r
 
     treedef = jax.tree.structure(stacked)
@@ -54,7 +68,7 @@ def _chunked(
         def one(w: jax.Array, d: int | None) -> jax.Array:
             if d is None:
                 return w
-            return _per_stage(lambda x: jax.lax.all_gather(x, DP, axis=d - 1, tiled=True), w)  # noqa: B023
+            return _per_stage(lambda x: _gather(x, d - 1, block), w)  # noqa: B023
 
         return per_leaf(one, stacked)
 

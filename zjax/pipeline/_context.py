@@ -60,6 +60,25 @@ def accumulating(dtype: Any) -> Iterator[None]:
         _ACCUMULATE.reset(token)
 
 
+_QUANTIZE: contextvars.ContextVar[int | None] = contextvars.ContextVar("zjax_pipeline_quantize", default=None)
+
+
+@contextlib.contextmanager
+def quantizing(block: int | None) -> Iterator[None]:
+    """While a step traces its loss: ``zero3_gather="chunk"`` gathers each chunk over ``dp`` as int8 blocks of
+    ``block`` values with fp32 scales (``Plan(quantized_comm="weights")``; ``None``: in the compute dtype)."""
+    token = _QUANTIZE.set(block)
+    try:
+        yield
+    finally:
+        _QUANTIZE.reset(token)
+
+
+def quantize_block() -> int | None:
+    """The block size set by :func:`quantizing` (``None``: the gathers are not quantized)."""
+    return _QUANTIZE.get()
+
+
 def accumulate_dtype() -> Any:
     """The dtype set by :func:`accumulating` (``None``: the weights' own)."""
     return _ACCUMULATE.get()
