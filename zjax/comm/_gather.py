@@ -45,6 +45,7 @@ class _Manual:
     dtype: Any  # the compute dtype the model reads parameters in
     reduction: Reduction
     weights: bool  # whether the gathers quantize
+    hierarchical: bool = False  # hpZ: parameters arrive as their node's shards (split over dp, not replica)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,12 +115,49 @@ def manual(
     reduction: Reduction,
     weights: bool = False,
     block: int = DEFAULT_BLOCK,
+    hierarchical: bool = False,
 ) -> Iterator[None]:
     """Trace a loss inside a ``shard_map`` manual over the data ``axes`` whose parameters enter as this rank's
     ZeRO-3 shards (:func:`manual_spec`): :func:`gathered` gathers each one over the ZeRO axes in ``dtype`` (int8
-    with ``weights``) and reduces its gradient as ``reduction`` says."""
-    with _activate(_active(placements, block, _Manual(tuple(axes), jnp.dtype(dtype), reduction, weights))):
+    with ``weights``) and reduces its gradient as ``reduction`` says. ``hierarchical`` (hpZ): they enter as their
+    node's shards (:func:`to_node`), gathered and reduced over the axes other than ``replica``."""
+    settings = _Manual(tuple(axes), jnp.dtype(dtype), reduction, weights, hierarchical)
+    with _activate(_active(placements, block, settings)):
         yield
+
+
+def to_node(x: jax.Array, spec: P, dtype: Any, reduction: Reduction, weights: bool, block: int = DEFAULT_BLOCK):
+    """hpZ inside a region manual over the data axes: this rank's shard ``x`` (``spec``: its manual spec, ``replica``
+    innermost in its dim) cast to ``dtype`` and gathered over ``replica`` into its node's shard (int8 blocks with
+    ``weights``), once per step; the node shard's gradient (summed over ``dp`` per layer by :func:`gathered`) is
+    reduced over ``replica`` into ``x``'s shard as ``reduction`` says (int8 all-to-alls when quantized)."""
+    dims = [d for d, entry in enumerate(spec) if entry is not None and REPLICA in _axes(entry)]
+    dim = dims[0] if dims else None
+
+    def gather(v: jax.Array) -> jax.Array:
+        v = v.astype(dtype)
+        if dim is None:
+            return v
+        if not weights:
+            return jax.lax.all_gather(v, REPLICA, axis=dim, tiled=True)
+        q, scale = quantize(v, block)
+        q = jax.lax.all_gather(q, REPLICA, axis=dim, tiled=True)
+        scale = jax.lax.all_gather(scale, REPLICA, axis=dim, tiled=True)
+        return dequantize(q, scale, dtype)
+
+    @jax.custom_vjp
+    def run(v: jax.Array) -> jax.Array:
+        return gather(v)
+
+    def fwd(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return gather(v), jnp.zeros((0,), v.dtype)
+
+    def bwd(like: jax.Array, g: jax.Array) -> tuple[jax.Array]:
+        split, whole = ((REPLICA,), ()) if dim is not None else ((), (REPLICA,))
+        return (reduce(g, split, dim, whole, reduction).astype(like.dtype),)
+
+    run.defvjp(fwd, bwd)
+    return run(x) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
 
 def manual_spec(spec: P, axes: Sequence[str]) -> P:
@@ -250,7 +288,8 @@ def _manual_gather(x: jax.Array, active: _Active, path: tuple[str, ...]) -> jax.
             "with their path in the params tree (e.g. ('layers', 'wq'))."
         )
     entries = spec[len(spec) - x.ndim :]  # one layer of a stacked parameter: without the layers entry
-    dims = [(d, tuple(a for a in _axes(e) if a in manual.axes)) for d, e in enumerate(entries) if e is not None]
+    axes_here = tuple(a for a in manual.axes if not (manual.hierarchical and a == REPLICA))  # hpZ: within the node
+    dims = [(d, tuple(a for a in _axes(e) if a in axes_here)) for d, e in enumerate(entries) if e is not None]
     dims = [(d, axes) for d, axes in dims if axes]
     if len(dims) > 1:
         raise ValueError(
@@ -258,7 +297,7 @@ def _manual_gather(x: jax.Array, active: _Active, path: tuple[str, ...]) -> jax.
             "a ZeRO-3 shard is split on one dim."
         )
     dim, split = dims[0] if dims else (None, ())
-    whole = tuple(a for a in manual.axes if a not in split)
+    whole = tuple(a for a in axes_here if a not in split)
     # Each collective runs in a shard_map manual over the other axes too (tp, ...), on the local tiles: XLA's
     # partitioner would otherwise replicate a tp-split operand over tp before a collective over the data axes
     # (measured: every weight gradient all-gathered over tp in fp32 before its reduce-scatter).

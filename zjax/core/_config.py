@@ -153,9 +153,6 @@ class PlanConfig:
             if axis_size(self.mesh, REPLICA) < 2
             else "a pipeline"
             if self.pipeline is not None
-            else f"quantized_comm={self.quantized_comm!r} (gradients reduce per layer in the compute dtype; 'weights' "
-            "quantizes the gather across nodes)"
-            if self.quantized_comm not in (None, "weights")
             else f"reduce_dtype={self.reduce_dtype.name!r}"
             if self.reduce_dtype is not None
             else f"offload={offload.name!r}"
@@ -170,7 +167,7 @@ class PlanConfig:
             raise ValueError(
                 f"Plan: hpz=True (ZeRO++'s hierarchical partitioning: stage 3's state split over {REPLICA} x {DP}, "
                 f"the per-layer weight gathers inside a node) is supported at stage 3 on a mesh with "
-                f"{REPLICA} > 1, without a pipeline, quantized gradients, reduce_dtype, offload, {CP} or {EP}; not "
+                f"{REPLICA} > 1, without a pipeline, reduce_dtype, offload, {CP} or {EP}; not "
                 f"with "
                 f"{problem}. Use hpz=False (HSDP: state split over {DP} alone)."
             )

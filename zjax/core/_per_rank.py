@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from .. import comm
+from ..comm._gather import to_node
 from ..pipeline._context import accumulating
 from ..sharding._axes import DATA_AXES
 from ..sharding._mesh import data_axes, data_size, manual_data_axes
@@ -157,19 +158,27 @@ def zero3_grads(
     else:
         read = comm.reads(loss_fn, whole, rows)
 
+    specs = jax.tree.map(lambda s: comm.manual_spec(s, axes), layout.master_specs, is_leaf=_is_spec)
+    hpz, quantized = plan.hpz, plan.quantizes_weights  # hpZ: int8 (qwZ) on the gather across nodes only
+
     def local(p, rows, key):
         key = jax.random.fold_in(key, jax.lax.axis_index(axes))
-        gather = lambda shards: comm.gather_unread(shards, read)  # noqa: E731
+
+        def gather(shards: Any) -> Any:
+            if hpz:  # every parameter to its node's shard, once per microbatch; its gradient back over replica
+                node = lambda x, s: to_node(x, s, compute, reduction, quantized)  # noqa: E731
+                shards = jax.tree.map(node, shards, specs, is_leaf=_is_spec)
+            return comm.gather_unread(shards, read)
+
         with (
             nn.logical_axis_rules(rules),
             manual_data_axes(),
-            comm.manual(placements, axes, compute, reduction, weights=plan.quantizes_weights),
+            comm.manual(placements, axes, compute, reduction, weights=quantized and not hpz, hierarchical=hpz),
         ):
             acc, (losses, auxes) = _accumulate(_scaled_loss(loss, scale, n, key, gather), p, rows, k)
         aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
         return acc, _per_rank(jnp.mean(losses)), jax.tree.map(_per_rank, aux)
 
-    specs = jax.tree.map(lambda s: comm.manual_spec(s, axes), layout.master_specs, is_leaf=_is_spec)
     data = PartitionSpec(axes)
     grads, losses, auxes = jax.shard_map(
         local,
