@@ -129,7 +129,7 @@ def manual(
 def to_node(x: jax.Array, spec: P, dtype: Any, reduction: Reduction, weights: bool, block: int = DEFAULT_BLOCK):
     """hpZ inside a region manual over the data axes: this rank's shard ``x`` (``spec``: its manual spec, ``replica``
     innermost in its dim) cast to ``dtype`` and gathered over ``replica`` into its node's shard (int8 blocks with
-    ``weights``), once per step; the node shard's gradient (summed over ``dp`` per layer by :func:`gathered`) is
+    ``weights``), once per microbatch; the node shard's gradient (summed over ``dp`` per layer by :func:`gathered`) is
     reduced over ``replica`` into ``x``'s shard as ``reduction`` says (int8 all-to-alls when quantized)."""
     dims = [d for d, entry in enumerate(spec) if entry is not None and REPLICA in _axes(entry)]
     dim = dims[0] if dims else None

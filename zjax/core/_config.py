@@ -167,9 +167,8 @@ class PlanConfig:
             raise ValueError(
                 f"Plan: hpz=True (ZeRO++'s hierarchical partitioning: stage 3's state split over {REPLICA} x {DP}, "
                 f"the per-layer weight gathers inside a node) is supported at stage 3 on a mesh with "
-                f"{REPLICA} > 1, without a pipeline, reduce_dtype, offload, {CP} or {EP}; not "
-                f"with "
-                f"{problem}. Use hpz=False (HSDP: state split over {DP} alone)."
+                f"{REPLICA} > 1, without a pipeline, reduce_dtype, offload, {CP} or {EP}; not with {problem}. "
+                f"Use hpz=False (HSDP: state split over {DP} alone)."
             )
 
     @property

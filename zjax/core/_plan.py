@@ -58,8 +58,9 @@ class Plan(PlanConfig):
       reduce_dtype: the dtype gradients are reduced in across data parallelism (``None``: the compute
         dtype, half the bytes; ``"float32"``: each rank's gradient is widened before the one reduce-scatter
         / all-reduce of the step, so a ring over many ranks does not round at every hop; 2x the gradient
-        bytes on the wire). Stages 0-2 without a pipeline; each rank then holds its whole fp32 gradient
-        sum until the reduction.
+        bytes on the wire). At stages 0-2, and under a pipeline at every stage (the microbatches summed in
+        fp32 too; ``Pipeline(zero3_gather="step")``), each rank then holds its whole fp32 gradient sum until
+        the reduction; at stage 3 without one, each layer's gradient reduce-scatters in fp32.
       gpu_overlap: apply zjax's XLA:GPU compiler options for the stage (:data:`zjax.core._overlap.GPU_OVERLAP`;
         at stage 3 pipelined all-gathers and reduce-scatters, so that each layer's weight gather and
         gradient reduction run under the neighbouring layer's compute); ``False`` keeps XLA's defaults.
@@ -73,7 +74,10 @@ class Plan(PlanConfig):
         int8 blocks with fp32 scales (:mod:`zjax.comm`), forward and in the rematerialized forward, for
         about half of ZeRO-3's gather bytes; gradients still reduce in the compute dtype and the fp32
         master never sees quantization. The model must read its parameters through
-        :func:`zjax.comm.gathered` (``zjax.models.Decoder`` does). ``None`` (default): no quantization.
+        :func:`zjax.comm.gathered` (``zjax.models.Decoder`` does). ``"grads"`` / ``"weights+grads"`` (qgZ):
+        gradients reduce as int8 blocks through all-to-alls, summed in fp32. Under a pipeline, ``"weights"``
+        with ``Pipeline(zero3_gather="chunk")``; with ``hpz``, the int8 crossings are the node shards' gather
+        and (qgZ) each layer's reduction inside the node, then across nodes. ``None`` (default): no quantization.
       compute_copy: ``True`` (default) keeps the parameters in the compute dtype (``state.params``) beside the
         fp32 master in the optimizer state: 14 bytes per parameter with Adam at stage 3. ``False`` (stage 3,
         bf16/fp16, no pipeline or offload) keeps only the fp32 weights, as ``state.params``, and each step
