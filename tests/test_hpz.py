@@ -124,6 +124,7 @@ def _moved(plan, hlo) -> Counter:
     return out
 
 
+@pytest.mark.slow  # a Decoder compile; the 7B figure test below reads the same layout's bytes
 def test_hpz_with_quantized_weights_crosses_nodes_as_int8():
     """qwZ + hpZ: the once-per-step gather across nodes moves int8 blocks with fp32 scales (no bf16 weights left
     on it but a few small leaves); the per-layer gathers inside the node stay bf16 over ``dp``."""
@@ -135,6 +136,7 @@ def test_hpz_with_quantized_weights_crosses_nodes_as_int8():
     assert {axes for (k, _, loop, axes) in moved if k == "all-gather" and loop} == {("dp",)}, moved
 
 
+@pytest.mark.slow  # a Decoder compile; the 7B figure test below reads the same plan's bytes across nodes
 def test_hpz_with_quantized_gradients_reduces_inside_the_node_then_across_nodes_as_int8():
     """ZeRO++'s three together (hpZ, qwZ, qgZ): each layer's gradient is summed inside the node (an int8
     all-to-all over ``dp``) and its node shard across nodes (an int8 all-to-all over ``replica``); the node shards

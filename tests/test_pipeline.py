@@ -597,10 +597,11 @@ def test_config_errors():
     ("stage", "schedule"),
     [
         (3, "gpipe"),
-        pytest.param(1, "1f1b", marks=pytest.mark.slow),
-        pytest.param(2, "circular", marks=pytest.mark.slow),
+        (1, "1f1b"),
+        (2, "circular"),
     ],
 )
+@pytest.mark.slow  # three Decoder runs each; the fast suite keeps the exact fp32 sum and the GPU compiler's dtypes
 def test_reduce_dtype_under_a_pipeline_trains_like_data_parallelism(stage, schedule):
     """Plan(reduce_dtype="float32") under a pipeline (bf16 compute): each data-parallel rank's gradients, summed
     over the microbatches in fp32, reduced once over dp in fp32 (the GPU compiler's dtypes are checked in
