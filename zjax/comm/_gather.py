@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..sharding._axes import REPLICA
 from ..sharding._rules import spec_axes
-from ._quantize import DEFAULT_BLOCK, dequantize, quantize
+from ._quantize import DEFAULT_BLOCK, all_gather, dequantize, quantize
 from ._reduce import Reduction, reduce
 
 QUANTIZED_COMM = ("weights", "grads", "weights+grads")
@@ -138,12 +138,7 @@ def to_node(x: jax.Array, spec: P, dtype: Any, reduction: Reduction, weights: bo
         v = v.astype(dtype)
         if dim is None:
             return v
-        if not weights:
-            return jax.lax.all_gather(v, REPLICA, axis=dim, tiled=True)
-        q, scale = quantize(v, block)
-        q = jax.lax.all_gather(q, REPLICA, axis=dim, tiled=True)
-        scale = jax.lax.all_gather(scale, REPLICA, axis=dim, tiled=True)
-        return dequantize(q, scale, dtype)
+        return all_gather(v, REPLICA, dim, block if weights else None)
 
     @jax.custom_vjp
     def run(v: jax.Array) -> jax.Array:
@@ -254,12 +249,7 @@ def _quantized_gather(
     names = set(jax.sharding.get_abstract_mesh().axis_names)
 
     def forward(local: jax.Array) -> jax.Array:
-        if block is None:
-            return jax.lax.all_gather(local, zero, axis=dim, tiled=True)
-        q, scale = quantize(local, block)
-        q = jax.lax.all_gather(q, zero, axis=dim, tiled=True)
-        scale = jax.lax.all_gather(scale, zero, axis=dim, tiled=True)
-        return dequantize(q, scale, local.dtype)
+        return all_gather(local, zero, dim, block)
 
     @jax.custom_vjp
     def run(x: jax.Array) -> jax.Array:

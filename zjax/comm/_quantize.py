@@ -32,3 +32,14 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
     n, nb = q.shape[-1], scale.shape[-1]
     blocks = q.astype(jnp.float32).reshape(*q.shape[:-1], nb, n // nb) * scale[..., None]
     return blocks.reshape(q.shape).astype(dtype)
+
+
+def all_gather(x: jax.Array, axes: str | tuple[str, ...], dim: int, block: int | None) -> jax.Array:
+    """``x`` all-gathered over ``axes`` along ``dim`` (tiled, inside a manual region): as it is (``block`` ``None``)
+    or as int8 blocks of ``block`` values with their fp32 scales, dequantized to ``x``'s dtype on arrival."""
+    if block is None:
+        return jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+    q, scale = quantize(x, block)
+    q = jax.lax.all_gather(q, axes, axis=dim, tiled=True)
+    scale = jax.lax.all_gather(scale, axes, axis=dim, tiled=True)
+    return dequantize(q, scale, x.dtype)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ..comm._quantize import dequantize, quantize
+from ..comm._quantize import all_gather
 from ..sharding._axes import DP, PP
 from ..sharding._mesh import mesh_platform
 from ._config import Pipeline
@@ -22,17 +22,6 @@ def _per_stage(collective: Callable[[jax.Array], jax.Array], x: jax.Array) -> ja
     one manual over the data axes only, GSPMD first replicates the operand over ``pp`` (4x the bytes at
     pp=4)."""
     return jax.shard_map(collective, in_specs=P(PP), out_specs=P(PP), axis_names={PP}, check_vma=False)(x)
-
-
-def _gather(x: jax.Array, dim: int, block: int | None) -> jax.Array:
-    """A stage's chunk tile gathered over ``dp`` along ``dim``: as it is, or as int8 blocks of ``block`` values with
-    their fp32 scales, dequantized on arrival (ZeRO++'s qwZ)."""
-    if block is None:
-        return jax.lax.all_gather(x, DP, axis=dim, tiled=True)
-    q, scale = quantize(x, block)
-    q = jax.lax.all_gather(q, DP, axis=dim, tiled=True)
-    scale = jax.lax.all_gather(scale, DP, axis=dim, tiled=True)
-    return dequantize(q, scale, x.dtype)
 
 
 def _chunked(
@@ -68,7 +57,7 @@ def _chunked(
         def one(w: jax.Array, d: int | None) -> jax.Array:
             if d is None:
                 return w
-            return _per_stage(lambda x: _gather(x, d - 1, block), w)  # noqa: B023
+            return _per_stage(lambda x: all_gather(x, DP, d - 1, block), w)  # noqa: B023
 
         return per_leaf(one, stacked)
 
