@@ -9,7 +9,11 @@
 3. Step time and MFU of a LLaMA-shaped decoder at each ZeRO stage (the model's FLOPs per token from
    ``zjax.metrics.flops_per_token`` times tokens per second over the devices' dense bf16 peak; the
    compiler's count is not the numerator: it counts a scanned layer body once; "unknown device" where there
-   is no peak to compare with, e.g. a CPU).
+   is no peak to compare with, e.g. a CPU), with and without the persistent compute copy
+   (``--compute-copy keep,drop``: ``Plan(compute_copy=False)`` casts the fp32 master every step).
+4. What the quantized collectives (``quantized_comm``) and the dropped compute copy add on each device
+   (``--codec``): GB/s of int8 block quantization, dequantization and the fp32 -> bf16 cast beside a device
+   copy, and milliseconds per billion parameters.
 
 On a CPU it runs everything at tiny sizes so that it stays alive in CI; its figures then mean nothing.
 """
@@ -24,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def step_figures(stage: int, tiny: bool) -> dict:
+def step_figures(stage: int, tiny: bool, compute_copy: bool = True) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -46,7 +50,7 @@ def step_figures(stage: int, tiny: bool) -> dict:
     rows = max(n, 8 if tiny else 8 * n)
     model = Decoder(cfg)
     # one device has no collectives to overlap: no overlap options (their names change between XLA versions)
-    plan = zjax.Plan(zjax.make_mesh(dp=n), stage=stage, precision="bf16", gpu_overlap=n > 1)
+    plan = zjax.Plan(zjax.make_mesh(dp=n), stage=stage, precision="bf16", gpu_overlap=n > 1, compute_copy=compute_copy)
     init = lambda r: model.init(r, jnp.zeros((1, cfg.max_len), jnp.int32))["params"]  # noqa: E731
     state = plan.init(init, optax.adamw(1e-4), jax.random.key(0))
     step = plan.train_step(lambda p, b: lm_loss(model, p, b))
@@ -70,6 +74,7 @@ def step_figures(stage: int, tiny: bool) -> dict:
     device_kind = jax.devices()[0].device_kind
     return {
         "stage": stage,
+        "compute_copy": compute_copy,
         "params": cfg.num_params,
         "step_seconds": seconds,
         "tokens_per_second": tokens_per_second,
@@ -84,12 +89,61 @@ def step_figures(stage: int, tiny: bool) -> dict:
     }
 
 
+def codec_figures(tiny: bool, repeats: int = 10) -> dict:
+    """GB/s (bytes read + written) of what qwZ/qgZ and ``compute_copy=False`` run per gather, beside a copy."""
+    import jax
+    import jax.numpy as jnp
+
+    from zjax.comm import _quantize
+
+    n = 1 << (16 if tiny else 28)
+    x = jax.random.normal(jax.random.key(0), (n // 4096, 4096), jnp.float32)
+    xb = x.astype(jnp.bfloat16)
+    q, s = jax.jit(_quantize.quantize)(xb)
+    scale_bytes = s.size * 4
+
+    def timed(fn, *args) -> float:
+        fn = jax.jit(fn)
+        jax.block_until_ready(fn(*args))
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            samples.append(time.perf_counter() - start)
+        return sorted(samples)[len(samples) // 2]
+
+    cases = {  # name: (fn, args, bytes read + written)
+        "copy bf16": (lambda a: a + jnp.bfloat16(1), (xb,), 4 * n),
+        "quantize bf16 -> int8 + scales": (_quantize.quantize, (xb,), 3 * n + scale_bytes),
+        "dequantize int8 + scales -> bf16": (
+            lambda a, b: _quantize.dequantize(a, b, jnp.bfloat16),
+            (q, s),
+            3 * n + scale_bytes,
+        ),
+        "cast fp32 -> bf16": (lambda a: a.astype(jnp.bfloat16), (x,), 6 * n),
+        "cast fp32 -> int8 + scales": (_quantize.quantize, (x,), 5 * n + scale_bytes),
+    }
+    rows = {}
+    for name, (fn, args, nbytes) in cases.items():
+        seconds = timed(fn, *args)
+        rows[name] = {"seconds": seconds, "gb_per_s": nbytes / seconds / 1e9, "ms_per_billion": seconds / n * 1e12}
+    copy = rows["copy bf16"]["gb_per_s"]
+    for r in rows.values():
+        r["vs_copy"] = r["gb_per_s"] / copy
+    print(f"{'per element of ' + format(n, ','):<36}{'GB/s':>9}{'vs copy':>9}{'ms per 1e9':>12}")
+    for name, r in rows.items():
+        print(f"{name:<36}{r['gb_per_s']:>9,.0f}{r['vs_copy']:>9.0%}{r['ms_per_billion']:>12.2f}")
+    return {"elements": n, "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (the default without a GPU)")
     parser.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to time, e.g. 0,3")
     parser.add_argument("--no-adamw", action="store_true", help="skip the fused AdamW figures")
+    parser.add_argument("--compute-copy", default="keep", help="keep, drop or keep,drop (Plan(compute_copy=...))")
+    parser.add_argument("--codec", action="store_true", help="time int8 block (de)quantization and the cast")
     parser.add_argument("--adamw-sweep", default="", help="kernel block_size/num_warps to try, e.g. 4096/8,8192/8")
     args = parser.parse_args()
     import jax
@@ -105,13 +159,21 @@ def main() -> None:
         sizes = ["--params", str(1 << 16 if tiny else 1 << 28), "--repeats", "3", "--sweep", args.adamw_sweep]
         out["fused_adamw"] = optimizer_update.main(sizes)
     # the measured peak is the process's: the first stage's is its own, a later one's at least the earlier's
-    out["steps"] = [step_figures(int(stage), tiny) for stage in args.stages.split(",")]
-    print(f"{'stage':>5}{'step s':>10}{'tok/s':>12}{'planned GB':>12}{'measured GB':>13}{'MFU':>8}")
+    if args.codec:
+        out["codec"] = codec_figures(tiny)
+    copies = {"keep": True, "drop": False}
+    out["steps"] = [
+        step_figures(int(stage), tiny, copies[copy])
+        for stage in args.stages.split(",")
+        for copy in args.compute_copy.split(",")
+    ]
+    print(f"{'stage':>5}{'copy':>6}{'step s':>10}{'tok/s':>12}{'planned GB':>12}{'measured GB':>13}{'MFU':>8}")
     for r in out["steps"]:
         measured = "-" if r["measured_peak_bytes"] is None else f"{r['measured_peak_bytes'] / 1e9:.3f}"
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
         print(
-            f"{r['stage']:>5}{r['step_seconds']:>10.4f}{r['tokens_per_second']:>12,.0f}"
+            f"{r['stage']:>5}{'keep' if r['compute_copy'] else 'drop':>6}"
+            f"{r['step_seconds']:>10.4f}{r['tokens_per_second']:>12,.0f}"
             f"{r['planned_peak_bytes'] / 1e9:>12.3f}{measured:>13}{mfu:>8}"
         )
     if args.json is not None:

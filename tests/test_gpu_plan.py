@@ -329,13 +329,15 @@ def test_cli_plans_on_the_gpu_target_and_labels_the_backend(tmp_path):
 @pytest.mark.slow
 def test_the_gpu_suite_stays_alive_at_tiny_sizes(tmp_path):
     out = tmp_path / "suite.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--tiny", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--tiny", "--json", str(out), "--codec"]
+    proc = subprocess.run([*cmd, "--compute-copy", "keep,drop"], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
-    assert [r["stage"] for r in data["steps"]] == [0, 1, 2, 3]
+    assert [(r["stage"], r["compute_copy"]) for r in data["steps"]] == [(s, c) for s in range(4) for c in (True, False)]
+    assert set(data["codec"]["rows"]) >= {"quantize bf16 -> int8 + scales", "cast fp32 -> bf16"}
+    assert all(r["seconds"] > 0 for r in data["codec"]["rows"].values())
     assert all(r["mfu"] is None and r["device"] == "unknown device" for r in data["steps"])  # no made-up peak on CPU
-    assert data["steps"][3]["planned_peak_bytes"] < data["steps"][0]["planned_peak_bytes"]
+    assert data["steps"][6]["planned_peak_bytes"] < data["steps"][0]["planned_peak_bytes"]
     # MFU's numerator is the model's work per token, not the compiler's count (which sees one scanned layer)
     assert data["steps"][0]["model_flops_per_token"] == zjax.metrics.flops_per_token(CFG, CFG.max_len)
 
