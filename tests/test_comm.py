@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -21,21 +22,39 @@ from zjax.sharding._rules import spec_axes
 from zjax.stages._layout import Placement
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("block", [4, 64, 256])
-def test_a_block_round_trips_within_half_a_step(block):
+def test_a_block_round_trips_within_half_a_step(block, bits):
     rs = np.random.RandomState(block)
     x = jnp.asarray(rs.randn(6, 512) * rs.lognormal(size=(6, 1)), jnp.float32)
-    q, scale = comm.quantize(x, block)
-    assert q.dtype == jnp.int8 and scale.shape == (6, 512 // block)
+    q, scale = comm.quantize(x, block, bits)
+    # int8 values, or two int4 values per byte
+    assert (q.dtype, q.shape) == ((jnp.int8, (6, 512)) if bits == 8 else (jnp.uint8, (6, 256)))
+    assert scale.shape == (6, 512 // block)
     back = comm.dequantize(q, scale, jnp.float32)
+    top = 2 ** (bits - 1) - 1  # 127 or 7 steps each side of zero
     amax = np.abs(np.asarray(x).reshape(6, -1, block)).max(-1)
     err = np.abs(np.asarray(back - x)).reshape(6, -1, block).max(-1)
-    assert np.all(err <= amax / 254 * (1 + 1e-6))  # half of one step amax / 127
+    assert np.all(err <= amax / (2 * top) * (1 + 1e-6))  # half of one step, amax / top
+    assert np.all(err.max(-1) > amax.max(-1) / (2 * top) / 4)  # and not finer: it did quantize at that width
     on_grid = comm.dequantize(q, scale, jnp.float32)  # values on the grid come back (up to the scale's rounding)
-    np.testing.assert_allclose(comm.dequantize(*comm.quantize(on_grid, block), jnp.float32), on_grid, rtol=1e-6)
+    again = comm.dequantize(*comm.quantize(on_grid, block, bits), jnp.float32)
+    np.testing.assert_allclose(again, on_grid, rtol=1e-6)
     # a block that does not divide the dim takes the whole dim; zeros stay zeros
-    q, scale = comm.quantize(jnp.zeros((3, 10)), 4)
+    q, scale = comm.quantize(jnp.zeros((3, 10)), 4, bits)
     assert scale.shape == (3, 1) and not np.any(np.asarray(q))
+    # an odd block cannot pack pairs: it stays int8
+    q, scale = comm.quantize(x[:, :7], block, bits)
+    assert q.dtype == jnp.int8 and scale.shape == (6, 1)
+
+
+def test_int4_values_pack_two_to_a_byte_low_nibble_first():
+    x = jnp.asarray([[7.0, -7.0, 3.0, -1.0, 0.0, 7.0, -4.0, 2.0]])
+    q, scale = comm.quantize(x, 8, 4)
+    assert float(scale[0, 0]) == 1.0
+    # two's complement nibbles: (7, -7) -> 0x97, (3, -1) -> 0xF3, (0, 7) -> 0x70, (-4, 2) -> 0x2C
+    assert np.asarray(q).tolist() == [[0x97, 0xF3, 0x70, 0x2C]]
+    np.testing.assert_array_equal(comm.dequantize(q, scale, jnp.float32), x)
 
 
 def test_gathered_is_int8_per_shard_and_its_gradient_goes_straight_through():
@@ -48,7 +67,7 @@ def test_gathered_is_int8_per_shard_and_its_gradient_goes_straight_through():
     placement = Placement(Leaf("w", (16, 64), jnp.float32, None), P(), P(None, "dp"), None)
 
     def f(w, c):
-        with comm.use([placement], block=4):
+        with comm.use([placement], comm.Wire(block=4)):
             return jnp.sum(comm.gathered(w, ("w",)) * c)
 
     shards = [comm.dequantize(*comm.quantize(jnp.asarray(s), 4), jnp.float32) for s in np.split(w, 8, axis=1)]
@@ -105,8 +124,9 @@ def test_the_step_gathers_int8_for_half_the_bytes_and_trains_like_bf16():
 def test_quantized_comm_needs_stage_3_without_a_pipeline():
     with pytest.raises(ValueError, match=r"quantized_comm='weights' quantizes ZeRO-3's weight gathers.*stage 1"):
         zjax.Plan(zjax.make_mesh(dp=8), stage=1, quantized_comm="weights")
-    with pytest.raises(ValueError, match=r"quantized_comm='int8'; use one of \('weights', 'grads', 'weights\+grads'\)"):
-        zjax.Plan(zjax.make_mesh(dp=8), stage=3, quantized_comm="int8")
+    for bad in ("int8", "weights:int2", "grads+grads", "weights+"):
+        with pytest.raises(ValueError, match=rf"quantized_comm={re.escape(repr(bad))}: .* 'weights\+grads:int4'"):
+            zjax.Plan(zjax.make_mesh(dp=8), stage=3, quantized_comm=bad)
     with pytest.raises(ValueError, match=r"a pipeline"):
         zjax.Plan(zjax.make_mesh(dp=2, pp=4), stage=3, quantized_comm="weights", pipeline=zjax.Pipeline(4))
     with pytest.raises(ValueError, match=r"quantized_comm='grads' at stage 3 .* offload='optimizer' keeps them"):
@@ -117,6 +137,11 @@ def test_quantized_comm_needs_stage_3_without_a_pipeline():
     assert plan.quantizes_weights and not plan.quantizes_grads and not plan.reduces_gradients
     plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, quantized_comm="weights+grads")
     assert plan.quantizes_weights and plan.quantizes_grads and plan.reduces_gradients
+    assert (plan.weights_wire, plan.grads_wire) == (comm.Wire(8), comm.Wire(8))
+    # ZeRO++'s pair: int8 weights, int4 gradients; a part's width applies to that part alone
+    assert comm.parse("weights+grads:int4") == (comm.Wire(8), comm.Wire(4))
+    assert comm.parse("grads:int4+weights:int4") == (comm.Wire(4), comm.Wire(4))
+    assert comm.parse("weights:int8") == (comm.Wire(8), None) and comm.parse(None) == (None, None)
 
 
 # -- gradients reduced by zjax: in fp32, or as int8 through all-to-alls (qgZ) -----------------------------------------
@@ -135,29 +160,32 @@ def _reduce_on(mesh, parts, split, dim, whole, how):
         return np.asarray(jax.jit(fn)(jnp.asarray(parts)))
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("hsdp", [False, True])
-def test_a_quantized_reduction_is_within_each_ranks_half_step(hsdp):
-    """Every rank quantizes its own chunks once (error <= its block's amax / 254), the sums are fp32: the
-    reduced shard is within the sum of the ranks' half steps of the exact sum; over replica (HSDP) the shards'
-    sums are quantized twice more (the inter-node all-to-all and the gather back), each within its half step."""
+def test_a_quantized_reduction_is_within_each_ranks_half_step(hsdp, bits):
+    """Every rank quantizes its own chunks once (error <= its block's amax / 254 as int8, / 14 as int4), the sums
+    are fp32: the reduced shard is within the sum of the ranks' half steps of the exact sum; over replica (HSDP)
+    the shards' sums are quantized twice more (the inter-node all-to-all and the gather back), each within its
+    half step."""
     mesh = zjax.make_mesh(dp=(2, 4)) if hsdp else zjax.make_mesh(dp=8)
     split, whole = ("dp",), (("replica",) if hsdp else ())
     rs = np.random.RandomState(1)
     block = 16
     parts = (rs.randn(8, 32, 64) * rs.lognormal(size=(8, 1, 64))).astype(np.float32)  # [rank, rows, cols]
-    out = _reduce_on(mesh, parts, split, 0, whole, comm.Reduction(quantized=True, block=block))
+    out = _reduce_on(mesh, parts, split, 0, whole, comm.Reduction(wire=comm.Wire(bits, block)))
+    step = 2 * (2 ** (bits - 1) - 1)  # a half step is amax / 254 (int8) or amax / 14 (int4)
     exact = parts.sum(0)
     n_dp = 4 if hsdp else 8
     # the reduced array, reassembled: rank (r, j) holds rows j of replica group r; all replicas agree
     got = out.reshape(2, n_dp, 32 // n_dp, 64)[0].reshape(32, 64) if hsdp else out.reshape(32, 64)
     # each rank's chunk j is the [32/n_dp, 64] rows of dp rank j, quantized flat in blocks of 16
     chunks = parts.reshape(8, n_dp, -1, block)  # [rank, dest, blocks, block]
-    half = np.abs(chunks).max(-1) / 254  # [rank, dest, blocks]
+    half = np.abs(chunks).max(-1) / step  # [rank, dest, blocks]
     bound = half.sum(0).reshape(n_dp, 32 // n_dp, 64 // block, 1)
     bound = np.broadcast_to(bound, (n_dp, 32 // n_dp, 64 // block, block)).reshape(32, 64)
     if hsdp:  # the dp sums' own quantization, twice, each within its half step (bounded by the sums' amax)
         dp_sums = parts.reshape(2, 4, 32, 64).sum(1)
-        bound = bound + 2 * np.abs(dp_sums).max() / 254 * 2 + np.abs(exact).max() / 254
+        bound = bound + 2 * np.abs(dp_sums).max() / step * 2 + np.abs(exact).max() / step
     err = np.abs(got - exact)
     assert np.all(err <= bound * (1 + 1e-5) + 1e-6), float((err / bound).max())
     assert err.max() > 0  # it did quantize
@@ -176,7 +204,7 @@ def test_a_quantized_reduction_keeps_a_non_finite_gradient_non_finite():
     for bad in (np.inf, np.nan):
         p = parts.copy()
         p[3, 5, 7] = bad
-        out = _reduce_on(mesh, p, ("dp",), 0, (), comm.Reduction(quantized=True, block=8))
+        out = _reduce_on(mesh, p, ("dp",), 0, (), comm.Reduction(wire=comm.Wire(block=8)))
         assert not np.all(np.isfinite(out))
 
 

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zjax
+from zjax.comm import Wire
 from zjax.models import Decoder, DecoderConfig, lm_loss
 from zjax.pipeline import Pipeline, apply
 from zjax.pipeline._context import accumulating, quantizing
@@ -153,25 +154,25 @@ def test_quantized_chunk_gathers_move_int8_blocks_and_a_scale_each():
     w, x = weights_and_input()
     stage_bytes = sum(a.nbytes for a in jax.tree.leaves(w)) // 4  # one stage's weights, whole (fp32)
     moved, losses = {}, {}
-    for block in (None, 256):
-        with jax.set_mesh(mesh), quantizing(block):
+    for wire in (None, Wire()):
+        with jax.set_mesh(mesh), quantizing(wire):
             ws = jax.device_put(w, NamedSharding(mesh, P("pp", "dp")))
             xs = jax.device_put(x, NamedSharding(mesh, P("dp")))
             grad_fn = jax.value_and_grad(pipelined(Pipeline(8, repeats=2, zero3_gather="chunk")), has_aux=True)
             fn = jax.jit(grad_fn, out_shardings=(None, NamedSharding(mesh, P("pp", "dp"))))
             _, hlo = partitioned_hlo(fn.lower(ws, xs))
-            losses[block] = float(fn(ws, xs)[0][0])
-        moved[block] = {}
+            losses[wire] = float(fn(ws, xs)[0][0])
+        moved[wire] = {}
         for c in collectives(hlo):
             if "dp" in spanned_axes(c.groups, dict(mesh.shape)) and c.kind != "all-reduce":
-                moved[block][c.kind, c.dtype] = moved[block].get((c.kind, c.dtype), 0) + c.volume * c.trips
+                moved[wire][c.kind, c.dtype] = moved[wire].get((c.kind, c.dtype), 0) + c.volume * c.trips
     assert moved[None] == {("all-gather", "f32"): 2 * stage_bytes, ("reduce-scatter", "f32"): stage_bytes}
-    assert moved[256] == {
+    assert moved[Wire()] == {
         ("all-gather", "s8"): 2 * stage_bytes // 4,
         ("all-gather", "f32"): 2 * stage_bytes // 4 // D * 4,  # a scale per block: the last dim's D values
         ("reduce-scatter", "f32"): stage_bytes,
     }
-    assert losses[256] == pytest.approx(losses[None], rel=1e-2) and losses[256] != losses[None]
+    assert losses[Wire()] == pytest.approx(losses[None], rel=1e-2) and losses[Wire()] != losses[None]
 
 
 @pytest.mark.slow  # two Decoder compiles and runs; the fast test above checks the engine's bytes

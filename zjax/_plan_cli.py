@@ -50,6 +50,16 @@ def parse_ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints, got {text!r}") from None
 
 
+def _parses(quantized: str) -> bool:
+    from .comm._quantize import parse
+
+    try:
+        parse(quantized)
+    except ValueError:
+        return False
+    return True
+
+
 def _plot(est, path: Path) -> None:
     import matplotlib
 
@@ -124,7 +134,8 @@ def plan_parser(sub) -> None:
         "--quantize-comm",
         default="none",
         help="stage 3 rows: what crosses dp as int8 blocks (ZeRO++; zjax.comm): none, weights (qwZ), grads (qgZ) "
-        "or weights+grads; a comma list plans each, side by side (e.g. none,weights,weights+grads); with "
+        "or weights+grads, a part as int4 with ':int4' (weights+grads:int4: ZeRO++'s int4 gradients); a comma "
+        "list plans each, side by side (e.g. none,weights,weights+grads); with "
         "--budget, stage 3 takes the listed value that exposes the fewest bytes (at a tie, the first listed)",
     )
     p.add_argument(
@@ -246,11 +257,11 @@ def run_plan(args: argparse.Namespace) -> int:
     # value splits (their least common multiple), so that all of them are planned on the same batch
     batch = args.batch_size or rows * math.lcm(*args.accum)
     quantized = [None if q == "none" else q for q in args.quantize_comm.split(",") if q]
-    known = ("none", "weights", "grads", "weights+grads")  # zjax.comm.QUANTIZED_COMM
-    bad = [q for q in args.quantize_comm.split(",") if q and q not in known]
+    bad = [q for q in quantized if q is not None and not _parses(q)]
     if bad or not quantized:
-        print(f"zjax plan: --quantize-comm {args.quantize_comm}: give none, weights, grads or weights+grads (a "
-              "comma list compares them; with --budget, the values stage 3 may take)", file=sys.stderr)  # fmt: skip
+        print(f"zjax plan: --quantize-comm {args.quantize_comm}: give none, weights, grads or weights+grads, a part "
+              "int4 with ':int4' (weights+grads:int4); a comma list compares them; with --budget, the values stage 3 "
+              "may take", file=sys.stderr)  # fmt: skip
         return 2
     copies = [c for c in args.compute_copy.split(",") if c]
     if not copies or set(copies) - {"keep", "drop"} or (args.budget is not None and len(copies) > 1):
@@ -319,7 +330,7 @@ def run_plan(args: argparse.Namespace) -> int:
                     + (f", schedule {row.schedule}" if row.schedule else "")
                     + (f", mesh {','.join(f'{k}={v}' for k, v in row.mesh.items() if v > 1)}" if args.ep else "")
                     + (f", offload {row.offload}" if row.offloaded else "")
-                    + (f", wire {row.wire}" if "int8" in row.wire else "")
+                    + (f", wire {row.wire}" if "int" in row.wire else "")
                     + f": {row.compiled['total'] / 1e9:.3f} GB per device"
                     + (f" (+{row.offloaded / 1e9:.3f} GB in host memory)" if row.offloaded else "")
                 )

@@ -1,6 +1,7 @@
-"""Fewer bytes on the wire: ZeRO-3 weight gathers (qwZ) and gradient reductions (qgZ) as int8 blocks (ZeRO++).
+"""Fewer bytes on the wire: ZeRO-3 weight gathers (qwZ) and gradient reductions (qgZ) as int8 or int4 blocks (ZeRO++).
 
-plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, quantized_comm="weights+grads")
+plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, quantized_comm="weights+grads")  # int8 both ways
+plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, quantized_comm="weights+grads:int4")  # ZeRO++'s int4 gradients
 """
 
 from ._gather import QUANTIZED_COMM as QUANTIZED_COMM
@@ -13,7 +14,9 @@ from ._gather import reads_shards as reads_shards
 from ._gather import use as use
 from ._lookup import lookup as lookup
 from ._quantize import DEFAULT_BLOCK as DEFAULT_BLOCK
+from ._quantize import Wire as Wire
 from ._quantize import dequantize as dequantize
+from ._quantize import parse as parse
 from ._quantize import quantize as quantize
 from ._reduce import Reduction as Reduction
 from ._reduce import reduce as reduce

@@ -32,11 +32,12 @@ from jax.sharding import PartitionSpec as P
 
 from ..sharding._axes import REPLICA
 from ..sharding._rules import spec_axes
-from ._quantize import DEFAULT_BLOCK, all_gather, dequantize, quantize
+from ._quantize import PARTS, Wire, all_gather
 from ._reduce import Reduction, reduce
 
-QUANTIZED_COMM = ("weights", "grads", "weights+grads")
-"""What ``Plan(quantized_comm=...)`` can quantize: ZeRO-3's weight gathers, its gradient reductions, or both."""
+QUANTIZED_COMM = (*PARTS, "+".join(PARTS))
+"""What ``Plan(quantized_comm=...)`` can quantize: ZeRO-3's weight gathers, its gradient reductions, or both (each
+part int8, or int4 with ``":int4"``: :func:`zjax.comm.parse`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,7 @@ class _Manual:
     axes: tuple[str, ...]  # the data axes the region is manual over
     dtype: Any  # the compute dtype the model reads parameters in
     reduction: Reduction
-    weights: bool  # whether the gathers quantize
+    weights: Wire | None  # how the gathers quantize (None: in the compute dtype)
     hierarchical: bool = False  # hpZ: parameters arrive as their node's shards (split over dp, not replica)
 
 
@@ -52,9 +53,8 @@ class _Manual:
 class _Active:
     specs: dict[tuple[str, ...], tuple[Any, ...]]  # parameter path -> its ZeRO-3 spec, one entry per dim
     zero: dict[tuple[str, ...], frozenset[str]]  # parameter path -> the axes the stage added (not the compute spec's)
-    block: int
+    wire: Wire | None  # how the weight gathers quantize (outside manual); None: only the placements are known
     manual: _Manual | None = None
-    quantize: bool = True  # the weight gathers (outside manual); False: only the placements are known
     read: set[tuple[str, ...]] | None = None  # records the paths read (see :func:`reads`)
     memo: dict[Any, Any] = dataclasses.field(default_factory=dict)  # (path, id) -> (value, gathered), manual
 
@@ -81,21 +81,21 @@ def placement(path: Sequence[str]) -> tuple[tuple[Any, ...], frozenset[str]] | N
 
 
 @contextlib.contextmanager
-def use(placements: Sequence[Any], block: int = DEFAULT_BLOCK, quantize: bool = True) -> Iterator[None]:
+def use(placements: Sequence[Any], wire: Wire | None = None) -> Iterator[None]:
     """While a loss is traced, the parameters are placed as ``placements`` (a parameter layout's
-    :class:`zjax.stages.Placement` s): their ZeRO weight gathers are quantized (``quantize``), and
-    :func:`zjax.comm.lookup` can read an embedding table where it lies."""
-    with _activate(dataclasses.replace(_active(placements, block), quantize=quantize)):
+    :class:`zjax.stages.Placement` s): their ZeRO weight gathers are quantized as ``wire`` says (``None``: not),
+    and :func:`zjax.comm.lookup` can read an embedding table where it lies."""
+    with _activate(_active(placements, wire)):
         yield
 
 
-def _active(placements: Sequence[Any], block: int, manual: _Manual | None = None) -> _Active:
+def _active(placements: Sequence[Any], wire: Wire | None, manual: _Manual | None = None) -> _Active:
     specs, zero = {}, {}
     for p in placements:
         path, spec = tuple(p.leaf.path.split("/")), p.sharded
         specs[path] = tuple(spec) + (None,) * (len(p.leaf.shape) - len(spec))
         zero[path] = frozenset(spec_axes(spec)) - frozenset(spec_axes(p.compute))  # an expert's ep stays split
-    return _Active(specs, zero, block, manual)
+    return _Active(specs, zero, wire, manual)
 
 
 @contextlib.contextmanager
@@ -113,24 +113,25 @@ def manual(
     axes: Sequence[str],
     dtype: Any,
     reduction: Reduction,
-    weights: bool = False,
-    block: int = DEFAULT_BLOCK,
+    weights: Wire | None = None,
     hierarchical: bool = False,
 ) -> Iterator[None]:
     """Trace a loss inside a ``shard_map`` manual over the data ``axes`` whose parameters enter as this rank's
-    ZeRO-3 shards (:func:`manual_spec`): :func:`gathered` gathers each one over the ZeRO axes in ``dtype`` (int8
-    with ``weights``) and reduces its gradient as ``reduction`` says. ``hierarchical`` (hpZ): they enter as their
-    node's shards (:func:`to_node`), gathered and reduced over the axes other than ``replica``."""
+    ZeRO-3 shards (:func:`manual_spec`): :func:`gathered` gathers each one over the ZeRO axes in ``dtype`` (as
+    ``weights``' integer blocks when given) and reduces its gradient as ``reduction`` says. ``hierarchical`` (hpZ):
+    they enter as their node's shards (:func:`to_node`), gathered and reduced over the axes other than
+    ``replica``."""
     settings = _Manual(tuple(axes), jnp.dtype(dtype), reduction, weights, hierarchical)
-    with _activate(_active(placements, block, settings)):
+    with _activate(_active(placements, weights, settings)):
         yield
 
 
-def to_node(x: jax.Array, spec: P, dtype: Any, reduction: Reduction, weights: bool, block: int = DEFAULT_BLOCK):
-    """hpZ inside a region manual over the data axes: this rank's shard ``x`` (``spec``: its manual spec, ``replica``
-    innermost in its dim) cast to ``dtype`` and gathered over ``replica`` into its node's shard (int8 blocks with
-    ``weights``), once per microbatch; the node shard's gradient (summed over ``dp`` per layer by :func:`gathered`) is
-    reduced over ``replica`` into ``x``'s shard as ``reduction`` says (int8 all-to-alls when quantized)."""
+def to_node(x: jax.Array, spec: P, dtype: Any, reduction: Reduction, weights: Wire | None):
+    """hpZ inside a region manual over the data axes: this rank's shard ``x`` (``spec``: its manual spec,
+    ``replica`` innermost in its dim) cast to ``dtype`` and gathered over ``replica`` into its node's shard (as
+    ``weights``' integer blocks when given), once per microbatch; the node shard's gradient (summed over ``dp`` per
+    layer by :func:`gathered`) is reduced over ``replica`` into ``x``'s shard as ``reduction`` says (int8
+    all-to-alls when quantized)."""
     dims = [d for d, entry in enumerate(spec) if entry is not None and REPLICA in _axes(entry)]
     dim = dims[0] if dims else None
 
@@ -138,7 +139,7 @@ def to_node(x: jax.Array, spec: P, dtype: Any, reduction: Reduction, weights: bo
         v = v.astype(dtype)
         if dim is None:
             return v
-        return all_gather(v, REPLICA, dim, block if weights else None)
+        return all_gather(v, REPLICA, dim, weights)
 
     @jax.custom_vjp
     def run(v: jax.Array) -> jax.Array:
@@ -174,7 +175,7 @@ def reads_shards() -> bool:
 def reads(fn: Any, *args: Any) -> set[tuple[str, ...]]:
     """The parameter paths ``fn(*args)`` reads through :func:`gathered` (traced abstractly, nothing runs)."""
     record: set[tuple[str, ...]] = set()
-    with _activate(_Active({}, {}, DEFAULT_BLOCK, read=record)):
+    with _activate(_Active({}, {}, None, read=record)):
         jax.eval_shape(fn, *args)
     return record
 
@@ -192,7 +193,7 @@ def gather_unread(params: Any, read: set[tuple[str, ...]]) -> Any:
 
 def gathered(value: Any, path: Sequence[str], now: bool = False) -> Any:
     """The parameter at ``path`` (its keys in the params tree, e.g. ``("layers", "wq")``), whole over the ZeRO
-    axes: gathered as int8 under :func:`use` with quantization, else ``value`` as it is (GSPMD gathers it in its
+    axes: gathered as integer blocks under :func:`use` with a wire, else ``value`` as it is (GSPMD gathers it in its
     dtype where it is used). ``now``: gathered here in any case, for a reader that loops over it (GSPMD would
     gather it inside the loop, once per iteration forward and again backward, exposed: the LM head's chunks).
 
@@ -207,7 +208,7 @@ def gathered(value: Any, path: Sequence[str], now: bool = False) -> Any:
         return value
     if active.manual is not None:
         return _manual_gather(value, active, tuple(path))
-    if not active.quantize and not now:
+    if active.wire is None and not now:
         return value
     spec = active.specs.get(tuple(path))
     if spec is None or len(spec) not in (value.ndim, value.ndim + 1):
@@ -224,32 +225,32 @@ def gathered(value: Any, path: Sequence[str], now: bool = False) -> Any:
         return value
     whole = list(entries)
     whole[dim] = (kept if len(kept) > 1 else kept[0]) if kept else None
-    return _quantized_gather(value, P(*entries), P(*whole), dim, zero, active.block if active.quantize else None)
+    return _quantized_gather(value, P(*entries), P(*whole), dim, zero, active.wire)
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
     return entry if isinstance(entry, tuple) else (entry,)
 
 
-def across_replica(x: jax.Array, spec: P, node: P, block: int = DEFAULT_BLOCK) -> jax.Array:
+def across_replica(x: jax.Array, spec: P, node: P, wire: Wire) -> jax.Array:
     """hpZ with qwZ: ``x`` (split over ``replica x dp`` by ``spec``, ``replica`` innermost) gathered over ``replica``
-    to its node's shard (``node``, the spec without ``replica``) as int8 blocks with fp32 scales, dequantized on
+    to its node's shard (``node``, the spec without ``replica``) as ``wire``'s blocks with fp32 scales, dequantized on
     arrival; its gradient reduce-scatters back over ``replica`` unquantized. A leaf not split over ``replica`` is
     constrained to ``node``."""
     dims = [d for d, entry in enumerate(spec) if entry is not None and REPLICA in _axes(entry)]
     if not dims or not jnp.issubdtype(x.dtype, jnp.floating):
         return jax.lax.with_sharding_constraint(x, node)
-    return _quantized_gather(x, spec, node, dims[0], (REPLICA,), block)
+    return _quantized_gather(x, spec, node, dims[0], (REPLICA,), wire)
 
 
 def _quantized_gather(
-    x: jax.Array, split: P, whole: P, dim: int, zero: tuple[str, ...], block: int | None
+    x: jax.Array, split: P, whole: P, dim: int, zero: tuple[str, ...], wire: Wire | None
 ) -> jax.Array:
-    """``x`` gathered over ``zero`` along ``dim``: as int8 blocks of ``block`` values, or as it is (``None``)."""
+    """``x`` gathered over ``zero`` along ``dim``: as ``wire``'s integer blocks, or as it is (``None``)."""
     names = set(jax.sharding.get_abstract_mesh().axis_names)
 
     def forward(local: jax.Array) -> jax.Array:
-        return all_gather(local, zero, dim, block)
+        return all_gather(local, zero, dim, wire)
 
     @jax.custom_vjp
     def run(x: jax.Array) -> jax.Array:
@@ -298,14 +299,7 @@ def _manual_gather(x: jax.Array, active: _Active, path: tuple[str, ...]) -> jax.
 
     def gather(v: jax.Array) -> jax.Array:
         v = v.astype(manual.dtype)
-        if not split:
-            return v
-        if manual.weights:
-            q, scale = quantize(v, active.block)
-            q = jax.lax.all_gather(q, split, axis=dim, tiled=True)
-            scale = jax.lax.all_gather(scale, split, axis=dim, tiled=True)
-            return dequantize(q, scale, manual.dtype)
-        return jax.lax.all_gather(v, split, axis=dim, tiled=True)
+        return v if dim is None else all_gather(v, split, dim, manual.weights)
 
     def reduced(g: jax.Array) -> jax.Array:
         return reduce(g, split, dim, whole, manual.reduction)

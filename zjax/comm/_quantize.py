@@ -1,13 +1,56 @@
-"""Blockwise int8 quantization for what crosses the wire: one scale per block of the last dim."""
+"""Blockwise integer quantization for what crosses the wire: one fp32 scale per block of the last dim, int8 values
+or int4 values packed two to a byte, and the ``Plan(quantized_comm=...)`` grammar that picks them."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
 DEFAULT_BLOCK = 256
 """Elements per scale: ZeRO++ quantizes weights in blocks of a few hundred to a few thousand elements; 256
-keeps the scales at 1.6% of the int8 bytes (fp32 scales) and the error per block local."""
+keeps the scales at 1.6% of the int8 bytes (3.1% of int4's) and the error per block local."""
+
+BITS = (8, 4)
+"""The widths a value can cross the wire in: int8, or int4 (ZeRO++'s qgZ sends gradients as int4)."""
+
+PARTS = ("weights", "grads")
+"""What ``Plan(quantized_comm=...)`` can quantize: ZeRO-3's weight gathers and its gradient reductions."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Wire:
+    """How a collective's values cross the wire: ``bits`` per value (8, or 4 packed two to a byte) and one fp32
+    scale per ``block`` values of the last dim."""
+
+    bits: int = 8
+    block: int = DEFAULT_BLOCK
+
+    @property
+    def name(self) -> str:
+        return f"int{self.bits}"
+
+
+def parse(value: str | None) -> tuple[Wire | None, Wire | None]:
+    """``Plan(quantized_comm=...)`` as ``(weights, grads)`` wires (``None``: that part crosses unquantized).
+
+    ``value`` is ``"+"``-joined parts, each ``"weights"`` or ``"grads"`` with an optional ``":int8"`` (the
+    default) or ``":int4"``: ``"weights"``, ``"grads:int4"``, ``"weights+grads:int4"`` (ZeRO++'s pair: int8
+    weights, int4 gradients), ``"weights:int4+grads:int4"``."""
+    if value is None:
+        return None, None
+    wires: dict[str, Wire] = {}
+    for part in str(value).split("+"):
+        what, _, width = part.partition(":")
+        bits = {"": 8, "int8": 8, "int4": 4}.get(width)
+        if what not in PARTS or bits is None or what in wires:
+            raise ValueError(
+                f"quantized_comm={value!r}: {part!r} is not a part; join 'weights' and/or 'grads' with '+', each "
+                "optionally ':int8' (the default) or ':int4', e.g. 'weights', 'weights+grads', 'weights+grads:int4'."
+            )
+        wires[what] = Wire(bits)
+    return wires.get("weights"), wires.get("grads")
 
 
 def block_size(n: int, block: int) -> int:
@@ -15,31 +58,52 @@ def block_size(n: int, block: int) -> int:
     return block if n % block == 0 else n
 
 
-def quantize(x: jax.Array, block: int = DEFAULT_BLOCK) -> tuple[jax.Array, jax.Array]:
-    """``(q int8 [..., n], scales fp32 [..., n / b])`` with ``x ~= q * scale`` per block of ``b`` elements of
-    the last dim (symmetric, round to nearest: ``|x - dequantize(q, s)| <= s / 2 = amax / 254`` per block)."""
+def quantize(x: jax.Array, block: int = DEFAULT_BLOCK, bits: int = 8) -> tuple[jax.Array, jax.Array]:
+    """``(q, scales fp32 [..., n / b])`` with ``x ~= q * scale`` per block of ``b`` elements of the last dim
+    (symmetric, round to nearest: ``|x - dequantize(q, s)| <= s / 2 = amax / (2 (2^(bits-1) - 1))`` per block,
+    ``amax / 254`` for int8, ``amax / 14`` for int4). ``q`` is int8 ``[..., n]``, or for 4 bits uint8
+    ``[..., n / 2]`` holding two values per byte (low nibble first); a block of odd length stays int8."""
+    if bits not in BITS:
+        raise ValueError(f"quantize: bits={bits}; use one of {BITS}.")
     n = x.shape[-1]
     b = block_size(n, block)
+    bits = 8 if b % 2 else bits  # an odd block cannot pack pairs: int8 (only a small leaf's whole dim is odd)
+    top = 2 ** (bits - 1) - 1
     blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], n // b, b)
     amax = jnp.max(jnp.abs(blocks), axis=-1)
-    scale = jnp.where(amax == 0, 1.0, amax / 127.0)  # a non-finite block keeps a non-finite scale: it stays so
-    q = jnp.clip(jnp.round(blocks / scale[..., None]), -127, 127).astype(jnp.int8)
-    return q.reshape(x.shape), scale
+    scale = jnp.where(amax == 0, 1.0, amax / top)  # a non-finite block keeps a non-finite scale: it stays so
+    q = jnp.clip(jnp.round(blocks / scale[..., None]), -top, top).astype(jnp.int8).reshape(x.shape)
+    return (_pack(q) if bits == 4 else q), scale
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """The values ``q * scale`` (per block of the last dim) in ``dtype``."""
-    n, nb = q.shape[-1], scale.shape[-1]
-    blocks = q.astype(jnp.float32).reshape(*q.shape[:-1], nb, n // nb) * scale[..., None]
-    return blocks.reshape(q.shape).astype(dtype)
+    """The values ``q * scale`` (per block of the last dim) in ``dtype``; ``q`` as :func:`quantize` made it (int8,
+    or uint8 with two int4 values per byte)."""
+    values = _unpack(q) if q.dtype == jnp.uint8 else q
+    n, nb = values.shape[-1], scale.shape[-1]
+    blocks = values.astype(jnp.float32).reshape(*values.shape[:-1], nb, n // nb) * scale[..., None]
+    return blocks.reshape(values.shape).astype(dtype)
 
 
-def all_gather(x: jax.Array, axes: str | tuple[str, ...], dim: int, block: int | None) -> jax.Array:
-    """``x`` all-gathered over ``axes`` along ``dim`` (tiled, inside a manual region): as it is (``block`` ``None``)
-    or as int8 blocks of ``block`` values with their fp32 scales, dequantized to ``x``'s dtype on arrival."""
-    if block is None:
+def _pack(q: jax.Array) -> jax.Array:
+    """int8 values in [-7, 7] (an even last dim) as uint8 bytes of two two's-complement nibbles, low first."""
+    nibbles = q.astype(jnp.uint8) & 0xF
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+
+def _unpack(packed: jax.Array) -> jax.Array:
+    """:func:`_pack`'s bytes back as int8 values, twice as many along the last dim."""
+    pair = jnp.stack([packed & 0xF, packed >> 4], axis=-1).astype(jnp.int8)
+    signed = jnp.where(pair >= 8, pair - 16, pair)
+    return signed.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def all_gather(x: jax.Array, axes: str | tuple[str, ...], dim: int, wire: Wire | None) -> jax.Array:
+    """``x`` all-gathered over ``axes`` along ``dim`` (tiled, inside a manual region): as it is (``wire`` ``None``)
+    or as ``wire``'s integer blocks with their fp32 scales, dequantized to ``x``'s dtype on arrival."""
+    if wire is None:
         return jax.lax.all_gather(x, axes, axis=dim, tiled=True)
-    q, scale = quantize(x, block)
+    q, scale = quantize(x, wire.block, wire.bits)
     q = jax.lax.all_gather(q, axes, axis=dim, tiled=True)
     scale = jax.lax.all_gather(scale, axes, axis=dim, tiled=True)
     return dequantize(q, scale, x.dtype)

@@ -12,7 +12,7 @@ from typing import Any, cast
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from ..comm import QUANTIZED_COMM
+from ..comm import Wire, parse
 from ..offload._config import Offload
 from ..pipeline import Pipeline
 from ..sharding._axes import CP, DP, EP, MESH_AXES, PP, REPLICA
@@ -87,19 +87,22 @@ class PlanConfig:
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ValueError(f"Plan: clip_norm={self.clip_norm} must be > 0 or None.")
         if self.quantized_comm is not None:
-            if self.quantized_comm not in QUANTIZED_COMM:
-                raise ValueError(f"Plan: quantized_comm={self.quantized_comm!r}; use one of {QUANTIZED_COMM} or None.")
+            try:
+                parse(self.quantized_comm)
+            except ValueError as error:
+                raise ValueError(f"Plan: {error} Or None: no quantization.") from None
             if not self.stage.shard_parameters:
                 raise ValueError(
                     f"Plan: quantized_comm={self.quantized_comm!r} quantizes ZeRO-3's weight gathers and gradient "
                     f"reductions: it needs stage 3 (got stage {self.stage.level}). Use stage=3, or quantized_comm=None."
                 )
             gather = None if self.pipeline is None else self.pipeline.zero3_gather
-            if self.pipeline is not None and (self.quantized_comm != "weights" or gather != "chunk"):
+            if self.pipeline is not None and (self.grads_wire is not None or gather != "chunk"):
                 raise ValueError(
                     f"Plan: quantized_comm={self.quantized_comm!r} under a pipeline: its stages gather their chunks "
-                    f"as int8 with Pipeline(zero3_gather='chunk') and quantized_comm='weights' (got zero3_gather="
-                    f"{gather!r}); gradients reduce in the compute dtype there. Use those, or quantized_comm=None."
+                    f"quantized with Pipeline(zero3_gather='chunk') and quantized_comm='weights' (or 'weights:int4'; "
+                    f"got zero3_gather={gather!r}); gradients reduce in the compute dtype there. Use those, or "
+                    "quantized_comm=None."
                 )
         if not isinstance(self.compute_copy, bool):
             raise TypeError(f"Plan: compute_copy must be True or False, got {self.compute_copy!r}.")
@@ -184,14 +187,24 @@ class PlanConfig:
         return self.precision.master_weights and not self.compute_copy
 
     @property
+    def weights_wire(self) -> Wire | None:
+        """How ZeRO-3's weight gathers cross the ZeRO axes quantized (``quantized_comm`` with weights), or ``None``."""
+        return parse(self.quantized_comm)[0]
+
+    @property
+    def grads_wire(self) -> Wire | None:
+        """How gradients cross the data axes quantized (``quantized_comm`` with grads), or ``None``."""
+        return parse(self.quantized_comm)[1]
+
+    @property
     def quantizes_weights(self) -> bool:
-        """Whether ZeRO-3's weight gathers cross the ZeRO axes as int8 (``quantized_comm`` with weights)."""
-        return self.quantized_comm in ("weights", "weights+grads")
+        """Whether ZeRO-3's weight gathers cross the ZeRO axes quantized."""
+        return self.weights_wire is not None
 
     @property
     def quantizes_grads(self) -> bool:
-        """Whether gradients cross the data axes as int8 (``quantized_comm`` with grads)."""
-        return self.quantized_comm in ("grads", "weights+grads")
+        """Whether gradients cross the data axes quantized."""
+        return self.grads_wire is not None
 
     @property
     def reduces_gradients(self) -> bool:

@@ -147,7 +147,7 @@ def zero3_grads(
     rules = without_axes(cast(Rules, plan.rules).activations_for(mesh), set(axes))
     compute = plan.precision.compute_dtype
     placements = layout.params.placements
-    reduction = comm.Reduction(dtype=plan.reduce_dtype, quantized=plan.quantizes_grads)
+    reduction = comm.Reduction(dtype=plan.reduce_dtype, wire=plan.grads_wire)
 
     # which parameters the loss reads through comm.gathered (the rest are gathered before it)
     whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute), primal)
@@ -159,21 +159,21 @@ def zero3_grads(
         read = comm.reads(loss_fn, whole, rows)
 
     specs = jax.tree.map(lambda s: comm.manual_spec(s, axes), layout.master_specs, is_leaf=_is_spec)
-    hpz, quantized = plan.hpz, plan.quantizes_weights  # hpZ: int8 (qwZ) on the gather across nodes only
+    hpz, wire = plan.hpz, plan.weights_wire  # hpZ: qwZ on the gather across nodes only
 
     def local(p, rows, key):
         key = jax.random.fold_in(key, jax.lax.axis_index(axes))
 
         def gather(shards: Any) -> Any:
             if hpz:  # every parameter to its node's shard, once per microbatch; its gradient back over replica
-                node = lambda x, s: to_node(x, s, compute, reduction, quantized)  # noqa: E731
+                node = lambda x, s: to_node(x, s, compute, reduction, wire)  # noqa: E731
                 shards = jax.tree.map(node, shards, specs, is_leaf=_is_spec)
             return comm.gather_unread(shards, read)
 
         with (
             nn.logical_axis_rules(rules),
             manual_data_axes(),
-            comm.manual(placements, axes, compute, reduction, weights=quantized and not hpz, hierarchical=hpz),
+            comm.manual(placements, axes, compute, reduction, weights=None if hpz else wire, hierarchical=hpz),
         ):
             acc, (losses, auxes) = _accumulate(_scaled_loss(loss, scale, n, key, gather), p, rows, k)
         aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)

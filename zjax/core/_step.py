@@ -46,8 +46,10 @@ def _compute_params(plan: PlanConfig, layout: StateLayout, params: Any) -> Any:
         dtype = plan.precision.compute_dtype
         cast = jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
         params = _constrain(cast, layout.param_specs, plan.mesh)
-    if plan.hpz and plan.quantizes_weights:
-        return jax.tree.map(across_replica, params, layout.param_specs, layout.params.node_specs)
+    if plan.hpz and plan.weights_wire is not None:
+        wire = plan.weights_wire
+        gather = lambda x, spec, node: across_replica(x, spec, node, wire)  # noqa: E731
+        return jax.tree.map(gather, params, layout.param_specs, layout.params.node_specs)
     return _constrain(params, layout.params.node_specs, plan.mesh) if plan.hpz else params
 
 
@@ -87,8 +89,8 @@ def _placing(plan: PlanConfig, layout: StateLayout) -> contextlib.AbstractContex
     """At stage 3, the parameters' placements while the loss is traced (:mod:`zjax.comm`: qwZ's gathers, the lookup
     on the table's shard; with hpZ qwZ is the gather across nodes, before the loss); a pipeline's chunk gathers."""
     if plan.pipeline is not None or not plan.stage.shard_parameters:
-        return quantizing(comm.DEFAULT_BLOCK if plan.quantizes_weights else None)
-    return comm.use(layout.params.placements, quantize=plan.quantizes_weights and not plan.hpz)
+        return quantizing(plan.weights_wire)
+    return comm.use(layout.params.placements, None if plan.hpz else plan.weights_wire)
 
 
 def _mismatch(error: ValueError) -> bool:

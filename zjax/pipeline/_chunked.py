@@ -13,7 +13,7 @@ from ..comm._quantize import all_gather
 from ..sharding._axes import DP, PP
 from ..sharding._mesh import mesh_platform
 from ._config import Pipeline
-from ._context import quantize_block
+from ._context import quantize_wire
 from ._scan import _Loop, _where_stage
 
 
@@ -41,7 +41,7 @@ def _chunked(
     gradient over the two phases that used it and reduce-scatters it once.
     """
     loop = _Loop(stage_fn, cfg, stages, fill, None)
-    block = quantize_block()  # Plan(quantized_comm="weights"): the chunks cross dp as int8 blocks
+    wire = quantize_wire()  # Plan(quantized_comm="weights"): the chunks cross dp as integer blocks
     m_, r_ = loop.m, loop.r
 
     treedef = jax.tree.structure(stacked)
@@ -57,7 +57,7 @@ def _chunked(
         def one(w: jax.Array, d: int | None) -> jax.Array:
             if d is None:
                 return w
-            return _per_stage(lambda x: all_gather(x, DP, d - 1, block), w)  # noqa: B023
+            return _per_stage(lambda x: all_gather(x, DP, d - 1, wire), w)  # noqa: B023
 
         return per_leaf(one, stacked)
 

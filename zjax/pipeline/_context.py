@@ -6,13 +6,16 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 
 from ..sharding._axes import DATA_AXES
 from ._config import Pipeline
+
+if TYPE_CHECKING:
+    from ..comm._quantize import Wire
 
 _CURRENT: contextvars.ContextVar[Pipeline | None] = contextvars.ContextVar("zjax_pipeline", default=None)
 
@@ -60,22 +63,22 @@ def accumulating(dtype: Any) -> Iterator[None]:
         _ACCUMULATE.reset(token)
 
 
-_QUANTIZE: contextvars.ContextVar[int | None] = contextvars.ContextVar("zjax_pipeline_quantize", default=None)
+_QUANTIZE: contextvars.ContextVar[Wire | None] = contextvars.ContextVar("zjax_pipeline_quantize", default=None)
 
 
 @contextlib.contextmanager
-def quantizing(block: int | None) -> Iterator[None]:
-    """While a step traces its loss: ``zero3_gather="chunk"`` gathers each chunk over ``dp`` as int8 blocks of
-    ``block`` values with fp32 scales (``Plan(quantized_comm="weights")``; ``None``: in the compute dtype)."""
-    token = _QUANTIZE.set(block)
+def quantizing(wire: Wire | None) -> Iterator[None]:
+    """While a step traces its loss: ``zero3_gather="chunk"`` gathers each chunk over ``dp`` as ``wire``'s integer
+    blocks with fp32 scales (``Plan(quantized_comm="weights")``; ``None``: in the compute dtype)."""
+    token = _QUANTIZE.set(wire)
     try:
         yield
     finally:
         _QUANTIZE.reset(token)
 
 
-def quantize_block() -> int | None:
-    """The block size set by :func:`quantizing` (``None``: the gathers are not quantized)."""
+def quantize_wire() -> Wire | None:
+    """The wire set by :func:`quantizing` (``None``: the gathers are not quantized)."""
     return _QUANTIZE.get()
 
 

@@ -27,13 +27,14 @@ from ._targets import get_target
 
 
 def wire_dtypes(plan: Plan) -> str:
-    """What crosses the data axes: ``weights/grads`` at stage 3 (``int8/bf16`` with qwZ, ``bf16/float32`` with
-    ``reduce_dtype``), the gradients' dtype at stages 0-2."""
+    """What crosses the data axes: ``weights/grads`` at stage 3 (``int8/bf16`` with qwZ, ``int8/int4`` with
+    ``"weights+grads:int4"``, ``bf16/float32`` with ``reduce_dtype``), the gradients' dtype at stages 0-2."""
     short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
     name = lambda dtype: short.get(jnp.dtype(dtype).name, jnp.dtype(dtype).name)  # noqa: E731
     compute = name(plan.precision.compute_dtype)
-    weights = "int8" if plan.quantizes_weights else compute
-    grads = "int8" if plan.quantizes_grads else name(plan.reduce_dtype) if plan.reduce_dtype is not None else compute
+    weights = plan.weights_wire.name if plan.weights_wire is not None else compute
+    grads = name(plan.reduce_dtype) if plan.reduce_dtype is not None else compute
+    grads = plan.grads_wire.name if plan.grads_wire is not None else grads
     return f"{weights}/{grads}" if plan.stage.shard_parameters else grads
 
 

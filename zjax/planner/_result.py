@@ -188,10 +188,11 @@ class Estimate:
                 "; bubble = the most idle ticks of a pipeline stage / ticks, on the schedule's table the step runs; "
                 "pp = comm over pp (stage-to-stage messages); temp = the busiest stage's"
             )
-        quant = len({r.wire for r in self.rows if r.stage == 3}) > 1 or any("int8" in r.wire for r in self.rows)
+        quant = len({r.wire for r in self.rows if r.stage == 3}) > 1 or any("int" in r.wire for r in self.rows)
         if quant:
+            ints = "int8, int4" if any("int4" in r.wire for r in self.rows) else "int8"
             head += (
-                "; wire = what the data-parallel gradients and stage 3's weights cross in (int8: ZeRO++'s blocks, "
+                f"; wire = what the data-parallel gradients and stage 3's weights cross in ({ints}: ZeRO++'s blocks, "
                 "fp32 scales included in comm)"
             )
         copies = any(not r.compute_copy for r in self.rows)
