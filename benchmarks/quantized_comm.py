@@ -1,5 +1,6 @@
 """Convergence with quantized collectives (ZeRO++): the example's loss curve at stage 3 with bf16, int8 weight
-gathers (qwZ), int8 gradient reductions (qgZ) and both, on 8 simulated CPU devices.
+gathers (qwZ), int8 gradient reductions (qgZ), both, int8 weights with int4 gradients (ZeRO++'s pair) and int4 both
+ways, on 8 simulated CPU devices.
 
     python benchmarks/quantized_comm.py [--steps 300] [--json runs/quantized_comm.json] [--plot docs/quantized_comm.png]
 
@@ -19,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("none", "weights", "grads", "weights+grads")
+VARIANTS = ("none", "weights", "grads", "weights+grads", "weights+grads:int4", "weights:int4+grads:int4")
 
 
 def run(variant: str, steps: int, extra: list[str]) -> list[float]:
@@ -47,9 +48,16 @@ def plot(curves: dict[str, list[float]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    labels = {"none": "bf16", "weights": "int8 weights (qwZ)", "grads": "int8 gradients (qgZ)"}
+    labels = {
+        "none": "bf16",
+        "weights": "int8 weights (qwZ)",
+        "grads": "int8 gradients (qgZ)",
+        "weights+grads": "int8 weights + gradients",
+        "weights+grads:int4": "int8 weights + int4 gradients",
+        "weights:int4+grads:int4": "int4 weights + gradients",
+    }
     for variant, losses in curves.items():
-        ax.plot(range(1, len(losses) + 1), losses, label=labels.get(variant, "int8 weights + gradients"), lw=1)
+        ax.plot(range(1, len(losses) + 1), losses, label=labels.get(variant, variant), lw=1)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_yscale("log")

@@ -172,20 +172,29 @@ def _figure(page: str, command: str) -> str:
     return found[0]
 
 
-def test_llama2_7b_on_64_gpus_moves_what_int8_allows():
-    """The issue's figure: Llama-2-7B, 64 H100s, stage 3. Weight gathers are 2/3 of ZeRO-3's 3 psi, so int8
-    weights alone move (2/3) / 2 + 1/3 = 0.67 of bf16's bytes and int8 weights and gradients 0.5, each plus
-    the scales (4 bytes per 256 values). Read from docs/concepts/quantized_comm.md's figure of that plan."""
-    text = _figure("docs/concepts/quantized_comm.md", "--quantize-comm none,weights,grads,weights+grads")
-    comm = {}  # wire dtypes (weights/grads) -> bytes per step, the table's "comm" column (GB, 3 decimals)
+def test_llama2_7b_on_64_gpus_moves_what_int8_and_int4_allow():
+    """The issue's figure: Llama-2-7B, 64 H100s, stage 3. Weight gathers are 2/3 of ZeRO-3's 3 psi and gradients
+    1/3, so int8 weights alone move (2/3) / 2 + 1/3 = 0.67 of bf16's bytes, int8 weights and gradients 0.5,
+    int8 weights and int4 gradients (ZeRO++'s pair) (2/3) / 2 + (1/3) / 4 = 0.42 and int4 both ways 0.25, each
+    value with its share of the scales (4 bytes per 256 values). Read from docs/concepts/quantized_comm.md's
+    figure of that plan."""
+    text = _figure("docs/concepts/quantized_comm.md", "--quantize-comm none,weights,grads,weights+grads,")
+    comm, psi = {}, {}  # wire dtypes (weights/grads) -> bytes per step ("comm", GB, 3 decimals) and "x psi"
     for line in text.splitlines():
         cells = line.split("|")
         if len(cells) == 4 and cells[0].split()[:3] == ["3", "full", "1"]:
             comm[cells[0].split()[3]] = float(cells[3].split()[0]) * 1e9
-    assert set(comm) == {"bf16/bf16", "int8/bf16", "bf16/int8", "int8/int8"}, text
-    scales = 1 + 4 / 256
-    for wire, share in (("int8/bf16", 2 / 3 * 0.5 * scales + 1 / 3), ("int8/int8", 0.5 * scales)):
+            psi[cells[0].split()[3]] = float(cells[3].split()[1])
+    assert set(comm) == {"bf16/bf16", "int8/bf16", "bf16/int8", "int8/int8", "int8/int4", "int4/int4"}, text
+    int8, int4 = 0.5 + 2 / 256, 0.25 + 2 / 256  # bytes per bf16 byte: values and scales
+    shares = {"int8/bf16": 2 / 3 * int8 + 1 / 3, "int8/int8": int8, "int8/int4": 2 / 3 * int8 + 1 / 3 * int4}
+    shares["int4/int4"] = int4
+    for wire, share in shares.items():
         assert comm[wire] == pytest.approx(share * comm["bf16/bf16"], rel=0.01), (wire, comm)
+    # "x psi" counts qgZ's all-to-alls as ZeRO traffic (they are its gradient reduction)
+    for wire, share in shares.items():
+        assert psi[wire] == pytest.approx(share * psi["bf16/bf16"], abs=0.03), (wire, psi)
+    assert comm["int8/int4"] <= 0.43 * comm["bf16/bf16"] and comm["int4/int4"] <= 0.4 * comm["bf16/bf16"]
 
 
 def test_llama2_7b_on_8_gpus_without_the_compute_copy_holds_maxtexts_state():

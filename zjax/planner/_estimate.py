@@ -155,7 +155,8 @@ def estimate_fn(
                 theory=theory,
                 compiled=compiled_bytes,
                 comm=comm,
-                comm_psi=_data_volume(comm) / (report.params_per_group * plan.precision.compute_bytes)
+                comm_psi=_data_volume(comm, plan.quantizes_grads)
+                / (report.params_per_group * plan.precision.compute_bytes)
                 if report.params_per_group
                 else 0.0,
                 compile_seconds=time.perf_counter() - start,
@@ -191,13 +192,14 @@ def _pipeline_fields(schedule: Pipeline | None, stages: int) -> dict[str, Any]:
     return {"schedule": schedule.schedule, "bubble": idle, "ticks": tab.ticks, "in_flight": kept}
 
 
-def _data_volume(comm: Communication) -> int:
+def _data_volume(comm: Communication, quantized_grads: bool = False) -> int:
     """The volume of ZeRO's traffic: collectives over the data-parallel axes (dp, replica and ep, with cp where
     ZeRO's shards span dp x cp); a collective over cp alone is attention's (keys and values), not ZeRO's, and an
-    all-to-all is an MoE's token dispatch (over ep) or a reshard, never ZeRO's."""
+    all-to-all is an MoE's token dispatch (over ep) or a reshard, not ZeRO's, except qgZ's (``quantized_grads``:
+    the gradients' all-to-alls over dp and replica)."""
     data, zero = {"dp", "replica", "ep"}, {"dp", "replica", "ep", "cp"}
     return sum(
-        v - comm.all_to_all_by_axes.get(axes, 0)
+        v - (0 if quantized_grads and set(axes) <= {"dp", "replica"} else comm.all_to_all_by_axes.get(axes, 0))
         for axes, v in comm.by_axes.items()
         if set(axes) & data and set(axes) <= zero
     )
