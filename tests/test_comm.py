@@ -147,8 +147,9 @@ def test_quantized_comm_needs_stage_3_without_a_pipeline():
 # -- gradients reduced by zjax: in fp32, or as int8 through all-to-alls (qgZ) -----------------------------------------
 
 
-def _reduce_on(mesh, parts, split, dim, whole, how):
-    """``comm.reduce`` of per-rank parts ``[ranks, ...]`` (rank order: the mesh's data axes)."""
+def _reduce_on(mesh, parts, split, dim, whole, how, hlo=None):
+    """``comm.reduce`` of per-rank parts ``[ranks, ...]`` (rank order: the mesh's data axes); its collectives
+    appended to ``hlo`` when given."""
     axes = (*whole, *split) if whole else split  # replica outermost
     manual = set(split) | set(whole)
 
@@ -157,7 +158,10 @@ def _reduce_on(mesh, parts, split, dim, whole, how):
 
     with jax.set_mesh(mesh):  # out: each rank's shard, stacked in rank order
         fn = jax.shard_map(local, mesh=mesh, in_specs=P(axes), out_specs=P(axes), axis_names=manual, check_vma=False)
-        return np.asarray(jax.jit(fn)(jnp.asarray(parts)))
+        fn = jax.jit(fn)
+        if hlo is not None:
+            hlo.extend(collectives(partitioned_hlo(fn.lower(jnp.asarray(parts)))[1]))
+        return np.asarray(fn(jnp.asarray(parts)))
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -172,7 +176,13 @@ def test_a_quantized_reduction_is_within_each_ranks_half_step(hsdp, bits):
     rs = np.random.RandomState(1)
     block = 16
     parts = (rs.randn(8, 32, 64) * rs.lognormal(size=(8, 1, 64))).astype(np.float32)  # [rank, rows, cols]
-    out = _reduce_on(mesh, parts, split, 0, whole, comm.Reduction(wire=comm.Wire(bits, block)))
+    hlo: list = []
+    out = _reduce_on(mesh, parts, split, 0, whole, comm.Reduction(wire=comm.Wire(bits, block)), hlo)
+    # on the wire: one byte per value (int8) or per two (int4 in uint8), and an fp32 scale per block
+    values = [c for c in hlo if c.kind in ("all-to-all", "all-gather") and c.dtype != "f32"]
+    assert {c.dtype for c in values} == {"s8" if bits == 8 else "u8"}, [(c.kind, c.dtype) for c in hlo]
+    first = next(c for c in values if c.kind == "all-to-all")  # each rank's [32, 64] part, once
+    assert first.bytes == 32 * 64 * bits // 8
     step = 2 * (2 ** (bits - 1) - 1)  # a half step is amax / 254 (int8) or amax / 14 (int4)
     exact = parts.sum(0)
     n_dp = 4 if hsdp else 8
