@@ -67,12 +67,11 @@ def saved(tmp_path_factory):
     return _Saved(tmp_path_factory)
 
 
-# Every pair runs in CI; the fast suite keeps the ends (stages 0 and 3) as sources.
+# Every pair runs in CI but from stage 2, whose saved state is stage 1's (only the gradients, never saved,
+# differ); the fast suite keeps the ends (stages 0 and 3) as sources.
 @pytest.mark.parametrize("mesh_name", sorted(MESHES))
 @pytest.mark.parametrize("to_stage", range(4))
-@pytest.mark.parametrize(
-    "from_stage", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3]
-)
+@pytest.mark.parametrize("from_stage", [0, pytest.param(1, marks=pytest.mark.slow), 3])
 def test_reshard_matrix(saved, from_stage, to_stage, mesh_name):
     directory, want, tx = saved[from_stage]
     plan = zjax.Plan(zjax.make_mesh(**MESHES[mesh_name]), stage=to_stage, precision="bf16")

@@ -245,7 +245,7 @@ CFG4 = dataclasses.replace(CFG, layers=4)
 @pytest.mark.parametrize(
     ("schedule", "mode", "stage", "repeats"),
     [
-        ("1f1b", "all-gather", 0, 1),
+        pytest.param("1f1b", "all-gather", 0, 1, marks=pytest.mark.slow),  # fast: cp in GPipe, 1F1B without cp
         pytest.param("interleaved-1f1b", "all-gather", 3, 2, marks=pytest.mark.slow),
         pytest.param("gpipe", "ring", 2, 2, marks=pytest.mark.slow),  # the circular schedule
     ],
@@ -339,12 +339,17 @@ def tp_collectives(rules):
     return [c for c in found if spanned_axes(c.groups, mesh) == ("tp",)]
 
 
-def test_sequence_parallelism_turns_tp_all_reduces_into_reduce_scatters_and_changes_no_number():
-    """tp=2: with sequence parallelism (the default) the residual stream is split over tp, so each
-    tensor-parallel region ends in a reduce-scatter over tp, not an all-reduce, and the model trains the
-    same (fp32, 1e-5) as with it off."""
+@pytest.mark.slow  # sequence parallelism is the default: the fast dp x tp tests train with it
+def test_sequence_parallelism_changes_no_number():
+    """tp=2: the model trains the same (fp32, 1e-5) with sequence parallelism and without."""
     off = zjax.Rules(sequence_parallel=False)
     check_same(train({"dp": 4, "tp": 2}), train({"dp": 4, "tp": 2}, rules=off))
+
+
+def test_sequence_parallelism_turns_tp_all_reduces_into_reduce_scatters():
+    """tp=2: with sequence parallelism (the default) the residual stream is split over tp, so each
+    tensor-parallel region ends in a reduce-scatter over tp, not an all-reduce."""
+    off = zjax.Rules(sequence_parallel=False)
     with_sp, without = tp_collectives(None), tp_collectives(off)
     act = ROWS // 4 * SEQ * CFG.embed * 4  # one data shard's residual stream in fp32
     layer = lambda cs, kind: [c for c in cs if c.in_loop and c.kind == kind and c.bytes >= act // 2]  # noqa: E731
@@ -373,6 +378,7 @@ def nested_step(remat: str, layers: int = 16, rows: int = 64, seq: int = 128):
     return float(metrics["loss"]), jax.device_get(new.params), compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow  # two 16-layer compiles; test_remat trains the Decoder with nested remat at stage 3
 def test_nested_checkpointing_trains_the_same_model_and_keeps_fewer_layer_inputs():
     """16 layers in groups of 4: the same loss and update as per-layer full remat (fp32), and compiled
     temporaries smaller by at least half of the 8 layer inputs it does not keep (4 + 4 saved instead of 16)."""

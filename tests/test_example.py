@@ -187,12 +187,12 @@ def test_evaluation_does_not_change_the_training_rows():
             np.testing.assert_array_equal(value, evaluated.batch(step)[key], err_msg=key)
 
 
-@pytest.mark.slow  # three runs of the script; the numerics of every cp layout are tested in-process (test_context)
+@pytest.mark.slow  # two runs of the script; the numerics of every cp layout are tested in-process (test_context)
 def test_context_parallel_runs_print_the_dp_runs_losses(tmp_path):
-    """fp32, packed rows: --mesh dp=2,cp=4 and dp=2,tp=2,cp=2 (sequence parallel) train to dp=8's losses."""
+    """fp32, packed rows: --mesh dp=2,tp=2,cp=2 (sequence parallel) trains to dp=8's losses."""
     flags = ("--precision", "fp32", "--seed", "1")
     want = run_example(tmp_path, "dp", "--mesh", "dp=8", *flags)["losses"]
-    for name, mesh in (("cp", "dp=2,cp=4"), ("tpcp", "dp=2,tp=2,cp=2")):
+    for name, mesh in (("tpcp", "dp=2,tp=2,cp=2"),):
         got = run_example(tmp_path, name, "--mesh", mesh, *flags)
         assert got["mesh"]["cp"] == int(mesh[-1])
         np.testing.assert_allclose(got["losses"], want, atol=1e-5)

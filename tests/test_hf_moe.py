@@ -198,6 +198,7 @@ def test_moe_layer_matches_hugging_face(checkpoints, kind):
         assert float(np.sum(stats["tokens"])) == x.shape[0] * x.shape[1] * hf["num_experts_per_tok"]
 
 
+@pytest.mark.slow  # the expert mapping and the sharded load are tested fast (the layer vs HF, export = import)
 def test_loaded_loss_equals_the_tree_made_by_hand(checkpoints):
     hf, directory = CONFIGS["mixtral"], checkpoints["mixtral"]
     model = from_hf_config(directory)

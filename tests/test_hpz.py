@@ -28,6 +28,7 @@ def _decoder_step(hpz: bool, precision: str = "bf16", quantized_comm: str | None
     return plan, state, plan.train_step(lambda p, b: lm_loss(model, p, b)), plan.shard_batch(TOKENS)
 
 
+@pytest.mark.slow  # the fast 7B figure tests read hpZ's bytes across and inside nodes from the GPU compiler
 def test_hpz_gathers_across_nodes_once_per_step_and_every_layer_inside_the_node():
     """The Decoder on replica=2 x dp=4 with hpZ: the state is split over all 8 ranks, the parameters cross
     ``replica`` before the layer loop, and every gather inside it stays within ``dp``."""

@@ -39,8 +39,8 @@ def test_registry_round_trip(name):
 
 
 # Partitioned twins compile to the same single-device program; their numerics under tp are tested below.
-# One policy of each kind runs in the fast suite, the rest in the slow step.
-FAST = ("full", "dots", "minimal")
+# One policy of each kind runs in the fast suite (nested too: its training test is slow), the rest in the slow step.
+FAST = ("full", "dots", "minimal", "nested")
 
 
 @pytest.mark.parametrize(
