@@ -100,6 +100,7 @@ def codec_figures(tiny: bool, repeats: int = 10) -> dict:
     x = jax.random.normal(jax.random.key(0), (n // 4096, 4096), jnp.float32)
     xb = x.astype(jnp.bfloat16)
     q, s = jax.jit(_quantize.quantize)(xb)
+    q4, _ = jax.jit(lambda a: _quantize.quantize(a, bits=4))(xb)
     scale_bytes = s.size * 4
 
     def timed(fn, *args) -> float:
@@ -119,6 +120,16 @@ def codec_figures(tiny: bool, repeats: int = 10) -> dict:
             lambda a, b: _quantize.dequantize(a, b, jnp.bfloat16),
             (q, s),
             3 * n + scale_bytes,
+        ),
+        "quantize bf16 -> int4 + scales": (
+            lambda a: _quantize.quantize(a, bits=4),
+            (xb,),
+            2 * n + n // 2 + scale_bytes,
+        ),
+        "dequantize int4 + scales -> bf16": (
+            lambda a, b: _quantize.dequantize(a, b, jnp.bfloat16),
+            (q4, s),
+            n // 2 + 2 * n + scale_bytes,
         ),
         "cast fp32 -> bf16": (lambda a: a.astype(jnp.bfloat16), (x,), 6 * n),
         "cast fp32 -> int8 + scales": (_quantize.quantize, (x,), 5 * n + scale_bytes),
@@ -140,7 +151,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (the default without a GPU)")
-    parser.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to time, e.g. 0,3")
+    parser.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to time, e.g. 0,3 ('' for none)")
     parser.add_argument("--no-adamw", action="store_true", help="skip the fused AdamW figures")
     parser.add_argument("--compute-copy", default="keep", help="keep, drop or keep,drop (Plan(compute_copy=...))")
     parser.add_argument("--codec", action="store_true", help="time int8 block (de)quantization and the cast")
@@ -165,6 +176,7 @@ def main() -> None:
     out["steps"] = [
         step_figures(int(stage), tiny, copies[copy])
         for stage in args.stages.split(",")
+        if stage
         for copy in args.compute_copy.split(",")
     ]
     print(f"{'stage':>5}{'copy':>6}{'step s':>10}{'tok/s':>12}{'planned GB':>12}{'measured GB':>13}{'MFU':>8}")
