@@ -48,12 +48,13 @@ def test_a_block_round_trips_within_half_a_step(block, bits):
     assert q.dtype == jnp.int8 and scale.shape == (6, 1)
 
 
-def test_int4_values_pack_two_to_a_byte_low_nibble_first():
-    x = jnp.asarray([[7.0, -7.0, 3.0, -1.0, 0.0, 7.0, -4.0, 2.0]])
+def test_int4_values_pack_two_to_a_byte_half_a_block_apart():
+    x = jnp.asarray([[7.0, -7.0, 3.0, -1.0, 0.0, 7.0, -4.0, 2.0] * 2]) * jnp.asarray([1.0] * 8 + [2.0] * 8)
     q, scale = comm.quantize(x, 8, 4)
-    assert float(scale[0, 0]) == 1.0
-    # two's complement nibbles: (7, -7) -> 0x97, (3, -1) -> 0xF3, (0, 7) -> 0x70, (-4, 2) -> 0x2C
-    assert np.asarray(q).tolist() == [[0x97, 0xF3, 0x70, 0x2C]]
+    assert np.asarray(scale).tolist() == [[1.0, 2.0]]
+    # two's complement nibbles, value j low and value j + 4 high: (7, 0) -> 0x07, (-7, 7) -> 0x79,
+    # (3, -4) -> 0xC3, (-1, 2) -> 0x2F; the second block the same at twice the scale
+    assert np.asarray(q).tolist() == [[0x07, 0x79, 0xC3, 0x2F] * 2]
     np.testing.assert_array_equal(comm.dequantize(q, scale, jnp.float32), x)
 
 

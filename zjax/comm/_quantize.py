@@ -62,7 +62,8 @@ def quantize(x: jax.Array, block: int = DEFAULT_BLOCK, bits: int = 8) -> tuple[j
     """``(q, scales fp32 [..., n / b])`` with ``x ~= q * scale`` per block of ``b`` elements of the last dim
     (symmetric, round to nearest: ``|x - dequantize(q, s)| <= s / 2 = amax / (2 (2^(bits-1) - 1))`` per block,
     ``amax / 254`` for int8, ``amax / 14`` for int4). ``q`` is int8 ``[..., n]``, or for 4 bits uint8
-    ``[..., n / 2]`` holding two values per byte (low nibble first); a block of odd length stays int8."""
+    ``[..., n / 2]`` holding two values per byte (a block's first half in the low nibbles, its second half in
+    the high ones); a block of odd length stays int8."""
     if bits not in BITS:
         raise ValueError(f"quantize: bits={bits}; use one of {BITS}.")
     n = x.shape[-1]
@@ -72,30 +73,36 @@ def quantize(x: jax.Array, block: int = DEFAULT_BLOCK, bits: int = 8) -> tuple[j
     blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], n // b, b)
     amax = jnp.max(jnp.abs(blocks), axis=-1)
     scale = jnp.where(amax == 0, 1.0, amax / top)  # a non-finite block keeps a non-finite scale: it stays so
-    q = jnp.clip(jnp.round(blocks / scale[..., None]), -top, top).astype(jnp.int8).reshape(x.shape)
-    return (_pack(q) if bits == 4 else q), scale
+    q = jnp.clip(jnp.round(blocks / scale[..., None]), -top, top).astype(jnp.int8)
+    if bits == 4:
+        return _pack(q).reshape(*x.shape[:-1], n // 2), scale
+    return q.reshape(x.shape), scale
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """The values ``q * scale`` (per block of the last dim) in ``dtype``; ``q`` as :func:`quantize` made it (int8,
     or uint8 with two int4 values per byte)."""
-    values = _unpack(q) if q.dtype == jnp.uint8 else q
-    n, nb = values.shape[-1], scale.shape[-1]
-    blocks = values.astype(jnp.float32).reshape(*values.shape[:-1], nb, n // nb) * scale[..., None]
-    return blocks.reshape(values.shape).astype(dtype)
+    nb = scale.shape[-1]
+    blocks = q.reshape(*q.shape[:-1], nb, q.shape[-1] // nb)
+    if q.dtype == jnp.uint8:
+        blocks = _unpack(blocks)
+    values = blocks.astype(jnp.float32) * scale[..., None]
+    return values.reshape(*q.shape[:-1], -1).astype(dtype)
 
 
-def _pack(q: jax.Array) -> jax.Array:
-    """int8 values in [-7, 7] (an even last dim) as uint8 bytes of two two's-complement nibbles, low first."""
-    nibbles = q.astype(jnp.uint8) & 0xF
-    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+def _pack(blocks: jax.Array) -> jax.Array:
+    """int8 values in [-7, 7], ``[..., blocks, b]`` (b even), as uint8 ``[..., blocks, b / 2]``: two's-complement
+    nibbles, a block's first half low and its second half high (unpacking is then a concatenation, which fuses
+    into the dequantization; interleaved pairs measured slower on an H100)."""
+    nibbles = blocks.astype(jnp.uint8) & 0xF
+    half = blocks.shape[-1] // 2
+    return nibbles[..., :half] | (nibbles[..., half:] << 4)
 
 
 def _unpack(packed: jax.Array) -> jax.Array:
-    """:func:`_pack`'s bytes back as int8 values, twice as many along the last dim."""
-    pair = jnp.stack([packed & 0xF, packed >> 4], axis=-1).astype(jnp.int8)
-    signed = jnp.where(pair >= 8, pair - 16, pair)
-    return signed.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    """:func:`_pack`'s bytes ``[..., blocks, b / 2]`` back as int8 values ``[..., blocks, b]``."""
+    byte = jax.lax.bitcast_convert_type(packed, jnp.int8)
+    return jnp.concatenate([jnp.left_shift(byte, 4) >> 4, byte >> 4], axis=-1)  # arithmetic shifts sign-extend
 
 
 def all_gather(x: jax.Array, axes: str | tuple[str, ...], dim: int, wire: Wire | None) -> jax.Array:
