@@ -211,9 +211,9 @@ def reference(cfg=CFG, packed=False):
 @pytest.mark.parametrize(
     ("mesh_kw", "stage", "mode", "packed", "window"),
     [
-        # the fast suite keeps one all-gather and one ring case; the slow step adds a window and tp
+        # the fast suite keeps one all-gather case; the slow step adds ring, a window and tp
         ({"dp": 2, "cp": 4}, 3, "all-gather", True, None),
-        ({"dp": 2, "cp": 4}, 3, "ring", True, None),
+        pytest.param({"dp": 2, "cp": 4}, 3, "ring", True, None, marks=pytest.mark.slow),
         pytest.param({"dp": 4, "cp": 2}, 3, "ring", False, 5, marks=pytest.mark.slow),
         pytest.param({"dp": 2, "cp": 2, "tp": 2}, 3, "all-gather", True, 5, marks=pytest.mark.slow),
     ],
@@ -285,6 +285,7 @@ def test_a_pipeline_splits_its_sequences_over_cp():
     assert count_collectives(split.as_text(), mesh).by_axes.get(("cp",), 0) > 0
 
 
+@pytest.mark.slow  # planner compiles; the fast planner tests cover the budget search
 def test_the_budget_search_takes_cp_out_of_dp_when_the_sequences_are_fewer_than_the_devices():
     """Two 1,024-token rows on 8 devices: at fixed global batch cp does not cut the tokens per device, it lets
     fewer rows than devices run. The search skips cp=1 and 2 (2 rows do not split over 8 or 4 data ranks) and

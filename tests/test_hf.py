@@ -217,6 +217,7 @@ def test_same_loss_on_every_layout(bf16_ckpt):
     assert base == pytest.approx(loss(mesh={"dp": 4, "pp": 2}, stage=1, pipeline=pipe), rel=1e-5)
 
 
+@pytest.mark.slow  # packed rows' numerics are tested fast on the Decoder (test_context)
 def test_packed_sequences_equal_separate_ones():
     cfg = DecoderConfig(vocab=64, embed=32, layers=2, heads=4, head_dim=8, mlp=64, max_len=32, kv_heads=2)
     model = zjax.models.Decoder(cfg)

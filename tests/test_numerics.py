@@ -41,7 +41,7 @@ def reference():
     [
         # stage 2 is stage 1 without accumulation (test_accumulation_equals_big_batch covers it), stage 3 on dp8
         # is tested by the model-state and nnx tests: one pair per stage with tp, one without
-        (1, "dp8"),
+        pytest.param(1, "dp8", marks=pytest.mark.slow),
         pytest.param(3, "dp8", marks=pytest.mark.slow),
         (3, "dp4_tp2"),
     ],

@@ -217,6 +217,7 @@ def test_nan_in_bubble_slots_changes_nothing(schedule):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow  # the schedules' bubbles are tested fast on their tables (test_pipeline_schedules)
 def test_bubble_flops_match_the_schedule():
     """Per-device FLOPs of the (unrolled) forward over the ideal share of the sequential FLOPs equal
     (M*R + S - 1) / (M*R): every device computes one stage on one microbatch per iteration."""

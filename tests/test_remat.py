@@ -105,6 +105,7 @@ def test_custom_policy_equals_reference(reference_grads):
         np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow  # a GPU compile; the fast suite keeps the state's pinned_host placements on the GPU target
 def test_offload_policy_places_names_on_pinned_host_for_cuda():
     """CPU compiles drop host placements, so check the CUDA lowering of the offloading step."""
     placement = re.compile(r'_xla_buffer_placement = "pinned_host"\}\} : \(tensor<([0-9x]+)xf32>\)')

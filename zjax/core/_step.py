@@ -47,8 +47,7 @@ def _compute_params(plan: PlanConfig, layout: StateLayout, params: Any) -> Any:
         cast = jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
         params = _constrain(cast, layout.param_specs, plan.mesh)
     if plan.hpz and plan.weights_wire is not None:
-        wire = plan.weights_wire
-        gather = lambda x, spec, node: across_replica(x, spec, node, wire)  # noqa: E731
+        gather = lambda x, spec, node: across_replica(x, spec, node, plan.weights_wire)  # noqa: E731
         return jax.tree.map(gather, params, layout.param_specs, layout.params.node_specs)
     return _constrain(params, layout.params.node_specs, plan.mesh) if plan.hpz else params
 
@@ -86,8 +85,7 @@ def _layout_of(plan: PlanConfig, state: TrainState, what: str) -> StateLayout:
 
 
 def _placing(plan: PlanConfig, layout: StateLayout) -> contextlib.AbstractContextManager:
-    """At stage 3, the parameters' placements while the loss is traced (:mod:`zjax.comm`: qwZ's gathers, the lookup
-    on the table's shard; with hpZ qwZ is the gather across nodes, before the loss); a pipeline's chunk gathers."""
+    """Stage 3's placements while the loss is traced (:mod:`zjax.comm`: qwZ, the lookup); a pipeline's chunk gathers."""
     if plan.pipeline is not None or not plan.stage.shard_parameters:
         return quantizing(plan.weights_wire)
     return comm.use(layout.params.placements, None if plan.hpz else plan.weights_wire)
