@@ -43,7 +43,8 @@ def reference():
         # is tested by the model-state and nnx tests: one pair per stage with tp, one without
         pytest.param(1, "dp8", marks=pytest.mark.slow),
         pytest.param(3, "dp8", marks=pytest.mark.slow),
-        (3, "dp4_tp2"),
+        # fast: test_tp_matches_pure_dp (tp at stage 0), test_model_state (stage 3 against stage 0)
+        pytest.param(3, "dp4_tp2", marks=pytest.mark.slow),
     ],
 )
 def test_stages_match_stage0(reference, mesh_name, stage):
