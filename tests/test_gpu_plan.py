@@ -349,11 +349,18 @@ def test_the_gpu_suite_stays_alive_at_tiny_sizes(tmp_path):
     proc = subprocess.run([*cmd, "--compute-copy", "keep,drop"], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
-    assert [(r["stage"], r["compute_copy"]) for r in data["steps"]] == [(s, c) for s in range(4) for c in (True, False)]
+    # without the compute copy only at stage 3 (stages 0-2 refuse it)
+    assert [(r["stage"], r["compute_copy"]) for r in data["steps"]] == [
+        (0, True),
+        (1, True),
+        (2, True),
+        (3, True),
+        (3, False),
+    ]
     assert set(data["codec"]["rows"]) >= {"quantize bf16 -> int8 + scales", "cast fp32 -> bf16"}
     assert all(r["seconds"] > 0 for r in data["codec"]["rows"].values())
     assert all(r["mfu"] is None and r["device"] == "unknown device" for r in data["steps"])  # no made-up peak on CPU
-    assert data["steps"][6]["planned_peak_bytes"] < data["steps"][0]["planned_peak_bytes"]
+    assert data["steps"][3]["planned_peak_bytes"] < data["steps"][0]["planned_peak_bytes"]
     # MFU's numerator is the model's work per token, not the compiler's count (which sees one scanned layer)
     assert data["steps"][0]["model_flops_per_token"] == zjax.metrics.flops_per_token(CFG, CFG.max_len)
 
