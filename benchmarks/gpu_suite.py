@@ -93,6 +93,7 @@ def codec_figures(tiny: bool, repeats: int = 10) -> dict:
     """GB/s (bytes read + written) of what qwZ/qgZ and ``compute_copy=False`` run per gather, beside a copy."""
     import jax
     import jax.numpy as jnp
+    import optimizer_update
 
     from zjax.comm import _quantize
 
@@ -102,16 +103,6 @@ def codec_figures(tiny: bool, repeats: int = 10) -> dict:
     q, s = jax.jit(_quantize.quantize)(xb)
     q4, _ = jax.jit(lambda a: _quantize.quantize(a, bits=4))(xb)
     scale_bytes = s.size * 4
-
-    def timed(fn, *args) -> float:
-        fn = jax.jit(fn)
-        jax.block_until_ready(fn(*args))
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            samples.append(time.perf_counter() - start)
-        return sorted(samples)[len(samples) // 2]
 
     cases = {  # name: (fn, args, bytes read + written)
         "copy bf16": (lambda a: a + jnp.bfloat16(1), (xb,), 4 * n),
@@ -136,7 +127,7 @@ def codec_figures(tiny: bool, repeats: int = 10) -> dict:
     }
     rows = {}
     for name, (fn, args, nbytes) in cases.items():
-        seconds = timed(fn, *args)
+        seconds = optimizer_update._time(jax.jit(fn), args, repeats)  # the median of the repeats
         rows[name] = {"seconds": seconds, "gb_per_s": nbytes / seconds / 1e9, "ms_per_billion": seconds / n * 1e12}
     copy = rows["copy bf16"]["gb_per_s"]
     for r in rows.values():
