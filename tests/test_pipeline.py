@@ -202,6 +202,59 @@ def test_a_decoder_with_quantized_chunk_gathers_trains_like_bf16():
     np.testing.assert_allclose(losses, plain_losses, rtol=1e-3)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_weights_gathered_once_per_step_are_read_as_int8_blocks(schedule):
+    """The traced step (no compile) of qwZ with zero3_gather="step": one int8 all-gather over dp per parameter
+    split over dp (the stages' weights read through zjax.comm before the loop, the edges as the model reads them)
+    and one for its scales; none without quantization (GSPMD then gathers in bf16)."""
+    counts = {}
+    for q in (None, "weights"):
+        cfg = Pipeline(8, schedule=schedule, zero3_gather="step")
+        plan = zjax.Plan(zjax.make_mesh(**MESHES["dp2_pp4"]), stage=3, quantized_comm=q, pipeline=cfg)
+        init_fn, loss_fn = decoder_task()
+        state = plan.abstract_state(init_fn, optax.adamw(1e-3), jax.random.key(0))
+        text = plan.train_step(loss_fn).lower(state, plan.shard_batch(tokens(0))).as_text()
+        counts[q] = {t: len(re.findall(rf"all_gather.*-> tensor<[0-9x]+x{t}>", text)) for t in ("i8", "f32")}
+    split = [p for p in state.layout.params.placements if "dp" in str(p.sharded)]
+    assert counts[None] == {"i8": 0, "f32": 0}
+    assert counts["weights"] == {"i8": len(split), "f32": len(split)}
+
+
+@pytest.mark.slow  # four Decoder compiles and runs; the test above checks the traced gathers
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_weights_gathered_once_per_step_cross_dp_as_int8(schedule):
+    """qwZ with zero3_gather="step" (and every table schedule, which gathers so): the model reads its stages' weights
+    through zjax.comm before the loop, so every weight gather over dp is int8 with an fp32 scale per block (the
+    embedding and head included); the reductions stay bf16; two steps follow bf16's losses within the blocks'
+    rounding."""
+    runs = {}
+    for q in (None, "weights"):
+        cfg = Pipeline(8, schedule=schedule, zero3_gather="step")
+        plan = zjax.Plan(zjax.make_mesh(**MESHES["dp2_pp4"]), stage=3, quantized_comm=q, pipeline=cfg)
+        init_fn, loss_fn = decoder_task(WIDE)
+        state = plan.init(init_fn, optax.adamw(1e-3), jax.random.key(0))
+        compiled, hlo = partitioned_hlo(plan.train_step(loss_fn).lower(state, plan.shard_batch(tokens(0))))
+        moved: dict = {}
+        for c in collectives(hlo):
+            if c.kind != "all-reduce" and spanned_axes(c.groups, dict(plan.mesh.shape)) == ("dp",):
+                moved[c.kind, c.dtype] = moved.get((c.kind, c.dtype), 0) + c.volume * c.trips
+        losses = []
+        for i in range(2):
+            state, metrics = compiled(state, plan.shard_batch(tokens(i)))
+            losses.append(float(metrics["loss"]))
+        runs[q] = moved, losses
+    (plain, plain_losses), (quantized, losses) = runs[None], runs["weights"]
+    assert ("all-gather", "bf16") not in quantized and plain[("all-gather", "bf16")] > 0
+    assert quantized[("all-gather", "s8")] == pytest.approx(plain[("all-gather", "bf16")] / 2, rel=1e-3)
+    # an fp32 scale per block: 256 values, or a smaller last dim whole (head_dim, 32)
+    s8 = quantized[("all-gather", "s8")]
+    assert s8 * 4 / 256 <= quantized[("all-gather", "f32")] <= s8 * 4 / WIDE.head_dim
+    reductions = {k: v for k, v in plain.items() if k[0] != "all-gather"}
+    assert reductions and {k: v for k, v in quantized.items() if k[0] != "all-gather"} == reductions
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-3)
+    assert losses != plain_losses
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "circular_m_2s"])
 def test_nan_in_bubble_slots_changes_nothing(schedule):
     """Every carry slot that is not real work starts as NaN: loss, output and gradients are unchanged."""
@@ -585,10 +638,12 @@ def test_config_errors():
     for gather in ("layer", "chunk"):
         with pytest.raises(ValueError, match=rf"zero3_gather='{gather}' with Plan\(reduce_dtype='float32'\).*'step'"):
             zjax.Plan(mesh, stage=3, reduce_dtype="float32", pipeline=Pipeline(4, zero3_gather=gather))
-    # qwZ under a pipeline: the chunk mode's gathers, weights only
-    quantized = zjax.Plan(mesh, stage=3, quantized_comm="weights", pipeline=Pipeline(4, zero3_gather="chunk"))
-    assert quantized.quantizes_weights and not quantized.reduces_gradients
-    for q, gather in (("weights", None), ("weights", "step"), ("weights+grads", "chunk")):
+    # qwZ under a pipeline: the chunk mode's gathers and the step mode's (every table schedule's), weights only
+    for gather in ("chunk", "step"):
+        quantized = zjax.Plan(mesh, stage=3, quantized_comm="weights", pipeline=Pipeline(4, zero3_gather=gather))
+        assert quantized.quantizes_weights and not quantized.reduces_gradients
+        assert (quantized.read_wire is None) == (gather == "chunk")  # the chunks quantize, not the model's reads
+    for q, gather in (("weights", None), ("weights", "layer"), ("weights+grads", "chunk"), ("grads", "step")):
         with pytest.raises(ValueError, match=rf"quantized_comm='{re.escape(q)}' under a pipeline.*got zero3_gather="):
             zjax.Plan(mesh, stage=3, quantized_comm=q, pipeline=Pipeline(4, zero3_gather=gather))
     with pytest.raises(TypeError, match="pipeline must be a zjax.Pipeline"):

@@ -7,8 +7,10 @@ plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, quantized_comm="weights+grads:in
 from ._gather import QUANTIZED_COMM as QUANTIZED_COMM
 from ._gather import gather_unread as gather_unread
 from ._gather import gathered as gathered
+from ._gather import gathered_tree as gathered_tree
 from ._gather import manual as manual
 from ._gather import manual_spec as manual_spec
+from ._gather import passthrough as passthrough
 from ._gather import reads as reads
 from ._gather import reads_shards as reads_shards
 from ._gather import use as use

@@ -56,7 +56,7 @@ class _Active:
     wire: Wire | None  # how the weight gathers quantize (outside manual); None: only the placements are known
     manual: _Manual | None = None
     read: set[tuple[str, ...]] | None = None  # records the paths read (see :func:`reads`)
-    memo: dict[Any, Any] = dataclasses.field(default_factory=dict)  # (path, id) -> (value, gathered), manual
+    memo: dict[Any, Any] = dataclasses.field(default_factory=dict)  # (path, id) -> (value, gathered)
 
 
 _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("zjax_comm", default=None)
@@ -184,11 +184,28 @@ def gather_unread(params: Any, read: set[tuple[str, ...]]) -> Any:
     """Under :func:`manual`: ``params`` (this rank's shards) with every parameter the model does not read through
     :func:`gathered` gathered whole now, the ones it does left for it to gather as it reads them."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    out = []
-    for keypath, value in flat:
-        path = tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in keypath)
-        out.append(value if path in read else gathered(value, path))
+    out = [value if _path(keypath) in read else gathered(value, _path(keypath)) for keypath, value in flat]
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def gathered_tree(tree: Any, prefix: Sequence[str]) -> Any:
+    """Every parameter of ``tree``, the subtree of the params at ``prefix`` (a decoder's stacked layers at
+    ``("layers",)``), read through :func:`gathered`: a pipeline gathering its stages' weights once per step reads
+    them so (quantized with ``Plan(quantized_comm="weights")``)."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return jax.tree_util.tree_unflatten(treedef, [gathered(v, (*prefix, *_path(kp))) for kp, v in flat])
+
+
+def _path(keypath: Any) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in keypath)
+
+
+@contextlib.contextmanager
+def passthrough() -> Iterator[None]:
+    """While a pipeline's stage is traced: :func:`gathered` returns each value as it is (the stage's weights
+    arrive as the pipeline gathered them, and its parameter paths are the stage's own, not the model's)."""
+    with _activate(None):
+        yield
 
 
 def gathered(value: Any, path: Sequence[str], now: bool = False) -> Any:
@@ -208,6 +225,9 @@ def gathered(value: Any, path: Sequence[str], now: bool = False) -> Any:
         return value
     if active.manual is not None:
         return _manual_gather(value, active, tuple(path))
+    key = (tuple(path), id(value))
+    if key in active.memo:  # gathered here before (a tied table: lookup, then head): one gather, one reduction
+        return active.memo[key][1]
     if active.wire is None and not now:
         return value
     spec = active.specs.get(tuple(path))
@@ -225,7 +245,8 @@ def gathered(value: Any, path: Sequence[str], now: bool = False) -> Any:
         return value
     whole = list(entries)
     whole[dim] = (kept if len(kept) > 1 else kept[0]) if kept else None
-    return _quantized_gather(value, P(*entries), P(*whole), dim, zero, active.wire)
+    active.memo[key] = (value, _quantized_gather(value, P(*entries), P(*whole), dim, zero, active.wire))
+    return active.memo[key][1]
 
 
 def _axes(entry: Any) -> tuple[str, ...]:

@@ -97,12 +97,13 @@ class PlanConfig:
                     f"reductions: it needs stage 3 (got stage {self.stage.level}). Use stage=3, or quantized_comm=None."
                 )
             gather = None if self.pipeline is None else self.pipeline.zero3_gather
-            if self.pipeline is not None and (self.grads_wire is not None or gather != "chunk"):
+            if self.pipeline is not None and (self.grads_wire is not None or gather == "layer"):
                 raise ValueError(
-                    f"Plan: quantized_comm={self.quantized_comm!r} under a pipeline: its stages gather their chunks "
-                    f"quantized with Pipeline(zero3_gather='chunk') and quantized_comm='weights' (or 'weights:int4'; "
-                    f"got zero3_gather={gather!r}); gradients reduce in the compute dtype there. Use those, or "
-                    "quantized_comm=None."
+                    f"Plan: quantized_comm={self.quantized_comm!r} under a pipeline: the weights cross dp quantized "
+                    f"when they are gathered once per step (Pipeline(zero3_gather='step'), every table schedule) or "
+                    f"per chunk ('chunk'), with quantized_comm='weights' (or 'weights:int4'; got zero3_gather="
+                    f"{gather!r}); 'layer' gathers inside the stages' loops, and gradients reduce in the compute "
+                    "dtype under a pipeline. Use those, or quantized_comm=None."
                 )
         if not isinstance(self.compute_copy, bool):
             raise TypeError(f"Plan: compute_copy must be True or False, got {self.compute_copy!r}.")
@@ -195,6 +196,13 @@ class PlanConfig:
     def grads_wire(self) -> Wire | None:
         """How gradients cross the data axes quantized (``quantized_comm`` with grads), or ``None``."""
         return parse(self.quantized_comm)[1]
+
+    @property
+    def read_wire(self) -> Wire | None:
+        """How the weights the model reads through :func:`zjax.comm.gathered` cross the ZeRO axes: ``weights_wire``,
+        except with hpZ (its node gathers quantize instead) and in a pipeline's chunk mode (the chunks do)."""
+        chunked = self.pipeline is not None and self.pipeline.zero3_gather == "chunk"
+        return None if self.hpz or chunked else self.weights_wire
 
     @property
     def quantizes_weights(self) -> bool:

@@ -1,14 +1,23 @@
-"""The user's loss function as the steps call it: its optional arguments, its result, its microbatches."""
+"""The user's loss function as the steps call it: its optional arguments, its result, its microbatches, and how it
+reads the parameters while it is traced."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+
+from .. import comm
+from ..pipeline._context import quantizing
+
+if TYPE_CHECKING:
+    from ._config import PlanConfig
+    from ._layout import StateLayout
 
 LossFn = Callable[[Any, Any], Any]
 
@@ -56,3 +65,13 @@ def split_microbatches(batch: Any, k: int) -> Any:
     first dimension), so no data moves; ``(k, B/k)`` directly would put dp on the microbatch index.
     """
     return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
+
+
+def placing(plan: PlanConfig, layout: StateLayout) -> contextlib.ExitStack:
+    """Stage 3's placements while the loss is traced (:mod:`zjax.comm`: qwZ, the lookup, the head read once) and
+    the wire of a pipeline's chunk gathers."""
+    stack = contextlib.ExitStack()
+    if plan.stage.shard_parameters:
+        stack.enter_context(quantizing(plan.weights_wire))
+        stack.enter_context(comm.use(layout.params.placements, plan.read_wire))
+    return stack

@@ -12,16 +12,15 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
-from .. import comm, pipeline
+from .. import pipeline
 from ..comm._gather import across_replica
 from ..offload._update import streamed_update
-from ..pipeline._context import quantizing
 from ..sharding._batch import check_batch
 from ..sharding._mesh import use_mesh_platform
 from ..sharding._simulate import check_cpu_threads
 from ._config import PlanConfig
 from ._layout import StateLayout
-from ._loss_fn import Loss, LossFn, loss_and_aux, split_microbatches, takes
+from ._loss_fn import Loss, LossFn, loss_and_aux, placing, split_microbatches, takes
 from ._memory import MemoryReport, memory_report
 from ._overlap import compiler_options
 from ._per_rank import defers_reduction, grads_per_rank, zero3_grads
@@ -82,13 +81,6 @@ def _layout_of(plan: PlanConfig, state: TrainState, what: str) -> StateLayout:
         )
     layout.check_structure(state)
     return layout
-
-
-def _placing(plan: PlanConfig, layout: StateLayout) -> contextlib.AbstractContextManager:
-    """Stage 3's placements while the loss is traced (:mod:`zjax.comm`: qwZ, the lookup); a pipeline's chunk gathers."""
-    if plan.pipeline is not None or not plan.stage.shard_parameters:
-        return quantizing(plan.weights_wire)
-    return comm.use(layout.params.placements, None if plan.hpz else plan.weights_wire)
 
 
 def _mismatch(error: ValueError) -> bool:
@@ -175,7 +167,7 @@ class EvalStep(_CompiledFn):
     def _build(self, layout: StateLayout, state: TrainState, batch: Any) -> Any:
         def evaluate(s: TrainState, b: Any) -> Any:
             params = _compute_params(self.plan, layout, s.params)
-            with _placing(self.plan, layout):
+            with placing(self.plan, layout):
                 if self._takes_model_state:
                     return self.fn(params, b, model_state=s.model_state)
                 return self.fn(params, b)
@@ -264,7 +256,7 @@ class TrainStep(_CompiledFn):
                 # rebuilt inside the differentiated trace: nnx refuses to mutate variables made outside it
                 kwargs["model_state"] = jax.tree.map(lambda x: x, ms)
             # the table schedules make their gradients in the forward pass, seeded with the loss scale
-            with pipeline.seed(scale), _placing(self.plan, layout):
+            with pipeline.seed(scale), placing(self.plan, layout):
                 out = self.loss_fn(p, b, **kwargs)
             if self._takes_model_state:
                 if not (isinstance(out, tuple) and len(out) == 2):

@@ -207,8 +207,8 @@ class Decoder(nn.Module):
             )
         if inputs_embeds is not None:
             x = _constrain(inputs_embeds)
-        elif c.tie_embeddings:  # the head reads the whole table anyway
-            x = _constrain(jnp.take(comm.gathered(table, at), tokens, axis=0))
+        elif c.tie_embeddings:  # the head reads the whole table anyway: gathered once, here, for both
+            x = _constrain(jnp.take(comm.gathered(table, at, now=True), tokens, axis=0))
         else:  # on each rank's hidden columns when ZeRO-3 split them (no table gather)
             x = _constrain(comm.lookup(table, tokens, at))
         policy = RematPolicy.from_str(c.remat)
@@ -218,6 +218,8 @@ class Decoder(nn.Module):
             packed = segment_ids is not None or (positions is not None and not load_balanced)
             stage_fn = pipeline_stage_fn(c, packed=packed, load_balanced=load_balanced)
             layers = self.variables["params"]["layers"]
+            if schedule.zero3_gather in (None, "step"):  # gathered once, before the loop: read as the rest (qwZ)
+                layers = comm.gathered_tree(layers, (*self.path, "layers"))
             if c.moe is None:
                 x = pipeline.apply(stage_fn, layers, x, schedule)
             else:  # the routers' sums over every microbatch and rank, per layer; experts enter split over ep
@@ -244,10 +246,12 @@ class Decoder(nn.Module):
         if stats is not None and not self.is_initializing():
             self.sow("intermediates", MOE_STATS, stats)  # per layer, stacked: read by lm_loss
         x = RMSNorm(c.embed, c.norm_eps, name="final_norm")(x)
-        head = param(self, "head", (c.embed, c.vocab), ("embed", "vocab")) if not c.tie_embeddings else None
-        if return_hidden:
+        if return_hidden:  # the loss reads the head itself (zjax.models.lm_loss)
             return x
-        head = comm.gathered(table, at).T if head is None else head
+        if c.tie_embeddings:
+            head = comm.gathered(table, at).T
+        else:
+            head = param(self, "head", (c.embed, c.vocab), ("embed", "vocab"))
         return nn.with_logical_constraint(x @ head.astype(x.dtype), ("batch", "seq", "vocab"))
 
 

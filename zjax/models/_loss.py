@@ -268,6 +268,8 @@ def _pipelined_sum(
         head = edge["embedding"].T if cfg.tie_embeddings else edge["head"]
         return cross_entropy_sum(normed, head, mb["targets"], mb["weights"], vocab_chunk)
 
-    # the parameters outside the layers, one tree: a tied table's two gradients meet before the reduction
-    edge = {k: params[k] for k in ("embedding", "final_norm", "head") if k in params}
-    return pipeline.loss(stage_fn, params["layers"], rows, first=first, last=last, params=edge)
+    # the parameters outside the layers, one tree: a tied table's two gradients meet before the reduction; each
+    # read as the model reads it (gathered once per step, before the schedule: quantized with qwZ)
+    edge = {k: comm.gathered_tree(params[k], (k,)) for k in ("embedding", "final_norm", "head") if k in params}
+    layers = comm.gathered_tree(params["layers"], ("layers",))
+    return pipeline.loss(stage_fn, layers, rows, first=first, last=last, params=edge)

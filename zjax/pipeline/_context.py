@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
+from ..comm._gather import passthrough
 from ..sharding._axes import DATA_AXES
 from ._config import Pipeline
 
@@ -135,6 +136,17 @@ def _tie_bwd(dtype: Any, _: None, ct: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 _tie.defvjp(_tie_fwd, _tie_bwd)
+
+
+def own_reads(stage_fn: Callable[[Any, jax.Array], Any]) -> Callable[[Any, jax.Array], Any]:
+    """``stage_fn`` traced with :func:`zjax.comm.gathered` passing values through: the stage's weights arrive as
+    the pipeline gathered them ("step", "chunk") or as GSPMD gathers them per use ("layer")."""
+
+    def fn(stage_layers: Any, h: jax.Array) -> Any:
+        with passthrough():
+            return stage_fn(stage_layers, h)
+
+    return fn
 
 
 def data_axes_here(sizes: dict[str, int]) -> tuple[str, ...]:

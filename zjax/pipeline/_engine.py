@@ -44,7 +44,7 @@ from ..sharding._axes import DP, PP
 from ..stages._placement import add_axis
 from ._chunked import _chunked
 from ._config import Pipeline
-from ._context import _INITIALIZING, current, data_axes_here, mesh_sizes, summed_wide
+from ._context import _INITIALIZING, current, data_axes_here, mesh_sizes, own_reads, summed_wide
 from ._scan import _pipeline
 
 
@@ -115,6 +115,7 @@ def apply(
         ``zero3_gather="chunk"`` (its hand-written backward carries none).
     """
     cfg = current() if pipeline is None else pipeline
+    stage_fn = own_reads(stage_fn)
     mesh = jax.sharding.get_abstract_mesh()
     stages = 1 if mesh.empty else dict(mesh.shape).get(PP, 1)
     count = _layer_count(layers)

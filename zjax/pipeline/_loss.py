@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from ..sharding._axes import PP
 from . import _ticks
 from ._config import Pipeline
-from ._context import current, data_axes_here
+from ._context import current, data_axes_here, own_reads
 from ._engine import _layer_count, apply, by_visit
 
 
@@ -74,7 +74,7 @@ def loss(
 
     def table_run(layers, ep, inputs, scale):
         stacked = by_visit(layers, cfg.repeats, stages)
-        value, dw, dep = _ticks.run(stage_fn, first, last, cfg, stacked, ep, inputs, scale)
+        value, dw, dep = _ticks.run(own_reads(stage_fn), first, last, cfg, stacked, ep, inputs, scale)
         dw = jax.tree.map(lambda g, w: g.reshape(w.shape), dw, layers)
         return value, (dw, dep)
 
