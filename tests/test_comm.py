@@ -122,7 +122,7 @@ def test_the_step_gathers_int8_for_half_the_bytes_and_trains_like_bf16():
     assert quant[3][-1] < quant[3][0]
 
 
-def test_quantized_comm_needs_stage_3_without_a_pipeline():
+def test_quantized_comm_needs_stage_3_and_refuses_what_it_cannot_quantize():
     with pytest.raises(ValueError, match=r"quantized_comm='weights' quantizes ZeRO-3's weight gathers.*stage 1"):
         zjax.Plan(zjax.make_mesh(dp=8), stage=1, quantized_comm="weights")
     for bad in ("int8", "weights:int2", "grads+grads", "weights+"):

@@ -221,15 +221,14 @@ def test_weights_gathered_once_per_step_are_read_as_int8_blocks(schedule):
 
 
 @pytest.mark.slow  # two Decoder compiles and runs; the test above checks the traced gathers under GPipe too
-@pytest.mark.parametrize("schedule", ["1f1b"])
-def test_weights_gathered_once_per_step_cross_dp_as_int8(schedule):
-    """qwZ with zero3_gather="step" (and every table schedule, which gathers so): the model reads its stages' weights
-    through zjax.comm before the loop, so every weight gather over dp is int8 with an fp32 scale per block (the
-    embedding and head included); the reductions stay bf16; two steps follow bf16's losses within the blocks'
-    rounding."""
+def test_weights_gathered_once_per_step_cross_dp_as_int8_under_1f1b():
+    """qwZ under 1F1B (every table schedule gathers the stages' weights once per step, zero3_gather="step"): the
+    model reads them through zjax.comm before the loop, so every weight gather over dp is int8 with an fp32 scale
+    per block (the embedding and head included); the reductions stay bf16; two steps follow bf16's losses within
+    the blocks' rounding."""
     runs = {}
     for q in (None, "weights"):
-        cfg = Pipeline(8, schedule=schedule, zero3_gather="step")
+        cfg = Pipeline(8, schedule="1f1b", zero3_gather="step")
         plan = zjax.Plan(zjax.make_mesh(**MESHES["dp2_pp4"]), stage=3, quantized_comm=q, pipeline=cfg)
         init_fn, loss_fn = decoder_task(WIDE)
         state = plan.init(init_fn, optax.adamw(1e-3), jax.random.key(0))
