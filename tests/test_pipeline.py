@@ -180,26 +180,32 @@ def test_a_decoder_with_quantized_chunk_gathers_trains_like_bf16():
     """Stage 3, circular R=2 on dp=2 x pp=4, zero3_gather="chunk": with quantized_comm="weights" the chunks cross
     dp as int8 (about half of bf16's gather bytes with the scales), and three steps follow bf16's losses within
     the blocks' rounding (measured: 3e-4 relative)."""
-    runs = {}
+    (plain, plain_losses), (quantized, losses) = _bf16_and_int8_runs(Pipeline(8, repeats=2, zero3_gather="chunk"), 3)
+    plain, quantized = ({d: b for (k, d), b in r.items() if k == "all-gather"} for r in (plain, quantized))
+    # every chunk gather int8 (half the bytes); what stays bf16 is gathered outside the pipeline (the edges)
+    assert quantized["s8"] == (plain["bf16"] - quantized["bf16"]) // 2 and quantized["bf16"] < plain["bf16"] / 32
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-3)
+
+
+def _bf16_and_int8_runs(cfg: Pipeline, steps: int) -> tuple[tuple[dict, list[float]], tuple[dict, list[float]]]:
+    """The WIDE decoder at stage 3 on dp=2 x pp=4 under ``cfg``, without and with ``quantized_comm="weights"``: each
+    run's bytes over dp by (kind, dtype) (all-reduces left out: the loss's scalars) and its losses over ``steps``."""
+    runs = []
     for q in (None, "weights"):
-        cfg = Pipeline(8, repeats=2, zero3_gather="chunk")
         plan = zjax.Plan(zjax.make_mesh(**MESHES["dp2_pp4"]), stage=3, quantized_comm=q, pipeline=cfg)
         init_fn, loss_fn = decoder_task(WIDE)
         state = plan.init(init_fn, optax.adamw(1e-3), jax.random.key(0))
         compiled, hlo = partitioned_hlo(plan.train_step(loss_fn).lower(state, plan.shard_batch(tokens(0))))
-        gathers: dict = {}
+        moved: dict = {}
         for c in collectives(hlo):
-            if c.kind == "all-gather" and spanned_axes(c.groups, dict(plan.mesh.shape)) == ("dp",):
-                gathers[c.dtype] = gathers.get(c.dtype, 0) + c.volume * c.trips
+            if c.kind != "all-reduce" and spanned_axes(c.groups, dict(plan.mesh.shape)) == ("dp",):
+                moved[c.kind, c.dtype] = moved.get((c.kind, c.dtype), 0) + c.volume * c.trips
         losses = []
-        for i in range(3):
+        for i in range(steps):
             state, metrics = compiled(state, plan.shard_batch(tokens(i)))
             losses.append(float(metrics["loss"]))
-        runs[q] = gathers, losses
-    (plain, plain_losses), (quantized, losses) = runs[None], runs["weights"]
-    # every chunk gather int8 (half the bytes); what stays bf16 is gathered outside the pipeline (the edges)
-    assert quantized["s8"] == (plain["bf16"] - quantized["bf16"]) // 2 and quantized["bf16"] < plain["bf16"] / 32
-    np.testing.assert_allclose(losses, plain_losses, rtol=1e-3)
+        runs.append((moved, losses))
+    return runs[0], runs[1]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -226,23 +232,9 @@ def test_weights_gathered_once_per_step_cross_dp_as_int8_under_1f1b():
     model reads them through zjax.comm before the loop, so every weight gather over dp is int8 with an fp32 scale
     per block (the embedding and head included); the reductions stay bf16; two steps follow bf16's losses within
     the blocks' rounding."""
-    runs = {}
-    for q in (None, "weights"):
-        cfg = Pipeline(8, schedule="1f1b", zero3_gather="step")
-        plan = zjax.Plan(zjax.make_mesh(**MESHES["dp2_pp4"]), stage=3, quantized_comm=q, pipeline=cfg)
-        init_fn, loss_fn = decoder_task(WIDE)
-        state = plan.init(init_fn, optax.adamw(1e-3), jax.random.key(0))
-        compiled, hlo = partitioned_hlo(plan.train_step(loss_fn).lower(state, plan.shard_batch(tokens(0))))
-        moved: dict = {}
-        for c in collectives(hlo):
-            if c.kind != "all-reduce" and spanned_axes(c.groups, dict(plan.mesh.shape)) == ("dp",):
-                moved[c.kind, c.dtype] = moved.get((c.kind, c.dtype), 0) + c.volume * c.trips
-        losses = []
-        for i in range(2):
-            state, metrics = compiled(state, plan.shard_batch(tokens(i)))
-            losses.append(float(metrics["loss"]))
-        runs[q] = moved, losses
-    (plain, plain_losses), (quantized, losses) = runs[None], runs["weights"]
+    (plain, plain_losses), (quantized, losses) = _bf16_and_int8_runs(
+        Pipeline(8, schedule="1f1b", zero3_gather="step"), 2
+    )
     assert ("all-gather", "bf16") not in quantized and plain[("all-gather", "bf16")] > 0
     assert quantized[("all-gather", "s8")] == pytest.approx(plain[("all-gather", "bf16")] / 2, rel=1e-3)
     # an fp32 scale per block: 256 values, or a smaller last dim whole (head_dim, 32)
