@@ -223,10 +223,13 @@ def gathered(value: Any, path: Sequence[str], now: bool = False) -> Any:
     if active.read is not None:
         active.read.add(tuple(path))
         return value
-    if active.manual is not None:
-        return _manual_gather(value, active, tuple(path))
+    # a parameter read twice (a tied embedding: lookup and head) is gathered once, so that its two uses' gradients
+    # add up before the one reduction (two would move its bytes twice)
     key = (tuple(path), id(value))
-    if key in active.memo:  # gathered here before (a tied table: lookup, then head): one gather, one reduction
+    if key in active.memo:
+        return active.memo[key][1]
+    if active.manual is not None:
+        active.memo[key] = (value, _manual_gather(value, active, tuple(path)))
         return active.memo[key][1]
     if active.wire is None and not now:
         return value
@@ -336,9 +339,4 @@ def _manual_gather(x: jax.Array, active: _Active, path: tuple[str, ...]) -> jax.
         return (tiles(reduced)(g).astype(like.dtype),)
 
     run.defvjp(fwd, bwd)
-    # a parameter read twice (a tied embedding: lookup and head) is gathered once, so that its two uses'
-    # gradients add up before the one reduction (two would move its bytes twice)
-    key = (path, id(x))
-    if key not in active.memo:
-        active.memo[key] = (x, run(x))
-    return active.memo[key][1]
+    return run(x)
