@@ -13,7 +13,8 @@
    (``--compute-copy keep,drop``: ``Plan(compute_copy=False)`` casts the fp32 master every step).
 4. What the quantized collectives (``quantized_comm``) and the dropped compute copy add on each device
    (``--codec``): GB/s of int8 block quantization, dequantization and the fp32 -> bf16 cast beside a device
-   copy, and milliseconds per billion parameters.
+   copy, and milliseconds per billion parameters; the one-pass quantization kernel at each ``--quantize-sweep``
+   size, its values against XLA's, and whether ``zjax.comm.quantize`` runs it on this device.
 
 On a CPU it runs everything at tiny sizes so that it stays alive in CI; its figures then mean nothing.
 """
@@ -21,6 +22,7 @@ On a CPU it runs everything at tiny sizes so that it stays alive in CI; its figu
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -89,31 +91,34 @@ def step_figures(stage: int, tiny: bool, compute_copy: bool = True) -> dict:
     }
 
 
-def codec_figures(tiny: bool, repeats: int = 10) -> dict:
-    """GB/s (bytes read + written) of what qwZ/qgZ and ``compute_copy=False`` run per gather, beside a copy."""
+def codec_figures(tiny: bool, repeats: int = 10, sweep: str = "16/4") -> dict:
+    """GB/s (bytes read + written) of what qwZ/qgZ and ``compute_copy=False`` run per gather, beside a copy; the
+    one-pass quantization kernel (``zjax.pallas.quantize``) at each ``blocks/num_warps`` of ``sweep``."""
     import jax
     import jax.numpy as jnp
     import optimizer_update
 
     from zjax.comm import _quantize
+    from zjax.pallas import quantize as kernel
 
     n = 1 << (16 if tiny else 28)
     x = jax.random.normal(jax.random.key(0), (n // 4096, 4096), jnp.float32)
     xb = x.astype(jnp.bfloat16)
-    q, s = jax.jit(_quantize.quantize)(xb)
-    q4, _ = jax.jit(lambda a: _quantize.quantize(a, bits=4))(xb)
+    xla = functools.partial(_quantize.quantize, kernel=False)  # XLA's fusions, on any device
+    q, s = jax.jit(xla)(xb)
+    q4, _ = jax.jit(lambda a: xla(a, bits=4))(xb)
     scale_bytes = s.size * 4
 
     cases = {  # name: (fn, args, bytes read + written)
         "copy bf16": (lambda a: a + jnp.bfloat16(1), (xb,), 4 * n),
-        "quantize bf16 -> int8 + scales": (_quantize.quantize, (xb,), 3 * n + scale_bytes),
+        "quantize bf16 -> int8 + scales": (xla, (xb,), 3 * n + scale_bytes),
         "dequantize int8 + scales -> bf16": (
             lambda a, b: _quantize.dequantize(a, b, jnp.bfloat16),
             (q, s),
             3 * n + scale_bytes,
         ),
         "quantize bf16 -> int4 + scales": (
-            lambda a: _quantize.quantize(a, bits=4),
+            lambda a: xla(a, bits=4),
             (xb,),
             2 * n + n // 2 + scale_bytes,
         ),
@@ -123,8 +128,22 @@ def codec_figures(tiny: bool, repeats: int = 10) -> dict:
             n // 2 + 2 * n + scale_bytes,
         ),
         "cast fp32 -> bf16": (lambda a: a.astype(jnp.bfloat16), (x,), 6 * n),
-        "cast fp32 -> int8 + scales": (_quantize.quantize, (x,), 5 * n + scale_bytes),
+        "cast fp32 -> int8 + scales": (xla, (x,), 5 * n + scale_bytes),
     }
+    interpret = jax.default_backend() != "gpu"
+    checks = {}
+    for setting in filter(None, sweep.split(",")):
+        blocks, warps = (int(v) for v in setting.split("/"))
+        config = kernel.QuantizeConfig(blocks, warps)
+        for name, a, bits, nbytes in (
+            ("bf16 -> int8", xb, 8, 3 * n + scale_bytes),
+            ("bf16 -> int4", xb, 4, 2 * n + n // 2 + scale_bytes),
+            ("fp32 -> int8", x, 8, 5 * n + scale_bytes),
+        ):
+            fn = functools.partial(kernel.quantize_blocks, block=256, bits=bits, config=config, interpret=interpret)
+            cases[f"kernel {setting} {name}"] = (fn, (a,), nbytes)
+            if setting == sweep.split(",")[0]:
+                checks[name] = _kernel_agrees(jax.jit(fn), jax.jit(lambda v, b=bits: xla(v, bits=b)), a)
     rows = {}
     for name, (fn, args, nbytes) in cases.items():
         seconds = optimizer_update._time(jax.jit(fn), args, repeats)  # the median of the repeats
@@ -135,7 +154,33 @@ def codec_figures(tiny: bool, repeats: int = 10) -> dict:
     print(f"{'per element of ' + format(n, ','):<36}{'GB/s':>9}{'vs copy':>9}{'ms per 1e9':>12}")
     for name, r in rows.items():
         print(f"{name:<36}{r['gb_per_s']:>9,.0f}{r['vs_copy']:>9.0%}{r['ms_per_billion']:>12.2f}")
-    return {"elements": n, "rows": rows}
+    for name, c in checks.items():
+        print(f"kernel {name} against the XLA path: {c}")
+    # what zjax.comm.quantize itself compiles to on this device, and that it gives the XLA path's values
+    default = jax.jit(_quantize.quantize)
+    via_kernel = kernel.TRITON_NAME in default.lower(xb).compile().as_text()
+    same = all(bool((a == b).all()) for a, b in zip(default(xb), jax.jit(xla)(xb), strict=True))
+    print(f"zjax.comm.quantize on {jax.devices()[0].platform}: through the kernel {via_kernel}, the same values {same}")
+    return {"elements": n, "rows": rows, "kernel_checks": checks, "default": {"kernel": via_kernel, "same": same}}
+
+
+def _kernel_agrees(kernel_fn, xla_fn, x) -> dict:
+    """How far the kernel's integers and scales are from the XLA path's, and whether a NaN survives both."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    (q, s), (qr, sr) = kernel_fn(x), xla_fn(x)
+    if q.dtype == jnp.uint8:  # compare the integers, not the packed bytes
+        q, qr = (np.concatenate([(v & 0xF).astype(np.int8), (v >> 4).astype(np.int8)], -1) for v in (q, qr))
+    q, qr = np.asarray(q, np.int32), np.asarray(qr, np.int32)
+    bad = x.at[3, 5].set(jnp.nan)
+    nan_kernel, nan_xla = (bool(np.isnan(np.asarray(f(bad)[1])[3, 0])) for f in (kernel_fn, xla_fn))
+    return {
+        "values_differing": int((q != qr).sum()),
+        "max_value_difference": int(np.abs(q - qr).max()),
+        "max_scale_relative_difference": float(np.max(np.abs(np.asarray(s) / np.asarray(sr) - 1))),
+        "nan_block_scale_is_nan": {"kernel": nan_kernel, "xla": nan_xla},
+    }
 
 
 def main() -> None:
@@ -146,6 +191,9 @@ def main() -> None:
     parser.add_argument("--no-adamw", action="store_true", help="skip the fused AdamW figures")
     parser.add_argument("--compute-copy", default="keep", help="keep, drop or keep,drop (Plan(compute_copy=...))")
     parser.add_argument("--codec", action="store_true", help="time int8 block (de)quantization and the cast")
+    parser.add_argument(
+        "--quantize-sweep", default="16/4", help="quantization kernel blocks/num_warps to time, e.g. 4/4,16/4,64/8"
+    )
     parser.add_argument("--adamw-sweep", default="", help="kernel block_size/num_warps to try, e.g. 4096/8,8192/8")
     args = parser.parse_args()
     import jax
@@ -162,7 +210,7 @@ def main() -> None:
         out["fused_adamw"] = optimizer_update.main(sizes)
     # the measured peak is the process's: the first stage's is its own, a later one's at least the earlier's
     if args.codec:
-        out["codec"] = codec_figures(tiny)
+        out["codec"] = codec_figures(tiny, 10 if tiny else 50, args.quantize_sweep)
     copies = {"keep": True, "drop": False}
     out["steps"] = [
         step_figures(int(stage), tiny, copies[copy])

@@ -4,9 +4,12 @@ or int4 values packed two to a byte, and the ``Plan(quantized_comm=...)`` gramma
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+
+from ..pallas import quantize as one_pass
 
 DEFAULT_BLOCK = 256
 """Elements per scale: ZeRO++ quantizes weights in blocks of a few hundred to a few thousand elements; 256
@@ -58,21 +61,37 @@ def block_size(n: int, block: int) -> int:
     return block if n % block == 0 else n
 
 
-def quantize(x: jax.Array, block: int = DEFAULT_BLOCK, bits: int = 8) -> tuple[jax.Array, jax.Array]:
+def quantize(
+    x: jax.Array, block: int = DEFAULT_BLOCK, bits: int = 8, kernel: bool = True
+) -> tuple[jax.Array, jax.Array]:
     """``(q, scales fp32 [..., n / b])`` with ``x ~= q * scale`` per block of ``b`` elements of the last dim
     (symmetric, round to nearest: ``|x - dequantize(q, s)| <= s / 2 = amax / (2 (2^(bits-1) - 1))`` per block,
     ``amax / 254`` for int8, ``amax / 14`` for int4). ``q`` is int8 ``[..., n]``, or for 4 bits uint8
     ``[..., n / 2]`` holding two values per byte (a block's first half in the low nibbles, its second half in
-    the high ones); a block of odd length stays int8."""
+    the high ones); a block of odd length stays int8. Compiled for a GPU, blocks the one-pass Pallas kernel
+    takes (:func:`zjax.pallas.quantize.fits`) go through it, with the same values (``kernel=False``: XLA's
+    fusions everywhere, which read ``x`` twice)."""
     if bits not in BITS:
         raise ValueError(f"quantize: bits={bits}; use one of {BITS}.")
     n = x.shape[-1]
     b = block_size(n, block)
     bits = 8 if b % 2 else bits  # an odd block cannot pack pairs: int8 (only a small leaf's whole dim is odd)
+    xla = functools.partial(_quantize_xla, block=b, bits=bits)
+    if kernel and one_pass.fits(n, b) and 0 < x.size < 2**31:  # the kernel's offsets are int32
+        return jax.lax.platform_dependent(
+            x, cuda=functools.partial(one_pass.quantize_blocks, block=b, bits=bits), default=xla
+        )
+    return xla(x)
+
+
+def _quantize_xla(x: jax.Array, block: int, bits: int) -> tuple[jax.Array, jax.Array]:
+    n, b = x.shape[-1], block
     top = 2 ** (bits - 1) - 1
     blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], n // b, b)
-    amax = jnp.max(jnp.abs(blocks), axis=-1)
-    scale = jnp.where(amax == 0, 1.0, amax / top)  # a non-finite block keeps a non-finite scale: it stays so
+    # a non-finite block keeps a non-finite scale, so it stays non-finite (loss scaling skips such a step): x * 0
+    # is NaN for inf and NaN, and XLA:CPU's vectorized maximum can drop a NaN
+    amax = jnp.max(jnp.abs(blocks), axis=-1) + jnp.sum(blocks * 0.0, axis=-1)
+    scale = jnp.where(amax == 0, 1.0, amax / top)
     q = jnp.clip(jnp.round(blocks / scale[..., None]), -top, top).astype(jnp.int8)
     if bits == 4:
         return _pack(q).reshape(*x.shape[:-1], n // 2), scale
