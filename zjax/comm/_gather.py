@@ -131,15 +131,17 @@ def to_node(x: jax.Array, spec: P, dtype: Any, reduction: Reduction, weights: Wi
     ``replica`` innermost in its dim) cast to ``dtype`` and gathered over ``replica`` into its node's shard (as
     ``weights``' integer blocks when given), once per microbatch; the node shard's gradient (summed over ``dp`` per
     layer by :func:`gathered`) is reduced over ``replica`` into ``x``'s shard as ``reduction`` says (int8
-    all-to-alls when quantized)."""
+    all-to-alls when quantized). With ``reduction.dtype`` (``Plan(reduce_dtype=...)``) the node shard is held in
+    that dtype once gathered, so that its gradient stays in it from the sums over ``dp`` to the one over
+    ``replica``: the wire still carries ``dtype``, the temporaries hold the wider node shard."""
     dims = [d for d, entry in enumerate(spec) if entry is not None and REPLICA in _axes(entry)]
     dim = dims[0] if dims else None
+    hold = reduction.dtype if reduction.dtype is not None and reduction.wire is None else dtype
 
     def gather(v: jax.Array) -> jax.Array:
-        v = v.astype(dtype)
         if dim is None:
-            return v
-        return all_gather(v, REPLICA, dim, weights)
+            return v.astype(hold)
+        return all_gather(v.astype(dtype), REPLICA, dim, weights).astype(hold)
 
     @jax.custom_vjp
     def run(v: jax.Array) -> jax.Array:

@@ -90,7 +90,8 @@ class Plan(PlanConfig):
         parameters across nodes once, to their node's shards (ZeRO++'s secondary partition), and the forward
         and rematerialized passes gather each layer from those over ``dp``, inside the node; gradients
         reduce-scatter over ``dp`` per layer, then over ``replica``. Costs the node's shards (2 bytes per
-        parameter / dp in bf16) in temporaries during the step. Any model (no :mod:`zjax.comm` reads needed).
+        parameter / dp in bf16; in fp32 with ``reduce_dtype="float32"``, whose sums stay fp32 from ``dp`` to
+        ``replica``) in temporaries during the step. Any model (no :mod:`zjax.comm` reads needed).
 
     Example:
       >>> plan = zjax.Plan(zjax.make_mesh(dp=-1, tp=2), stage=3, precision="bf16")
