@@ -37,7 +37,8 @@ import zjax
 zjax.simulate_cpu_devices(8)
 
 from zjax.models import Decoder, DecoderConfig, lm_loss  # noqa: E402
-from zjax.planner._hlo import collectives, partitioned_hlo, spanned_axes  # noqa: E402
+from zjax.planner._compile import partitioned_hlo  # noqa: E402
+from zjax.planner._hlo import collectives, spanned_axes  # noqa: E402
 
 CFG = DecoderConfig(vocab=256, embed=128, layers=8, heads=4, head_dim=32, mlp=512, max_len=64)
 ROWS = 64

@@ -46,7 +46,7 @@ def table(target: str | None) -> dict:
 
 def dtypes_by_kind(target: str | None) -> dict[str, dict[str, int]]:
     """Collective counts by kind and dtype at stage 3 (the dtype XLA really moves)."""
-    from zjax.planner._hlo import partitioned_hlo
+    from zjax.planner._compile import partitioned_hlo
 
     devices = zjax.planner._gpu.gpu_devices(target, 64) if target else jax.devices()[:64]
     mesh = zjax.make_mesh(dp=64, devices=devices)

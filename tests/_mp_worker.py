@@ -20,7 +20,8 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 from tests._models import MP_CONFIGS, MP_ROWS, MP_STEPS, MP_TX, linen_mlp_task, regression_batch  # noqa: E402
-from zjax.planner._hlo import collectives, partitioned_hlo  # noqa: E402
+from zjax.planner._compile import partitioned_hlo  # noqa: E402
+from zjax.planner._hlo import collectives  # noqa: E402
 
 
 def cross_process_volume(hlo: str, mesh) -> int:

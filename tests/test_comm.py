@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 import zjax
 from zjax import comm
 from zjax.models import Decoder, DecoderConfig, lm_loss
-from zjax.planner._hlo import collectives, partitioned_hlo
+from zjax.planner._compile import partitioned_hlo
+from zjax.planner._hlo import collectives
 from zjax.sharding._annotations import Leaf
 from zjax.sharding._rules import spec_axes
 from zjax.stages._layout import Placement

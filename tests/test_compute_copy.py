@@ -41,6 +41,7 @@ def _run(copy: bool, quantized: str | None):
 
 
 @pytest.mark.slow  # four Decoder compiles; the fast suite trains the linen MLP both ways
+@pytest.mark.codegen  # with LLVM's optimizations off 1.5% of the weights differ by up to 3.5e-4 after 3 steps
 @pytest.mark.parametrize("quantized", [None, "weights+grads"], ids=["bf16", "int8"])
 def test_without_a_compute_copy_the_state_holds_12_bytes_per_parameter_and_trains_the_same(quantized):
     """The Decoder on dp=8 at stage 3, with and without the copy: the state is 2 bytes per parameter per rank

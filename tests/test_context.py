@@ -17,7 +17,8 @@ import zjax
 from zjax.context import Blocks, attention, balanced_order, load_balance
 from zjax.context._attention import _dense
 from zjax.models import Decoder, DecoderConfig, lm_loss
-from zjax.planner._hlo import collectives, count_collectives, partitioned_hlo, spanned_axes
+from zjax.planner._compile import partitioned_hlo
+from zjax.planner._hlo import collectives, count_collectives, spanned_axes
 
 nn_rules = nn.logical_axis_rules
 

@@ -13,7 +13,8 @@ import pytest
 import zjax
 from zjax.distributed import ClusterEnv, ClusterError, Timeouts, detect
 from zjax.planner import count_collectives
-from zjax.planner._hlo import collectives, partitioned_hlo, replica_groups, spanned_axes
+from zjax.planner._compile import partitioned_hlo
+from zjax.planner._hlo import collectives, replica_groups, spanned_axes
 
 from ._models import linen_mlp_task, regression_batch
 

@@ -12,7 +12,8 @@ import pytest
 
 import zjax
 from zjax.models import Decoder, DecoderConfig, lm_loss
-from zjax.planner._hlo import collectives, partitioned_hlo, spanned_axes
+from zjax.planner._compile import partitioned_hlo
+from zjax.planner._hlo import collectives, spanned_axes
 
 from .test_gpu_plan import _figure
 

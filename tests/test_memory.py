@@ -8,7 +8,8 @@ import optax
 import pytest
 
 import zjax
-from zjax.planner._hlo import collectives, partitioned_hlo, spanned_axes
+from zjax.planner._compile import partitioned_hlo
+from zjax.planner._hlo import collectives, spanned_axes
 
 from ._models import TINY, decoder_task, linen_mlp_task, regression_batch, token_batch
 

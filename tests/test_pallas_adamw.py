@@ -13,7 +13,8 @@ import zjax
 from zjax.pallas import FusedAdamWConfig, fused_adamw
 from zjax.pallas._backend import TRITON_CUSTOM_CALL
 from zjax.pallas.adamw import FusedAdamWState, Scalars, adamw_kernel, adamw_reference
-from zjax.planner._hlo import collectives, partitioned_hlo
+from zjax.planner._compile import partitioned_hlo
+from zjax.planner._hlo import collectives
 
 from ._models import decoder_task, linen_mlp_task, regression_batch, rel_norm_diff, token_batch, train
 

@@ -18,7 +18,8 @@ from zjax.comm import Wire
 from zjax.models import Decoder, DecoderConfig, lm_loss
 from zjax.pipeline import Pipeline, apply
 from zjax.pipeline._context import accumulating, quantizing
-from zjax.planner._hlo import collectives, partitioned_hlo, spanned_axes
+from zjax.planner._compile import partitioned_hlo
+from zjax.planner._hlo import collectives, spanned_axes
 
 D, L, B = 32, 8, 32
 STAGES_ONLY = P("pp")  # weights split into stages, whole over dp

@@ -16,7 +16,8 @@ from zjax import pipeline
 from zjax.models import Decoder, DecoderConfig, lm_loss
 from zjax.pipeline import Pipeline, schedule_table
 from zjax.pipeline._schedule import B, F, W, slots
-from zjax.planner._hlo import collectives, partitioned_hlo, spanned_axes
+from zjax.planner._compile import partitioned_hlo
+from zjax.planner._hlo import collectives, spanned_axes
 
 # -- the tables ----------------------------------------------------------------------------------------
 

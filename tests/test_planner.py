@@ -1,6 +1,7 @@
 """The planner: the ZeRO paper's numbers, communication counted from the partitioned HLO, the CLI."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -378,3 +379,25 @@ def test_a_ragged_all_to_all_counts_the_rows_it_can_send_once():
     rows = 512 * 128 * 2
     assert comm.count["ragged-all-to-all"] == 2
     assert comm.volume["ragged-all-to-all"] == 2 * rows and comm.wire["ragged-all-to-all"] == 2 * rows * 3 // 4
+
+
+_CACHED_TWICE = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import zjax
+from zjax.planner import partitioned_hlo
+zjax.simulate_cpu_devices(8)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+x = jax.device_put(jnp.ones((64, 256)), NamedSharding(Mesh(np.array(jax.devices()), ("dp",)), P("dp")))
+compiled, text = partitioned_hlo(jax.jit(lambda v: (v * 2).sum()).lower(x))
+assert "all-reduce" in text and float(compiled(x)) == 32768.0
+"""
+
+
+def test_the_partitioned_module_is_read_with_a_persistent_compilation_cache(tmp_path):
+    """With ``jax_compilation_cache_dir`` set, a second process would be served the program from the cache, not
+    compile it, and XLA would dump no partitioned module: the planner's compiles bypass the cache."""
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")}
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", _CACHED_TWICE], env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]

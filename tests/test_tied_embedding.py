@@ -12,7 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 import zjax
 from zjax.models import Decoder, DecoderConfig, lm_loss
-from zjax.planner._hlo import collectives, partitioned_hlo
+from zjax.planner._compile import partitioned_hlo
+from zjax.planner._hlo import collectives
 
 TIED = DecoderConfig(vocab=4096, embed=256, layers=2, heads=4, head_dim=64, mlp=512, max_len=32, tie_embeddings=True)
 

@@ -69,7 +69,7 @@ def quantize(
     ``amax / 254`` for int8, ``amax / 14`` for int4). ``q`` is int8 ``[..., n]``, or for 4 bits uint8
     ``[..., n / 2]`` holding two values per byte (a block's first half in the low nibbles, its second half in
     the high ones); a block of odd length stays int8. Compiled for a GPU, blocks the one-pass Pallas kernel
-    takes (:func:`zjax.pallas.quantize.fits`) go through it, with the same values (``kernel=False``: XLA's
+    takes (:func:`zjax.pallas.quantize_blocks`) go through it, with the same values (``kernel=False``: XLA's
     fusions everywhere, which read ``x`` twice)."""
     if bits not in BITS:
         raise ValueError(f"quantize: bits={bits}; use one of {BITS}.")

@@ -19,8 +19,9 @@ from ..pipeline import Pipeline
 from ..sharding._mesh import make_mesh
 from ..sharding._rules import Rules
 from ..stages import Stage
+from ._compile import compiled_here, partitioned_hlo
 from ._gpu import cost_analysis, cudnn_for_target, gpu_devices
-from ._hlo import Communication, count_collectives, partitioned_hlo
+from ._hlo import Communication, count_collectives
 from ._models import resolve_model
 from ._result import Estimate, Row
 from ._targets import get_target
@@ -126,7 +127,8 @@ def estimate_fn(
         if target is not None:  # the scheduled GPU program: async collectives, real reduce-scatters, bf16
             with cudnn_for_target(target):  # cuDNN attention is checked against the target, not this CPU
                 lowered = step.lower(state, batch)
-            compiled = lowered.compile()
+            with compiled_here():
+                compiled = lowered.compile()
             hlo = compiled.as_text()
         else:  # XLA:CPU: read right after SPMD partitioning (later CPU passes upcast and split collectives)
             compiled, hlo = partitioned_hlo(step.lower(state, batch))

@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
-import tempfile
 from collections import defaultdict
-from typing import Any
 
 import numpy as np
 
@@ -385,14 +382,3 @@ def count_collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None) -
         if c.kind in ("all-to-all", "ragged-all-to-all"):
             all_to_all[axes] += c.volume * c.trips
     return Communication(volume, wire, count, dict(by_axes), dict(overlapped), dict(all_to_all))
-
-
-def partitioned_hlo(lowered: Any) -> tuple[Any, str]:
-    """Compile ``lowered`` and return ``(compiled, HLO text right after SPMD partitioning)``."""
-    with tempfile.TemporaryDirectory() as tmp:
-        compiled = lowered.compile(compiler_options={"xla_dump_to": tmp, "xla_dump_hlo_pass_re": "spmd-partitioning"})
-        names = sorted(f for f in os.listdir(tmp) if "after_spmd-partitioning" in f)
-        if not names:
-            raise RuntimeError("partitioned_hlo: XLA wrote no module after SPMD partitioning.")
-        with open(os.path.join(tmp, names[-1])) as f:
-            return compiled, f.read()
