@@ -170,7 +170,7 @@ def _kernel_agrees(kernel_fn, xla_fn, x) -> dict:
     import numpy as np
 
     (q, s), (qr, sr) = kernel_fn(x), xla_fn(x)
-    if q.dtype == jnp.uint8:  # compare the integers, not the packed bytes
+    if q.dtype == jnp.uint8:  # compare nibble by nibble, not the packed bytes
         q, qr = (np.concatenate([(v & 0xF).astype(np.int8), (v >> 4).astype(np.int8)], -1) for v in (q, qr))
     q, qr = np.asarray(q, np.int32), np.asarray(qr, np.int32)
     bad = x.at[3, 5].set(jnp.nan)
