@@ -145,11 +145,13 @@ def test_a_quantized_reduction_is_within_each_ranks_half_step(hsdp, bits):
     parts = (rs.randn(8, 32, 64) * rs.lognormal(size=(8, 1, 64))).astype(np.float32)  # [rank, rows, cols]
     hlo: list = []
     out = _reduce_on(mesh, parts, split, 0, whole, comm.Reduction(wire=comm.Wire(bits, block)), hlo)
-    # on the wire: one byte per value (int8) or per two (int4 in uint8), and an fp32 scale per block
-    values = [c for c in hlo if c.kind in ("all-to-all", "all-gather") and c.dtype != "f32"]
-    assert {c.dtype for c in values} == {"s8" if bits == 8 else "u8"}, [(c.kind, c.dtype) for c in hlo]
-    first = next(c for c in values if c.kind == "all-to-all")  # each rank's [32, 64] part, once
-    assert first.bytes == 32 * 64 * bits // 8
+    # on the wire: one byte per value (int8) or per two (int4), and an fp32 scale per block; an all-to-all carries
+    # both in one byte buffer, a gather of the sums (HSDP) the integers (int4 in uint8) beside their scales
+    exchanged = [c for c in hlo if c.kind == "all-to-all"]
+    assert {c.dtype for c in exchanged} == {"s8"}, [(c.kind, c.dtype) for c in hlo]
+    assert exchanged[0].bytes == 32 * 64 * bits // 8 + 32 * 64 // block * 4  # each rank's [32, 64] part, once
+    gathered = {c.dtype for c in hlo if c.kind == "all-gather" and c.dtype != "f32"}
+    assert gathered == ({"s8" if bits == 8 else "u8"} if hsdp else set()), gathered
     step = 2 * (2 ** (bits - 1) - 1)  # a half step is amax / 254 (int8) or amax / 14 (int4)
     exact = parts.sum(0)
     n_dp = 4 if hsdp else 8
@@ -183,6 +185,37 @@ def test_a_quantized_reduction_keeps_a_non_finite_gradient_non_finite():
         p[3, 5, 7] = bad
         out = _reduce_on(mesh, p, ("dp",), 0, (), comm.Reduction(wire=comm.Wire(block=8)))
         assert not np.all(np.isfinite(out))
+
+
+def test_layer_scan_reduces_each_layer_during_the_next_ones_backward_with_the_same_result(monkeypatch):
+    """Under quantized gradients the Decoder's layers run in zjax.comm.layer_scan (full remat): each layer's gradient
+    is carried into the next backward iteration and exchanged there, the layer's weights in one all-to-all. Against
+    nn.scan's per-layer reductions (remat="none" keeps the Decoder on nn.scan), one SGD step (lr 1: the update is
+    the reduced gradient) moves every layer's weights the same, up to a few bf16 roundings of the compute (2^-8
+    each; the two programs fuse differently): a gradient reduced into the wrong layer is off by its whole size."""
+    import zjax.comm._scan as scan
+
+    calls = []
+    overlapped = scan._overlapped
+    monkeypatch.setattr(scan, "_overlapped", lambda *a: calls.append(1) or overlapped(*a))
+    tokens = np.random.RandomState(0).randint(0, CFG.vocab, (8, 33)).astype(np.int32)
+    runs = {}
+    for remat in ("full", "none"):
+        model = Decoder(dataclasses.replace(CFG, layers=4, remat=remat))
+        plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, precision="bf16", quantized_comm="grads")
+        init = lambda r, m=model: m.init(r, jnp.zeros((1, 32), jnp.int32))["params"]  # noqa: E731
+        state = plan.init(init, optax.sgd(1.0), jax.random.key(0))
+        before = jax.device_get(state.opt_state.master)
+        state, metrics = plan.train_step(lambda p, b, m=model: lm_loss(m, p, b))(state, plan.shard_batch(tokens))
+        moved = jax.tree.map(lambda a, b: np.asarray(b) - np.asarray(a), before, jax.device_get(state.opt_state.master))
+        runs[remat] = float(metrics["loss"]), moved
+    assert len(calls) == 1  # the full-remat step traced its layers through layer_scan, once
+    assert runs["full"][0] == pytest.approx(runs["none"][0], rel=1e-6)
+    layers = jax.tree_util.tree_leaves_with_path(runs["full"][1]["layers"])
+    for (path, a), b in zip(layers, jax.tree.leaves(runs["none"][1]["layers"]), strict=True):
+        for i in range(4):
+            off = np.abs(a[i] - b[i]).max() / np.abs(b[i]).max()
+            assert off < 4 * 2.0**-8, (jax.tree_util.keystr(path), i, off)
 
 
 def _run(mesh_axes, stage, steps=3, cfg=CFG, accum=2, **plan_kw):

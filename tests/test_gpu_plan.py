@@ -20,6 +20,7 @@ import zjax
 from zjax.models import PRESETS, Decoder, lm_loss
 from zjax.planner import count_collectives, zero_bytes
 from zjax.planner._gpu import budget, cost_analysis, cudnn_for_target, gpu_devices
+from zjax.planner._hlo import _parse as _hlo_parse
 from zjax.planner._hlo import collectives, spanned_axes
 from zjax.planner._targets import get_target, target_names, topology_string
 
@@ -143,13 +144,14 @@ def test_reduce_dtype_float32_under_a_pipeline_reduces_over_dp_in_f32_on_the_gpu
 
 
 def test_quantized_gathers_and_reductions_are_int8_with_their_scales_on_the_gpu_target(gpu_steps):
-    """ZeRO++ on the GPU compiler: weights+grads gathers and all-to-alls int8 (s8) with fp32 scales beside them,
+    """ZeRO++ on the GPU compiler: weights+grads gathers and all-to-alls int8 (s8) with fp32 scales beside them (in
+    the all-to-all's own bytes),
     no bf16 weight collective left over dp, about half of bf16's bytes."""
     compiled, _, plan = _compiled(3, quantized_comm="weights+grads")
     text = compiled.as_text()
     starts = set(re.findall(r"= \(*\(*(\w+)\[[^\n]*? (all-gather|all-to-all|reduce-scatter)-start\(", text))
     assert ("s8", "all-gather") in starts and ("s8", "all-to-all") in starts, starts
-    assert ("f32", "all-to-all") in starts  # the scales of each int8 block
+    assert ("f32", "all-to-all") not in starts  # an all-to-all carries its blocks' scales in its own bytes
     assert ("bf16", "reduce-scatter") not in starts and ("bf16", "all-gather") not in starts, starts
     # the weights' and gradients' bytes (the embedding lookup's bf16 activations and s32 ids are the same in both)
     moved = sum(c.volume * c.trips for c in collectives(text) if c.dtype in ("s8", "f32") and c.kind != "all-reduce")
@@ -285,6 +287,28 @@ def test_cudnn_checks_answer_for_the_target_and_are_restored():
     with cudnn_for_target("a100"), pytest.raises(NotImplementedError, match="must be <= 128"):
         fa.check_is_flash_attention(q, q, q, 0, fa.check_cudnn_version(), False, True)
     assert fa.check_compute_capability is original
+
+
+def test_quantized_gradients_cross_once_per_layer_under_the_next_layers_backward():
+    """qgZ's exchanges: XLA pipelines reduce-scatters across a layer loop's iterations but not all-to-alls, which
+    waited at the end of each backward iteration, one per weight, with nothing but quantization between their start
+    and done. zjax.comm.layer_scan reduces a layer's gradients in the next iteration, in one all-to-all: there it
+    runs under that layer's matmuls, and nothing of the step's all-to-alls is exposed."""
+    compiled, _, _ = _compiled(3, cfg=dataclasses.replace(CFG, layers=8), quantized_comm="grads")
+    text = compiled.as_text()
+    comms = collectives(text)
+    looped = [c for c in comms if c.kind == "all-to-all" and c.in_loop]
+    assert len(looped) == 1 and looped[0].dtype == "s8", looped  # every weight's blocks and scales in one buffer
+    comps, _ = _hlo_parse(text)
+    body = comps[looped[0].computation]
+    names = [i.name for i in body]
+    start = names.index(looped[0].name)
+    done = next(k for k, i in enumerate(body) if i.opcode == "all-to-all-done" and looped[0].name in i.rest)
+    between = [i for i in body[start + 1 : done] if "gemm" in i.name or "dot" in i.name]
+    assert len(between) >= 4, [i.name for i in body[start + 1 : done]]  # the next layer's matmuls
+    # the gradients' exchanges (s8), in the loop and the two outside it (the last layer's and the first's), overlap
+    exposed = [c.name for c in comms if c.kind == "all-to-all" and c.dtype == "s8" and not c.overlapped]
+    assert not exposed and len([c for c in comms if c.kind == "all-to-all" and c.dtype == "s8"]) >= 3, exposed
 
 
 def test_cost_analysis_works_without_a_client(gpu_steps):

@@ -22,3 +22,5 @@ from ._quantize import parse as parse
 from ._quantize import quantize as quantize
 from ._reduce import Reduction as Reduction
 from ._reduce import reduce as reduce
+from ._scan import layer_scan as layer_scan
+from ._scan import quantized_reductions as quantized_reductions

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from ..sharding._axes import REPLICA
 from ..sharding._rules import spec_axes
 from ._quantize import PARTS, Wire, all_gather
-from ._reduce import Reduction, reduce
+from ._reduce import Reduction, reduce, reduce_all
 
 QUANTIZED_COMM = (*PARTS, "+".join(PARTS))
 """What ``Plan(quantized_comm=...)`` can quantize: ZeRO-3's weight gathers, its gradient reductions, or both (each
@@ -297,6 +297,76 @@ def _quantized_gather(
 def _manual_gather(x: jax.Array, active: _Active, path: tuple[str, ...]) -> jax.Array:
     """This rank's shard of the parameter at ``path``, whole in the compute dtype; its gradient reduced into the
     shard (:func:`zjax.comm.reduce`) in the primal's dtype."""
+    route = manual_route(x.ndim, active, path)
+
+    @jax.custom_vjp
+    def run(v: jax.Array) -> jax.Array:
+        return route.gather(v)
+
+    def fwd(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return run(v), jnp.zeros((0,), v.dtype)  # the primal's dtype, for the cotangent
+
+    def bwd(like: jax.Array, g: jax.Array) -> tuple[jax.Array]:
+        return (route.reduce([g])[0].astype(like.dtype),)
+
+    run.defvjp(fwd, bwd)
+    return run(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """How one parameter crosses the data axes inside :func:`manual`: its shard is gathered along ``dim`` over
+    ``split`` in ``dtype`` (as ``weights``' blocks when given); a rank's partial gradient of the whole parameter is
+    reduced over ``split`` into the shard and summed over ``whole``. Each collective runs in a ``shard_map``
+    manual over the mesh's ``others`` axes (tp, ...) on the local tiles (``local``: the spec over those): XLA's
+    partitioner would otherwise replicate a tp-split operand over tp before a collective over the data axes
+    (measured: every weight gradient all-gathered over tp in fp32 before its reduce-scatter)."""
+
+    split: tuple[str, ...]
+    dim: int | None
+    whole: tuple[str, ...]
+    local: P
+    others: frozenset[str]
+    dtype: Any
+    weights: Wire | None
+    reduction: Reduction
+
+    def gather(self, v: jax.Array) -> jax.Array:
+        """This rank's shard, whole in the compute dtype."""
+
+        def run(v: jax.Array) -> jax.Array:
+            v = v.astype(self.dtype)
+            return v if self.dim is None else all_gather(v, self.split, self.dim, self.weights)
+
+        local = self.local
+        return jax.shard_map(run, in_specs=local, out_specs=local, axis_names=set(self.others), check_vma=False)(v)
+
+    def reduce(self, grads: Sequence[jax.Array], routes: Sequence[Route] | None = None) -> list:
+        """The partial gradients ``grads`` of ``routes``' parameters (this one's alone by default) reduced into their
+        shards (fp32 when quantized, else the reduction's dtype): quantized, those split over the same axes cross
+        in one all-to-all."""
+        routes = [self] if routes is None else list(routes)
+        specs = tuple(r.local for r in routes)
+
+        def run(*gs: jax.Array) -> tuple:
+            return tuple(
+                reduce_all([(g, r.split, r.dim, r.whole) for r, g in zip(routes, gs, strict=True)], self.reduction)
+            )
+
+        return list(self._tiles(run, specs, specs)(*grads))
+
+    def _tiles(self, fn: Any, in_specs: Any, out_specs: Any) -> Any:
+        names = set(self.others)
+        return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names=names, check_vma=False)
+
+
+def _parts(routes: Sequence[Route], grads: Sequence[jax.Array]) -> list:
+    return [(g, r.split, r.dim, r.whole) for r, g in zip(routes, grads, strict=True)]
+
+
+def manual_route(ndim: int, active: _Active, path: tuple[str, ...]) -> Route:
+    """Under :func:`manual`: how the parameter at ``path``, read as an ``ndim``-dim shard (one layer's, inside a
+    layer scan), crosses the data axes."""
     manual = cast(_Manual, active.manual)
     spec = active.specs.get(path)
     if spec is None:
@@ -304,7 +374,7 @@ def _manual_gather(x: jax.Array, active: _Active, path: tuple[str, ...]) -> jax.
             f"zjax.comm.gathered: no parameter at path {'/'.join(path)!r} in this step's layout; read parameters "
             "with their path in the params tree (e.g. ('layers', 'wq'))."
         )
-    entries = spec[len(spec) - x.ndim :]  # one layer of a stacked parameter: without the layers entry
+    entries = spec[len(spec) - ndim :]  # one layer of a stacked parameter: without the layers entry
     axes_here = tuple(a for a in manual.axes if not (manual.hierarchical and a == REPLICA))  # hpZ: within the node
     dims = [(d, tuple(a for a in _axes(e) if a in axes_here)) for d, e in enumerate(entries) if e is not None]
     dims = [(d, axes) for d, axes in dims if axes]
@@ -315,30 +385,6 @@ def _manual_gather(x: jax.Array, active: _Active, path: tuple[str, ...]) -> jax.
         )
     dim, split = dims[0] if dims else (None, ())
     whole = tuple(a for a in axes_here if a not in split)
-    # Each collective runs in a shard_map manual over the other axes too (tp, ...), on the local tiles: XLA's
-    # partitioner would otherwise replicate a tp-split operand over tp before a collective over the data axes
-    # (measured: every weight gradient all-gathered over tp in fp32 before its reduce-scatter).
-    mesh = jax.sharding.get_abstract_mesh()
-    others = {a for a in mesh.axis_names if a not in manual.axes}
+    others = frozenset(a for a in jax.sharding.get_abstract_mesh().axis_names if a not in manual.axes)
     local = manual_spec(P(*entries), tuple(others))
-    tiles = lambda f: jax.shard_map(f, in_specs=local, out_specs=local, axis_names=others, check_vma=False)  # noqa: E731
-
-    def gather(v: jax.Array) -> jax.Array:
-        v = v.astype(manual.dtype)
-        return v if dim is None else all_gather(v, split, dim, manual.weights)
-
-    def reduced(g: jax.Array) -> jax.Array:
-        return reduce(g, split, dim, whole, manual.reduction)
-
-    @jax.custom_vjp
-    def run(v: jax.Array) -> jax.Array:
-        return tiles(gather)(v)
-
-    def fwd(v: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return run(v), jnp.zeros((0,), v.dtype)  # the primal's dtype, for the cotangent
-
-    def bwd(like: jax.Array, g: jax.Array) -> tuple[jax.Array]:
-        return (tiles(reduced)(g).astype(like.dtype),)
-
-    run.defvjp(fwd, bwd)
-    return run(x)
+    return Route(split, dim, whole, local, others, manual.dtype, manual.weights, manual.reduction)

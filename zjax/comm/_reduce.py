@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +39,7 @@ def reduce(g: jax.Array, split: tuple[str, ...], dim: int | None, whole: tuple[s
     keeps: ``g`` split along ``dim`` over the axes ``split`` (tiled, in their order) and summed over the axes
     ``whole`` too. Called inside a ``shard_map`` manual over all of them. fp32 when quantized, else in
     ``how.dtype`` (or ``g``'s)."""
-    if how.wire is not None and math.prod(jax.lax.axis_size(a) for a in (*split, *whole)) > 1:
+    if how.wire is not None and _size((*split, *whole)) > 1:
         shard = _quantized_scatter(g, split, dim, how.wire) if split else g.astype(jnp.float32)
         if whole:
             shard = _quantized_all_reduce(shard, whole, how.wire)
@@ -46,6 +48,76 @@ def reduce(g: jax.Array, split: tuple[str, ...], dim: int | None, whole: tuple[s
     if split:
         x = jax.lax.psum_scatter(x, split, scatter_dimension=dim, tiled=True)
     return jax.lax.psum(x, whole) if whole else x
+
+
+Part = tuple[jax.Array, tuple[str, ...], int | None, tuple[str, ...]]
+"""A rank's partial gradient of a whole parameter and how it reduces: ``(g, split, dim, whole)`` (:func:`reduce`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """How :func:`pack` laid partial gradients out (static): each part's ``(shape, split, dim, whole)``, the
+    quantized groups (the parts split over the same axes: one buffer each) with each member's integer and scale
+    widths, and the parts that go as they are."""
+
+    parts: tuple[tuple[tuple[int, ...], tuple[str, ...], int | None, tuple[str, ...]], ...]
+    groups: tuple[tuple[tuple[str, ...], tuple[int, ...], tuple[tuple[Any, int, int, int], ...]], ...]
+    raw: tuple[int, ...]
+
+
+def reduce_all(parts: Sequence[Part], how: Reduction) -> list:
+    """:func:`reduce` of each ``(g, split, dim, whole)``. Quantized, the parts split over the same axes cross in one
+    all-to-all (one int8 buffer holding every part's blocks and scales): a layer's gradients make one exchange
+    instead of one per weight (XLA combines all-gathers and reduce-scatters, not all-to-alls)."""
+    return unpack(*pack(parts, how), how)
+
+
+def pack(parts: Sequence[Part], how: Reduction) -> tuple[list, Packing]:
+    """The first half of :func:`reduce_all`, local: each quantized group's blocks and scales in one int8 buffer
+    ``[ranks, bytes]`` (row ``j`` for rank ``j``), then the other parts as they are, each flattened to ``[1, size]``;
+    and the static :class:`Packing` that :func:`unpack` reads them with. A layer scan carries these, int8 instead of
+    the gradient's dtype, into the iteration that exchanges them."""
+    groups: dict[tuple[str, ...], list[int]] = {}
+    raw = []
+    for i, (_, split, _, _) in enumerate(parts):
+        if how.wire is not None and split and _size(split) > 1:
+            groups.setdefault(split, []).append(i)
+        else:
+            raw.append(i)
+    arrays, laid = [], []
+    for split, members in groups.items():
+        n = _size(split)
+        if any(parts[i][2] is None for i in members):
+            raise ValueError("comm.reduce: a split over the ZeRO axes needs the dim it splits.")
+        rows = [_chunks(parts[i][0], cast(int, parts[i][2]), n) for i in members]
+        buffer, layout = _pack_rows(rows, cast(Wire, how.wire))
+        arrays.append(buffer)
+        laid.append((split, tuple(members), layout))
+    arrays += [parts[i][0].reshape(1, -1) for i in raw]
+    shapes = tuple((tuple(g.shape), split, dim, whole) for g, split, dim, whole in parts)
+    return arrays, Packing(shapes, tuple(laid), tuple(raw))
+
+
+def unpack(arrays: Sequence[jax.Array], packing: Packing, how: Reduction) -> list:
+    """The second half of :func:`reduce_all`: every group's buffer exchanged (one all-to-all each) and summed in
+    fp32, the other parts reduced as :func:`reduce` does; each part's shard, in :func:`pack`'s order of ``parts``."""
+    out: list = [None] * len(packing.parts)
+    for (split, members, layout), buffer in zip(packing.groups, arrays, strict=False):
+        n = _size(split)
+        for i, total in zip(members, _exchange_sum(buffer, layout, split), strict=True):
+            shape, _, dim, whole = packing.parts[i]
+            local = list(shape)
+            local[cast(int, dim)] //= n
+            shard = _unchunk(total, tuple(local), cast(int, dim))
+            out[i] = _quantized_all_reduce(shard, whole, cast(Wire, how.wire)) if whole else shard
+    for i, flat in zip(packing.raw, arrays[len(packing.groups) :], strict=True):
+        shape, split, dim, whole = packing.parts[i]
+        out[i] = reduce(flat.reshape(shape), split, dim, whole, how)
+    return out
+
+
+def _size(axes: tuple[str, ...]) -> int:
+    return math.prod(jax.lax.axis_size(a) for a in axes)
 
 
 def _chunks(x: jax.Array, dim: int, n: int) -> jax.Array:
@@ -61,20 +133,13 @@ def _unchunk(rows: jax.Array, shape: tuple[int, ...], dim: int) -> jax.Array:
 
 
 def _quantized_scatter(g: jax.Array, axes: tuple[str, ...], dim: int | None, wire: Wire) -> jax.Array:
-    """Rank ``j`` gets the fp32 sum of every rank's ``j``-th chunk along ``dim``, each sent as ``wire``'s blocks."""
-    n = math.prod(jax.lax.axis_size(a) for a in axes)
-    if dim is None:
-        raise ValueError("comm.reduce: a split over the ZeRO axes needs the dim it splits.")
-    rows = _chunks(g, dim, n)
-    total = _sum_exchanged(rows, axes, wire)
-    shape = list(g.shape)
-    shape[dim] //= n
-    return _unchunk(total, tuple(shape), dim)
+    """Rank ``j`` gets the fp32 sum of every rank's ``j``-th chunk of ``g`` along ``dim``, sent as ``wire``'s blocks."""
+    return unpack(*pack([(g, axes, dim, ())], Reduction(wire=wire)), Reduction(wire=wire))[0]
 
 
 def _quantized_all_reduce(x: jax.Array, axes: tuple[str, ...], wire: Wire) -> jax.Array:
     """The fp32 sum of ``x`` over ``axes``: a quantized all-to-all reduce, then a quantized all-gather of the sums."""
-    n = math.prod(jax.lax.axis_size(a) for a in axes)
+    n = _size(axes)
     flat = x.reshape(-1)
     pad = -flat.size % n
     rows = jnp.pad(flat, (0, pad)).reshape(n, -1)
@@ -97,9 +162,33 @@ def _padded(x: jax.Array, block: int) -> jax.Array:
 
 def _sum_exchanged(rows: jax.Array, axes: tuple[str, ...], wire: Wire) -> jax.Array:
     """Row ``j`` of every rank's ``rows`` (``[n, width]``) to rank ``j`` as ``wire``'s blocks; their fp32 sum."""
-    width = rows.shape[1]
-    block = min(wire.block, width)  # a small parameter's chunk is one block
-    q, scale = quantize(_padded(rows, block), block, wire.bits)
-    q = jax.lax.all_to_all(q, axes, 0, 0, tiled=True)
-    scale = jax.lax.all_to_all(scale, axes, 0, 0, tiled=True)
-    return jnp.sum(dequantize(q, scale, jnp.float32), axis=0)[:width]
+    return _exchange_sum(*_pack_rows([rows], wire), axes)[0]
+
+
+def _pack_rows(rows: Sequence[jax.Array], wire: Wire) -> tuple[jax.Array, tuple[tuple[Any, int, int, int], ...]]:
+    """Each ``[n, width_k]`` of ``rows`` quantized as ``wire``'s blocks, all in one int8 buffer ``[n, bytes]``: a
+    part's integers, then its fp32 scales bitcast to 4 bytes each; and each part's (integer dtype, integer bytes,
+    scales, width)."""
+    pieces, layout = [], []
+    for r in rows:
+        block = min(wire.block, r.shape[1])  # a small parameter's chunk is one block
+        q, scale = quantize(_padded(r, block), block, wire.bits)
+        pieces += [jax.lax.bitcast_convert_type(q, jnp.int8), jax.lax.bitcast_convert_type(scale, jnp.int8)]
+        layout.append((q.dtype, q.shape[1], scale.shape[1], r.shape[1]))
+    n = rows[0].shape[0]
+    return jnp.concatenate([p.reshape(n, -1) for p in pieces], axis=1), tuple(layout)
+
+
+def _exchange_sum(buffer: jax.Array, layout: Sequence[tuple[Any, int, int, int]], axes: tuple[str, ...]) -> list:
+    """:func:`_pack_rows`' buffer through one all-to-all over ``axes`` (row ``j`` to rank ``j``); each part's fp32
+    sum over the ranks."""
+    n = buffer.shape[0]
+    buffer = jax.lax.all_to_all(buffer, axes, 0, 0, tiled=True)
+    sums, at = [], 0
+    for dtype, width_q, width_s, width in layout:
+        q = jax.lax.bitcast_convert_type(buffer[:, at : at + width_q], dtype)
+        at += width_q
+        scale = jax.lax.bitcast_convert_type(buffer[:, at : at + 4 * width_s].reshape(n, width_s, 4), jnp.float32)
+        at += 4 * width_s
+        sums.append(jnp.sum(dequantize(q, scale, jnp.float32), axis=0)[:width])
+    return sums

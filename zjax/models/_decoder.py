@@ -228,6 +228,11 @@ class Decoder(nn.Module):
                 )
                 with local_experts(int(jax.sharding.get_abstract_mesh().shape.get(EP, 1))):
                     x, stats = pipeline.apply(stage_fn, layers, x, schedule, outputs=True, split_over=split_over)
+        elif c.scan and _overlaps_reductions(c, policy) and not self.is_initializing():
+            # qgZ: each layer's quantized reduction runs under the next layer's backward (XLA pipelines no all-to-all)
+            one = Block(c, load_balanced)
+            layer = lambda w, h: one.apply({"params": w}, h, positions, segment_ids)[0]  # noqa: E731
+            x = comm.layer_scan(layer, nn.unbox(self.variables["params"]["layers"]), x, (*self.path, "layers"))
         elif c.scan and policy.kind == "nested" and not self.is_initializing():
             one = Block(c, load_balanced)
             layer = lambda w, h: one.apply({"params": w}, h, positions, segment_ids)  # noqa: E731
@@ -253,6 +258,12 @@ class Decoder(nn.Module):
         else:
             head = param(self, "head", (c.embed, c.vocab), ("embed", "vocab"))
         return nn.with_logical_constraint(x @ head.astype(x.dtype), ("batch", "seq", "vocab"))
+
+
+def _overlaps_reductions(c: DecoderConfig, policy: RematPolicy) -> bool:
+    """Whether the layers run in :func:`zjax.comm.layer_scan`: quantized gradient reductions, whole-layer remat (the
+    scan saves each layer's input, nothing else) and no experts (their router statistics are scan outputs)."""
+    return comm.quantized_reductions() and policy.kind == "full" and not policy.partition and c.moe is None
 
 
 PACKED_UNDER_PIPELINE = (

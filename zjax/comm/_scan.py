@@ -1,0 +1,107 @@
+"""A scan over a model's stacked layers whose quantized gradient reductions (qgZ) overlap the next layer's backward.
+
+At stage 3 each layer's gradient is reduced in that layer's backward iteration. For bf16 (or fp32) reduce-scatters
+XLA's collective pipeliner moves the reduction into the next iteration, where it runs under that layer's compute.
+XLA does not pipeline all-to-alls, so qgZ's exchanges (:func:`zjax.comm.reduce`) would wait at the end of each
+iteration, after every weight-gradient dot. :func:`layer_scan` pipelines them itself: its backward pass carries a
+layer's partial gradient into the next iteration and reduces it there, beside the next layer's recomputation and
+backward, which do not depend on it; the first layer's gradient is reduced after the loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ._gather import _ACTIVE, Route, _path, gathered_tree, manual_route, passthrough
+
+
+def quantized_reductions() -> bool:
+    """Whether the step being traced reduces its gradients itself as integer blocks (``Plan(quantized_comm=
+    "grads")`` or ``"weights+grads"`` at stage 3): a model's layer scan should then be :func:`layer_scan`."""
+    active = _ACTIVE.get()
+    return active is not None and active.manual is not None and active.manual.reduction.wire is not None
+
+
+def layer_scan(layer: Callable[[Any, Any], Any], params: Any, x: Any, path: Sequence[str]) -> Any:
+    """``layer(layer_params, h) -> h`` applied over ``params``, parameters stacked on a leading layers axis at
+    ``path`` in the params tree (a decoder's ``("layers",)``), rematerialized per layer (only each layer's input
+    is saved). ``layer`` receives its parameters gathered whole, in the compute dtype: it must not gather them
+    again (:func:`zjax.comm.gathered` returns them as they are while it runs).
+
+    When the step reduces gradients as integer blocks (:func:`quantized_reductions`), each layer's reduction runs
+    during the next layer's backward (module docstring); otherwise this is a rematerialized scan that reads each
+    layer through :func:`zjax.comm.gathered_tree`.
+
+    Example:
+      >>> x = zjax.comm.layer_scan(lambda w, h: block.apply({"params": w}, h), params["layers"], x, ("layers",))
+    """
+    prefix = tuple(path)
+
+    def apply(whole: Any, h: Any) -> Any:
+        with passthrough():
+            return layer(whole, h)
+
+    active = _ACTIVE.get()
+    if not quantized_reductions():
+        body = jax.checkpoint(lambda h, w: (apply(gathered_tree(w, prefix), h), None), prevent_cse=False)
+        return jax.lax.scan(body, x, params)[0]
+    assert active is not None  # quantized_reductions() says so
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    leaves = [v for _, v in flat]
+    routes = [manual_route(v.ndim - 1, active, (*prefix, *_path(kp))) for kp, v in flat]
+    return _overlapped(apply, treedef, routes, leaves, x)
+
+
+def _overlapped(apply: Callable, treedef: Any, routes: list[Route], leaves: list, x: Any) -> Any:
+    n = leaves[0].shape[0]
+
+    def whole(ws: list) -> list:
+        return [r.gather(w) for r, w in zip(routes, ws, strict=True)]
+
+    def forward(ws: list, h: Any) -> Any:
+        return apply(jax.tree_util.tree_unflatten(treedef, whole(ws)), h)
+
+    def backward(ws: list, h: Any, dh: Any) -> tuple[list, Any]:
+        """One layer recomputed from its input ``h`` and differentiated: the partial gradients of its gathered
+        weights (this rank's, not yet reduced) and the cotangent of ``h``."""
+        _, pull = jax.vjp(lambda wl, hh: apply(jax.tree_util.tree_unflatten(treedef, wl), hh), whole(ws), h)
+        return pull(dh)
+
+    def reduced(partial: list, ws: list) -> list:
+        """A layer's partial gradients reduced into its shards (the quantized ones in one exchange), in their dtype."""
+        shards = routes[0].reduce(partial, routes)
+        return [g.astype(w.dtype) for g, w in zip(shards, ws, strict=True)]
+
+    @jax.custom_vjp
+    def run(leaves: list, x: Any) -> Any:
+        return jax.lax.scan(lambda h, ws: (forward(ws, h), None), x, leaves)[0]
+
+    def fwd(leaves: list, x: Any) -> tuple[Any, tuple[list, Any]]:
+        y, inputs = jax.lax.scan(lambda h, ws: (forward(ws, h), h), x, leaves)
+        return y, (leaves, inputs)
+
+    def bwd(res: tuple[list, Any], dy: Any) -> tuple[list, Any]:
+        leaves, inputs = res
+        at = lambda tree, i: jax.tree.map(lambda a: a[i], tree)  # noqa: E731
+        # the last layer outside the loop, so that every iteration has a gradient to reduce (no empty exchange)
+        pending, dh = backward(at(leaves, n - 1), at(inputs, n - 1), dy)
+
+        def body(carry: tuple[Any, list], xs: tuple[list, Any]) -> tuple[tuple[Any, list], list]:
+            dh, pending = carry
+            ws, h = xs
+            done = reduced(pending, ws)  # layer i + 1's, beside layer i's backward: nothing there needs it
+            partial, dh = backward(ws, h, dh)
+            return (dh, partial), done
+
+        rest = jax.tree.map(lambda a: a[: n - 1], (leaves, inputs))
+        (dh, pending), done = jax.lax.scan(body, (dh, pending), rest, reverse=True)
+        first = reduced(pending, at(leaves, 0))
+        grads = [jnp.concatenate([f[None], d]) for f, d in zip(first, done, strict=True)]
+        return grads, dh
+
+    run.defvjp(fwd, bwd)
+    return run(leaves, x)
