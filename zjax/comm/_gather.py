@@ -338,8 +338,7 @@ class Route:
             v = v.astype(self.dtype)
             return v if self.dim is None else all_gather(v, self.split, self.dim, self.weights)
 
-        local = self.local
-        return jax.shard_map(run, in_specs=local, out_specs=local, axis_names=set(self.others), check_vma=False)(v)
+        return self._tiles(run, self.local, self.local)(v)
 
     def reduce(self, grads: Sequence[jax.Array], routes: Sequence[Route] | None = None) -> list:
         """The partial gradients ``grads`` of ``routes``' parameters (this one's alone by default) reduced into their
@@ -349,9 +348,7 @@ class Route:
         specs = tuple(r.local for r in routes)
 
         def run(*gs: jax.Array) -> tuple:
-            return tuple(
-                reduce_all([(g, r.split, r.dim, r.whole) for r, g in zip(routes, gs, strict=True)], self.reduction)
-            )
+            return tuple(reduce_all(_parts(routes, gs), self.reduction))
 
         return list(self._tiles(run, specs, specs)(*grads))
 

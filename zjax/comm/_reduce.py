@@ -40,7 +40,7 @@ def reduce(g: jax.Array, split: tuple[str, ...], dim: int | None, whole: tuple[s
     ``whole`` too. Called inside a ``shard_map`` manual over all of them. fp32 when quantized, else in
     ``how.dtype`` (or ``g``'s)."""
     if how.wire is not None and _size((*split, *whole)) > 1:
-        shard = _quantized_scatter(g, split, dim, how.wire) if split else g.astype(jnp.float32)
+        shard = _quantized_scatter([(g, split, dim, ())], split, how.wire)[0] if split else g.astype(jnp.float32)
         if whole:
             shard = _quantized_all_reduce(shard, whole, how.wire)
         return shard
@@ -54,65 +54,22 @@ Part = tuple[jax.Array, tuple[str, ...], int | None, tuple[str, ...]]
 """A rank's partial gradient of a whole parameter and how it reduces: ``(g, split, dim, whole)`` (:func:`reduce`)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Packing:
-    """How :func:`pack` laid partial gradients out (static): each part's ``(shape, split, dim, whole)``, the
-    quantized groups (the parts split over the same axes: one buffer each) with each member's integer and scale
-    widths, and the parts that go as they are."""
-
-    parts: tuple[tuple[tuple[int, ...], tuple[str, ...], int | None, tuple[str, ...]], ...]
-    groups: tuple[tuple[tuple[str, ...], tuple[int, ...], tuple[tuple[Any, int, int, int], ...]], ...]
-    raw: tuple[int, ...]
-
-
 def reduce_all(parts: Sequence[Part], how: Reduction) -> list:
     """:func:`reduce` of each ``(g, split, dim, whole)``. Quantized, the parts split over the same axes cross in one
     all-to-all (one int8 buffer holding every part's blocks and scales): a layer's gradients make one exchange
     instead of one per weight (XLA combines all-gathers and reduce-scatters, not all-to-alls)."""
-    return unpack(*pack(parts, how), how)
-
-
-def pack(parts: Sequence[Part], how: Reduction) -> tuple[list, Packing]:
-    """The first half of :func:`reduce_all`, local: each quantized group's blocks and scales in one int8 buffer
-    ``[ranks, bytes]`` (row ``j`` for rank ``j``), then the other parts as they are, each flattened to ``[1, size]``;
-    and the static :class:`Packing` that :func:`unpack` reads them with. A layer scan carries these, int8 instead of
-    the gradient's dtype, into the iteration that exchanges them."""
+    out: list = [None] * len(parts)
     groups: dict[tuple[str, ...], list[int]] = {}
-    raw = []
-    for i, (_, split, _, _) in enumerate(parts):
+    for i, (g, split, dim, whole) in enumerate(parts):
         if how.wire is not None and split and _size(split) > 1:
             groups.setdefault(split, []).append(i)
         else:
-            raw.append(i)
-    arrays, laid = [], []
+            out[i] = reduce(g, split, dim, whole, how)
+    wire = cast(Wire, how.wire)
     for split, members in groups.items():
-        n = _size(split)
-        if any(parts[i][2] is None for i in members):
-            raise ValueError("comm.reduce: a split over the ZeRO axes needs the dim it splits.")
-        rows = [_chunks(parts[i][0], cast(int, parts[i][2]), n) for i in members]
-        buffer, layout = _pack_rows(rows, cast(Wire, how.wire))
-        arrays.append(buffer)
-        laid.append((split, tuple(members), layout))
-    arrays += [parts[i][0].reshape(1, -1) for i in raw]
-    shapes = tuple((tuple(g.shape), split, dim, whole) for g, split, dim, whole in parts)
-    return arrays, Packing(shapes, tuple(laid), tuple(raw))
-
-
-def unpack(arrays: Sequence[jax.Array], packing: Packing, how: Reduction) -> list:
-    """The second half of :func:`reduce_all`: every group's buffer exchanged (one all-to-all each) and summed in
-    fp32, the other parts reduced as :func:`reduce` does; each part's shard, in :func:`pack`'s order of ``parts``."""
-    out: list = [None] * len(packing.parts)
-    for (split, members, layout), buffer in zip(packing.groups, arrays, strict=False):
-        n = _size(split)
-        for i, total in zip(members, _exchange_sum(buffer, layout, split), strict=True):
-            shape, _, dim, whole = packing.parts[i]
-            local = list(shape)
-            local[cast(int, dim)] //= n
-            shard = _unchunk(total, tuple(local), cast(int, dim))
-            out[i] = _quantized_all_reduce(shard, whole, cast(Wire, how.wire)) if whole else shard
-    for i, flat in zip(packing.raw, arrays[len(packing.groups) :], strict=True):
-        shape, split, dim, whole = packing.parts[i]
-        out[i] = reduce(flat.reshape(shape), split, dim, whole, how)
+        for i, shard in zip(members, _quantized_scatter([parts[i] for i in members], split, wire), strict=True):
+            whole = parts[i][3]
+            out[i] = _quantized_all_reduce(shard, whole, wire) if whole else shard
     return out
 
 
@@ -132,9 +89,19 @@ def _unchunk(rows: jax.Array, shape: tuple[int, ...], dim: int) -> jax.Array:
     return jnp.moveaxis(rows.reshape(moved), 0, dim)
 
 
-def _quantized_scatter(g: jax.Array, axes: tuple[str, ...], dim: int | None, wire: Wire) -> jax.Array:
-    """Rank ``j`` gets the fp32 sum of every rank's ``j``-th chunk of ``g`` along ``dim``, sent as ``wire``'s blocks."""
-    return unpack(*pack([(g, axes, dim, ())], Reduction(wire=wire)), Reduction(wire=wire))[0]
+def _quantized_scatter(parts: Sequence[Part], axes: tuple[str, ...], wire: Wire) -> list:
+    """For each part ``g`` split along its ``dim``: rank ``j`` gets the fp32 sum of every rank's ``j``-th chunk, the
+    parts' blocks in one exchange."""
+    n = _size(axes)
+    if any(dim is None for _, _, dim, _ in parts):
+        raise ValueError("comm.reduce: a split over the ZeRO axes needs the dim it splits.")
+    rows = [_chunks(g, cast(int, dim), n) for g, _, dim, _ in parts]
+    out = []
+    for (g, _, dim, _), total in zip(parts, _exchange_sum(*_pack_rows(rows, wire), axes), strict=True):
+        shape = list(g.shape)
+        shape[cast(int, dim)] //= n
+        out.append(_unchunk(total, tuple(shape), cast(int, dim)))
+    return out
 
 
 def _quantized_all_reduce(x: jax.Array, axes: tuple[str, ...], wire: Wire) -> jax.Array:

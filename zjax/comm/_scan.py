@@ -46,10 +46,9 @@ def layer_scan(layer: Callable[[Any, Any], Any], params: Any, x: Any, path: Sequ
             return layer(whole, h)
 
     active = _ACTIVE.get()
-    if not quantized_reductions():
+    if active is None or not quantized_reductions():
         body = jax.checkpoint(lambda h, w: (apply(gathered_tree(w, prefix), h), None), prevent_cse=False)
         return jax.lax.scan(body, x, params)[0]
-    assert active is not None  # quantized_reductions() says so
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     leaves = [v for _, v in flat]
     routes = [manual_route(v.ndim - 1, active, (*prefix, *_path(kp))) for kp, v in flat]
