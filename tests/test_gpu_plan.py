@@ -205,10 +205,12 @@ def test_llama2_7b_on_64_gpus_moves_what_int8_and_int4_allow():
         assert psi[wire] == pytest.approx(psi["bf16/bf16"] * comm[wire] / comm["bf16/bf16"], abs=0.02), (wire, psi)
     assert comm["int8/bf16"] <= 0.69 * comm["bf16/bf16"] and comm["int8/int4"] <= 0.43 * comm["bf16/bf16"]
     assert comm["int4/int4"] <= 0.27 * comm["bf16/bf16"]
-    # qgZ's exchanges run under the next layer's backward (zjax.comm.layer_scan): at most 2% of the bytes exposed
-    # (measured 1.0% with int8 gradients, 0.2% with ZeRO++'s pair; 15-25% when each waited in its own iteration)
-    for wire in ("bf16/int8", "int8/int8", "int8/int4", "int4/int4"):
-        assert exposed[wire] <= 0.02 * comm[wire], (wire, exposed)
+    # qgZ's exchanges run under the next layer's backward (zjax.comm.layer_scan), two collectives in flight: with
+    # int8 or int4 weights too, at most 1% of the bytes exposed (measured 0.3-0.4%; 15-25% when each exchange
+    # waited in its own iteration). Gradients alone leave some bf16 weight gathers bare (6.6%; 16% before).
+    for wire in ("int8/int8", "int8/int4", "int4/int4"):
+        assert exposed[wire] <= 0.01 * comm[wire], (wire, exposed)
+    assert exposed["bf16/int8"] <= 0.1 * comm["bf16/int8"], exposed
 
 
 def test_llama2_7b_on_8_gpus_without_the_compute_copy_holds_maxtexts_state():
@@ -445,6 +447,11 @@ def test_stage3_overlap_preset_hides_the_per_layer_collectives(gpu_steps):
     layer = CFG.num_params / CFG.layers * 2
     assert default_report.temp_bytes < report.temp_bytes <= default_report.temp_bytes + 4 * layer
     assert zjax.core._overlap.compiler_options(0, "gpu", True) is None  # stages 0-2: XLA's defaults (measured)
+    # two collectives in flight for a step that exchanges quantized gradients (its exchange beside the gathers)
+    overlap = zjax.core._overlap
+    qgz = overlap.compiler_options(3, "gpu", True, quantized_grads=True)
+    assert qgz == overlap.GPU_OVERLAP[3] | overlap.QUANTIZED_GRADS
+    assert overlap.compiler_options(3, "gpu", False, quantized_grads=True) is None
 
 
 def test_a_step_over_the_targets_memory_marks_its_exposed_bytes():

@@ -86,18 +86,19 @@ def _overlapped(apply: Callable, treedef: Any, routes: list[Route], leaves: list
     def bwd(res: tuple[list, Any], dy: Any) -> tuple[list, Any]:
         leaves, inputs = res
         at = lambda tree, i: jax.tree.map(lambda a: a[i], tree)  # noqa: E731
+        index = lambda tree, i: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, False), tree)  # noqa: E731
         # the last layer outside the loop, so that every iteration has a gradient to reduce (no empty exchange)
         pending, dh = backward(at(leaves, n - 1), at(inputs, n - 1), dy)
 
-        def body(carry: tuple[Any, list], xs: tuple[list, Any]) -> tuple[tuple[Any, list], list]:
+        def body(carry: tuple[Any, list], i: jax.Array) -> tuple[tuple[Any, list], list]:
             dh, pending = carry
-            ws, h = xs
+            ws, h = index(leaves, i), index(inputs, i)
             done = reduced(pending, ws)  # layer i + 1's, beside layer i's backward: nothing there needs it
             partial, dh = backward(ws, h, dh)
             return (dh, partial), done
 
-        rest = jax.tree.map(lambda a: a[: n - 1], (leaves, inputs))
-        (dh, pending), done = jax.lax.scan(body, (dh, pending), rest, reverse=True)
+        # the layers indexed where they lie (xs slices [: n - 1] of the saved inputs would be copied first)
+        (dh, pending), done = jax.lax.scan(body, (dh, pending), jnp.arange(n - 1), reverse=True)
         first = reduced(pending, at(leaves, 0))
         grads = [jnp.concatenate([f[None], d]) for f, d in zip(first, done, strict=True)]
         return grads, dh

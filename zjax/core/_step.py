@@ -115,7 +115,7 @@ class _CompiledFn:
         plan = self.plan
         platform = str(plan.mesh.devices.flat[0].platform)
         deviceless = platform != jax.default_backend()  # a target the planner compiles for without its devices
-        return compiler_options(plan.stage.level, platform, plan.gpu_overlap, deviceless)
+        return compiler_options(plan.stage.level, platform, plan.gpu_overlap, deviceless, plan.quantizes_grads)
 
     def _jit(self, state: TrainState, batch: Any):
         key = (jax.tree.structure(state), jax.tree.structure(batch))
