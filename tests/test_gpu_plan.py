@@ -144,9 +144,8 @@ def test_reduce_dtype_float32_under_a_pipeline_reduces_over_dp_in_f32_on_the_gpu
 
 
 def test_quantized_gathers_and_reductions_are_int8_with_their_scales_on_the_gpu_target(gpu_steps):
-    """ZeRO++ on the GPU compiler: weights+grads gathers and all-to-alls int8 (s8) with fp32 scales beside them (in
-    the all-to-all's own bytes),
-    no bf16 weight collective left over dp, about half of bf16's bytes."""
+    """ZeRO++ on the GPU compiler: weights+grads gathers and all-to-alls int8 (s8) with fp32 scales beside them (an
+    all-to-all carries them in its own bytes), no bf16 weight collective left over dp, about half of bf16's bytes."""
     compiled, _, plan = _compiled(3, quantized_comm="weights+grads")
     text = compiled.as_text()
     starts = set(re.findall(r"= \(*\(*(\w+)\[[^\n]*? (all-gather|all-to-all|reduce-scatter)-start\(", text))
