@@ -307,7 +307,7 @@ def _manual_gather(x: jax.Array, active: _Active, path: tuple[str, ...]) -> jax.
         return run(v), jnp.zeros((0,), v.dtype)  # the primal's dtype, for the cotangent
 
     def bwd(like: jax.Array, g: jax.Array) -> tuple[jax.Array]:
-        return (route.reduce([g])[0].astype(like.dtype),)
+        return (reduce_routes([route], [g])[0].astype(like.dtype),)
 
     run.defvjp(fwd, bwd)
     return run(x)
@@ -340,25 +340,22 @@ class Route:
 
         return self._tiles(run, self.local, self.local)(v)
 
-    def reduce(self, grads: Sequence[jax.Array], routes: Sequence[Route] | None = None) -> list:
-        """The partial gradients ``grads`` of ``routes``' parameters (this one's alone by default) reduced into their
-        shards (fp32 when quantized, else the reduction's dtype): quantized, those split over the same axes cross
-        in one all-to-all."""
-        routes = [self] if routes is None else list(routes)
-        specs = tuple(r.local for r in routes)
-
-        def run(*gs: jax.Array) -> tuple:
-            return tuple(reduce_all(_parts(routes, gs), self.reduction))
-
-        return list(self._tiles(run, specs, specs)(*grads))
-
     def _tiles(self, fn: Any, in_specs: Any, out_specs: Any) -> Any:
         names = set(self.others)
         return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names=names, check_vma=False)
 
 
-def _parts(routes: Sequence[Route], grads: Sequence[jax.Array]) -> list:
-    return [(g, r.split, r.dim, r.whole) for r, g in zip(routes, grads, strict=True)]
+def reduce_routes(routes: Sequence[Route], grads: Sequence[jax.Array]) -> list:
+    """The partial gradients ``grads`` of ``routes``' parameters (one layer's, or one parameter's) reduced into their
+    shards (fp32 when quantized, else the reduction's dtype), in one ``shard_map``: quantized, those split over the
+    same axes cross in one all-to-all."""
+    specs = tuple(r.local for r in routes)
+
+    def run(*gs: jax.Array) -> tuple:
+        parts = [(g, r.split, r.dim, r.whole) for r, g in zip(routes, gs, strict=True)]
+        return tuple(reduce_all(parts, routes[0].reduction))
+
+    return list(routes[0]._tiles(run, specs, specs)(*grads))
 
 
 def manual_route(ndim: int, active: _Active, path: tuple[str, ...]) -> Route:

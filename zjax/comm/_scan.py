@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._gather import _ACTIVE, Route, _path, gathered_tree, manual_route, passthrough
+from ._gather import _ACTIVE, Route, _path, gathered_tree, manual_route, passthrough, reduce_routes
 
 
 def quantized_reductions() -> bool:
@@ -72,7 +72,7 @@ def _overlapped(apply: Callable, treedef: Any, routes: list[Route], leaves: list
 
     def reduced(partial: list, ws: list) -> list:
         """A layer's partial gradients reduced into its shards (the quantized ones in one exchange), in their dtype."""
-        shards = routes[0].reduce(partial, routes)
+        shards = reduce_routes(routes, partial)
         return [g.astype(w.dtype) for g, w in zip(shards, ws, strict=True)]
 
     @jax.custom_vjp
