@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--remat", default="full", help="activation checkpointing policy (zjax.remat.POLICIES)")
     add("--accum", type=int, default=1, help="gradient-accumulation microbatches per step")
     add("--offload", choices=("none", "optimizer", "optimizer+params"), default="none", help="ZeRO-Offload")
-    add("--quantize-comm", default="none", help="ZeRO++: none, weights, grads, weights+grads; ':int4' on a part")
+    add("--quantize-comm", default="none", help="ZeRO++: none, weights, grads, weights+grads (':int4', '@B' on a part)")
     add("--reduce-dtype", default=None, help="reduce gradients over dp in this dtype (e.g. float32)")
     add("--compute-copy", choices=("keep", "drop"), default="keep", help="stage 3: drop = fp32 weights only")
     add("--hpz", action="store_true", help="stage 3 with replica: ZeRO++'s hierarchical partitioning")

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import zjax
 from zjax import comm
+from zjax.comm import _gather as comm_gather
 from zjax.models import Decoder, DecoderConfig, lm_loss
 from zjax.planner._compile import partitioned_hlo
 from zjax.planner._hlo import collectives
@@ -59,9 +60,12 @@ def test_int4_values_pack_two_to_a_byte_half_a_block_apart():
     np.testing.assert_array_equal(comm.dequantize(q, scale, jnp.float32), x)
 
 
-def test_gathered_is_int8_per_shard_and_its_gradient_goes_straight_through():
+@pytest.mark.parametrize(("where", "block"), [("shard_map", 4), ("pipeline_stage", 4), ("pipeline_stage", 16)])
+def test_gathered_is_int8_per_shard_and_its_gradient_goes_straight_through(where, block):
     """On dp=8, a weight split over dp on dim 1: the gathered value is each shard quantized on its own and put
-    together, and the gradient of sum(gathered * c) is c, reduce-scattered once (not 8c)."""
+    together, and the gradient of sum(gathered * c) is c, reduce-scattered once (not 8c). Inside a pipeline stage
+    (zero3_gather="layer": sharding constraints instead of a shard_map) the blocks are the same, also where one is
+    wider than a rank's 8 columns (then each rank's tile is one block, none spanning two ranks)."""
     mesh = zjax.make_mesh(dp=8)
     rs = np.random.RandomState(0)
     w = rs.randn(16, 64).astype(np.float32)
@@ -69,10 +73,13 @@ def test_gathered_is_int8_per_shard_and_its_gradient_goes_straight_through():
     placement = Placement(Leaf("w", (16, 64), jnp.float32, None), P(), P(None, "dp"), None)
 
     def f(w, c):
-        with comm.use([placement], comm.Wire(block=4)):
-            return jnp.sum(comm.gathered(w, ("w",)) * c)
+        with comm.use([placement], comm.Wire(block=block)):
+            if where == "shard_map":
+                return jnp.sum(comm.gathered(w, ("w",)) * c)
+            with comm_gather.stage_reads():
+                return jnp.sum(comm.gathered(w, ("w",)) * c)
 
-    shards = [comm.dequantize(*comm.quantize(jnp.asarray(s), 4), jnp.float32) for s in np.split(w, 8, axis=1)]
+    shards = [comm.dequantize(*comm.quantize(jnp.asarray(s), block), jnp.float32) for s in np.split(w, 8, axis=1)]
     expected = float(np.sum(np.concatenate([np.asarray(s) for s in shards], axis=1) * c))
     with jax.set_mesh(mesh):
         ws = jax.device_put(w, NamedSharding(mesh, P(None, "dp")))
@@ -81,8 +88,9 @@ def test_gathered_is_int8_per_shard_and_its_gradient_goes_straight_through():
     np.testing.assert_allclose(float(value), expected, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(grad), c, rtol=1e-6)
     _, hlo = partitioned_hlo(lowered)
-    gathers = [line for line in hlo.splitlines() if " all-gather(" in line]
-    assert gathers and all("s8[16,64]" in g or "f32[16,16]" in g for g in gathers)  # the int8 values and their scales
+    gathers = [c for c in collectives(hlo) if c.kind == "all-gather"]
+    # the int8 values (a byte each) and their scales (fp32 per block of a rank's columns), nothing else
+    assert sorted((c.dtype, c.volume) for c in gathers) == [("f32", 16 * 64 // min(block, 8) * 4), ("s8", 16 * 64)]
 
 
 CFG = DecoderConfig(vocab=256, embed=128, layers=2, heads=4, head_dim=32, mlp=512, max_len=32)
@@ -94,8 +102,8 @@ def test_quantized_comm_needs_stage_3_and_refuses_what_it_cannot_quantize():
     for bad in ("int8", "weights:int2", "grads+grads", "weights+"):
         with pytest.raises(ValueError, match=rf"quantized_comm={re.escape(repr(bad))}: .* 'weights\+grads:int4'"):
             zjax.Plan(zjax.make_mesh(dp=8), stage=3, quantized_comm=bad)
-    with pytest.raises(ValueError, match=r"a pipeline"):
-        zjax.Plan(zjax.make_mesh(dp=2, pp=4), stage=3, quantized_comm="weights", pipeline=zjax.Pipeline(4))
+    with pytest.raises(ValueError, match=r"'weights\+grads' under a pipeline: gradients reduce in the compute dtype"):
+        zjax.Plan(zjax.make_mesh(dp=2, pp=4), stage=3, quantized_comm="weights+grads", pipeline=zjax.Pipeline(4))
     with pytest.raises(ValueError, match=r"quantized_comm='grads' at stage 3 .* offload='optimizer' keeps them"):
         zjax.Plan(zjax.make_mesh(dp=8), stage=3, quantized_comm="grads", offload="optimizer")
     with pytest.raises(ValueError, match=r"reduce_dtype='float32' at stage 3 is not supported with cp=2 yet"):
@@ -109,6 +117,12 @@ def test_quantized_comm_needs_stage_3_and_refuses_what_it_cannot_quantize():
     assert comm.parse("weights+grads:int4") == (comm.Wire(8), comm.Wire(4))
     assert comm.parse("grads:int4+weights:int4") == (comm.Wire(4), comm.Wire(4))
     assert comm.parse("weights:int8") == (comm.Wire(8), None) and comm.parse(None) == (None, None)
+    # a part's block: one scale per B values ("@B"), the width's default otherwise
+    assert comm.parse("weights:int4@64+grads") == (comm.Wire(4, 64), comm.Wire(8, comm.DEFAULT_BLOCK))
+    assert comm.parse("grads@32") == (None, comm.Wire(8, 32)) and comm.Wire(4, 64).name == "int4@64"
+    for bad, why in (("weights@", "at least 2"), ("weights@1", "at least 2"), ("grads:int4@31+weights", "even")):
+        with pytest.raises(ValueError, match=rf"quantized_comm={re.escape(repr(bad))}: the block of .* {why}"):
+            comm.parse(bad)
 
 
 # -- gradients reduced by zjax: in fp32, or as int8 through all-to-alls (qgZ) -----------------------------------------

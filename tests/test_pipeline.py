@@ -247,6 +247,62 @@ def test_weights_gathered_once_per_step_cross_dp_as_int8_under_1f1b():
     assert losses != plain_losses
 
 
+def test_per_layer_gathers_cross_dp_as_int8_blocks_inside_the_loop():
+    """qwZ under zero3_gather="layer" (the default at stage 3), on dp=2 x tp=2 x pp=2: every all-gather over dp
+    inside the pipeline's loop is int8 or fp32 (a scale per block), none in bf16; each layer weight split over dp
+    crosses as int8 whole (its tp tile), equally often (forward and rematerialized), with dp splitting the last dim
+    of some (wo, w_down: their blocks within each rank's tile)."""
+    cfg = Pipeline(8, zero3_gather="layer")
+    plan = zjax.Plan(zjax.make_mesh(**MESHES["dp2_tp2_pp2"]), stage=3, quantized_comm="weights", pipeline=cfg)
+    init_fn, loss_fn = decoder_task(WIDE)
+    state = plan.abstract_state(init_fn, optax.adamw(1e-3), jax.random.key(0))
+    _, hlo = partitioned_hlo(plan.train_step(loss_fn).lower(state, plan.shard_batch(tokens(0))))
+    over_dp = [c for c in collectives(hlo) if "dp" in spanned_axes(c.groups, dict(plan.mesh.shape))]
+    inside = [c for c in over_dp if c.in_loop and c.kind == "all-gather"]
+    assert {c.dtype for c in inside} == {"s8", "f32"}
+    # each layer weight split over dp: one layer, whole over dp, its tp tile (a byte per value)
+    layers = [p for p in state.layout.params.placements if p.leaf.path.startswith("layers/") and "dp" in str(p.sharded)]
+    assert any(p.sharded[-1] == "dp" for p in layers)  # blocks cut within each rank's tile of the last dim
+    tiles = sorted(int(np.prod(p.leaf.shape[1:])) // (2 if "tp" in str(p.sharded) else 1) for p in layers)
+    s8 = sorted(c.volume for c in inside if c.dtype == "s8")
+    passes = len(s8) // len(tiles)
+    assert passes >= 2 and s8 == sorted(tiles * passes)
+    scales = sum(c.volume for c in inside if c.dtype == "f32")
+    assert sum(s8) * 4 / 256 <= scales <= sum(s8) * 4 / WIDE.head_dim  # fp32 per block: 256 values, or a head
+
+
+@pytest.mark.slow  # two Decoder compiles and runs; the fast test above checks the gathers
+def test_a_decoder_with_quantized_per_layer_gathers_trains_like_bf16():
+    """Stage 3 under GPipe on dp=2 x pp=4 with zero3_gather="layer": two steps with quantized_comm="weights" follow
+    bf16's losses within the blocks' rounding, the weight gathers over dp int8 and the reductions in bf16."""
+    (plain, plain_losses), (quantized, losses) = _bf16_and_int8_runs(Pipeline(8, zero3_gather="layer"), 2)
+    assert quantized[("all-gather", "s8")] > 0 and ("all-gather", "s8") not in plain
+    assert {k for k in quantized if k[0] == "reduce-scatter"} == {k for k in plain if k[0] == "reduce-scatter"}
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-3)
+    assert losses != plain_losses
+
+
+def test_per_layer_quantized_gathers_need_the_stage_to_read_its_layers_through_zjax_comm():
+    """A stage_fn of one's own under qwZ and zero3_gather="layer" that does not read its layers through
+    zjax.comm.gathered_tree is refused (its gathers would cross dp in bf16); reading them so, it traces."""
+    plan = zjax.Plan(zjax.make_mesh(**MESHES["dp2_pp4"]), stage=3, quantized_comm="weights", pipeline=Pipeline(8))
+    params = {"layers": {"w": jnp.zeros((L, D, D))}}
+    state = plan.abstract_state(lambda r: params, optax.sgd(0.1), jax.random.key(0))
+    batch = jax.ShapeDtypeStruct((B, D), jnp.float32)
+
+    def loss(read):
+        def fn(p, x):
+            stage = zjax.pipeline.scan_layers(lambda w, h: jnp.tanh(h @ read(w)["w"]))
+            return jnp.mean(apply(stage, p["layers"], x) ** 2)
+
+        return fn
+
+    with pytest.raises(ValueError, match=r"zero3_gather='layer' .* read none, .* Pipeline\(zero3_gather='step'\)"):
+        plan.train_step(loss(lambda w: w)).lower(state, batch)
+    text = plan.train_step(loss(lambda w: zjax.comm.gathered_tree(w, ("layers",)))).lower(state, batch).as_text()
+    assert "xi8>" in text
+
+
 def test_under_a_pipeline_the_loss_reads_a_tied_table_once_before_its_vocabulary_loop():
     """Stage 3 under GPipe, the loss over two vocabulary chunks: the traced step (no compile) gathers the tied table
     over dp once, through zjax.comm, for the lookup and the head alike, before the loss's loop (left to GSPMD, the
@@ -642,13 +698,13 @@ def test_config_errors():
     for gather in ("layer", "chunk"):
         with pytest.raises(ValueError, match=rf"zero3_gather='{gather}' with Plan\(reduce_dtype='float32'\).*'step'"):
             zjax.Plan(mesh, stage=3, reduce_dtype="float32", pipeline=Pipeline(4, zero3_gather=gather))
-    # qwZ under a pipeline: the chunk mode's gathers and the step mode's (every table schedule's), weights only
-    for gather in ("chunk", "step"):
+    # qwZ under a pipeline, in every gathering mode (the default "layer" included), weights only
+    for gather in ("chunk", "step", "layer", None):
         quantized = zjax.Plan(mesh, stage=3, quantized_comm="weights", pipeline=Pipeline(4, zero3_gather=gather))
         assert quantized.quantizes_weights and not quantized.reduces_gradients
         assert (quantized.read_wire is None) == (gather == "chunk")  # the chunks quantize, not the model's reads
-    for q, gather in (("weights", None), ("weights", "layer"), ("weights+grads", "chunk"), ("grads", "step")):
-        with pytest.raises(ValueError, match=rf"quantized_comm='{re.escape(q)}' under a pipeline.*got zero3_gather="):
+    for q, gather in (("weights+grads", "layer"), ("weights+grads", "chunk"), ("grads", "step")):
+        with pytest.raises(ValueError, match=rf"'{re.escape(q)}' under a pipeline: gradients reduce in the compute"):
             zjax.Plan(mesh, stage=3, quantized_comm=q, pipeline=Pipeline(4, zero3_gather=gather))
     with pytest.raises(TypeError, match="pipeline must be a zjax.Pipeline"):
         zjax.Plan(mesh, stage=1, pipeline=4)

@@ -134,7 +134,8 @@ def plan_parser(sub) -> None:
         "--quantize-comm",
         default="none",
         help="stage 3 rows: what crosses dp as int8 blocks (ZeRO++; zjax.comm): none, weights (qwZ), grads (qgZ) "
-        "or weights+grads, a part as int4 with ':int4' (weights+grads:int4: ZeRO++'s int4 gradients); a comma "
+        "or weights+grads, a part as int4 with ':int4' (weights+grads:int4: ZeRO++'s int4 gradients) and in "
+        "blocks of B values per scale with '@B' (weights:int4@64; default 256); a comma "
         "list plans each, side by side (e.g. none,weights,weights+grads); with "
         "--budget, stage 3 takes the listed value that exposes the fewest bytes (at a tie, the first listed)",
     )
@@ -260,8 +261,8 @@ def run_plan(args: argparse.Namespace) -> int:
     bad = [q for q in quantized if q is not None and not _parses(q)]
     if bad or not quantized:
         print(f"zjax plan: --quantize-comm {args.quantize_comm}: give none, weights, grads or weights+grads, a part "
-              "int4 with ':int4' (weights+grads:int4); a comma list compares them; with --budget, the values stage 3 "
-              "may take", file=sys.stderr)  # fmt: skip
+              "int4 with ':int4' (weights+grads:int4) and its block with '@B' (weights:int4@64); a comma list "
+              "compares them; with --budget, the values stage 3 may take", file=sys.stderr)  # fmt: skip
         return 2
     copies = [c for c in args.compute_copy.split(",") if c]
     if not copies or set(copies) - {"keep", "drop"} or (args.budget is not None and len(copies) > 1):

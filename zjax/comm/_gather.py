@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from ..sharding._axes import REPLICA
 from ..sharding._rules import spec_axes
 from ._quantize import PARTS, Wire, all_gather
+from ._qwz import pinned_gather, quantized_gather
 from ._reduce import Reduction, reduce, reduce_all
 
 QUANTIZED_COMM = (*PARTS, "+".join(PARTS))
@@ -57,6 +58,7 @@ class _Active:
     manual: _Manual | None = None
     read: set[tuple[str, ...]] | None = None  # records the paths read (see :func:`reads`)
     memo: dict[Any, Any] = dataclasses.field(default_factory=dict)  # (path, id) -> (value, gathered)
+    stage: bool = False  # inside a pipeline stage (zero3_gather="layer"): GSPMD partitions, pinned_gather
 
 
 _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("zjax_comm", default=None)
@@ -193,7 +195,8 @@ def gather_unread(params: Any, read: set[tuple[str, ...]]) -> Any:
 def gathered_tree(tree: Any, prefix: Sequence[str]) -> Any:
     """Every parameter of ``tree``, the subtree of the params at ``prefix`` (a decoder's stacked layers at
     ``("layers",)``), read through :func:`gathered`: a pipeline gathering its stages' weights once per step reads
-    them so (quantized with ``Plan(quantized_comm="weights")``)."""
+    them so (quantized with ``Plan(quantized_comm="weights")``), and with ``zero3_gather="layer"`` a stage reads
+    each layer so, one layer's slice at the stacked layers' prefix (quantized per layer inside the loop)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     return jax.tree_util.tree_unflatten(treedef, [gathered(v, (*prefix, *_path(kp))) for kp, v in flat])
 
@@ -208,6 +211,23 @@ def passthrough() -> Iterator[None]:
     arrive as the pipeline gathered them, and its parameter paths are the stage's own, not the model's)."""
     with _activate(None):
         yield
+
+
+@contextlib.contextmanager
+def stage_reads() -> Iterator[dict[Any, Any] | None]:
+    """While a pipeline's stage is traced with its weights split over the ZeRO axes (``zero3_gather="layer"``):
+    under :func:`use` with a wire, a layer read through :func:`gathered` with its model path (``gathered_tree``
+    of one layer's slice, at ``("layers",)``) crosses them as integer blocks (:func:`pinned_gather`), and any
+    other read passes through (the stage's own module paths). Yields the reads made (path, id -> value), or
+    ``None`` where nothing quantizes (:func:`passthrough`)."""
+    active = _ACTIVE.get()
+    if active is None or active.wire is None or active.manual is not None or active.read is not None:
+        with passthrough():
+            yield None
+        return
+    stage = _Active(active.specs, active.zero, active.wire, stage=True)
+    with _activate(stage):
+        yield stage.memo
 
 
 def gathered(value: Any, path: Sequence[str], now: bool = False) -> Any:
@@ -248,50 +268,17 @@ def gathered(value: Any, path: Sequence[str], now: bool = False) -> Any:
     kept = tuple(a for a in _axes(entry) if a not in added)
     if kept and _axes(entry)[: len(kept)] != kept:  # ZeRO's axes must be the minor part of the dim's split
         return value
+    if active.stage:
+        active.memo[key] = (value, pinned_gather(value, entries, dim, zero, cast(Wire, active.wire)))
+        return active.memo[key][1]
     whole = list(entries)
     whole[dim] = (kept if len(kept) > 1 else kept[0]) if kept else None
-    active.memo[key] = (value, _quantized_gather(value, P(*entries), P(*whole), dim, zero, active.wire))
+    active.memo[key] = (value, quantized_gather(value, P(*entries), P(*whole), dim, zero, active.wire))
     return active.memo[key][1]
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
     return entry if isinstance(entry, tuple) else (entry,)
-
-
-def across_replica(x: jax.Array, spec: P, node: P, wire: Wire) -> jax.Array:
-    """hpZ with qwZ: ``x`` (split over ``replica x dp`` by ``spec``, ``replica`` innermost) gathered over ``replica``
-    to its node's shard (``node``, the spec without ``replica``) as ``wire``'s blocks with fp32 scales, dequantized on
-    arrival; its gradient reduce-scatters back over ``replica`` unquantized. A leaf not split over ``replica`` is
-    constrained to ``node``."""
-    dims = [d for d, entry in enumerate(spec) if entry is not None and REPLICA in _axes(entry)]
-    if not dims or not jnp.issubdtype(x.dtype, jnp.floating):
-        return jax.lax.with_sharding_constraint(x, node)
-    return _quantized_gather(x, spec, node, dims[0], (REPLICA,), wire)
-
-
-def _quantized_gather(
-    x: jax.Array, split: P, whole: P, dim: int, zero: tuple[str, ...], wire: Wire | None
-) -> jax.Array:
-    """``x`` gathered over ``zero`` along ``dim``: as ``wire``'s integer blocks, or as it is (``None``)."""
-    names = set(jax.sharding.get_abstract_mesh().axis_names)
-
-    def forward(local: jax.Array) -> jax.Array:
-        return all_gather(local, zero, dim, wire)
-
-    @jax.custom_vjp
-    def run(x: jax.Array) -> jax.Array:
-        return jax.shard_map(forward, in_specs=split, out_specs=whole, axis_names=names, check_vma=False)(x)
-
-    def fwd(x: jax.Array) -> tuple[jax.Array, None]:
-        return run(x), None
-
-    def bwd(_: None, g: jax.Array) -> tuple[jax.Array]:
-        # g is each rank's partial sum (the weight-gradient dot over its rows): constrained to the split
-        # layout, GSPMD reduce-scatters it, as it does the unquantized gather's gradient
-        return (jax.lax.with_sharding_constraint(g, split),)
-
-    run.defvjp(fwd, bwd)
-    return run(x)
 
 
 def _manual_gather(x: jax.Array, active: _Active, path: tuple[str, ...]) -> jax.Array:

@@ -32,27 +32,38 @@ class Wire:
 
     @property
     def name(self) -> str:
-        return f"int{self.bits}"
+        """``int8``, ``int4``; ``int4@64`` where the block is not :data:`DEFAULT_BLOCK` (the grammar's spelling)."""
+        return f"int{self.bits}" + (f"@{self.block}" if self.block != DEFAULT_BLOCK else "")
 
 
 def parse(value: str | None) -> tuple[Wire | None, Wire | None]:
     """``Plan(quantized_comm=...)`` as ``(weights, grads)`` wires (``None``: that part crosses unquantized).
 
     ``value`` is ``"+"``-joined parts, each ``"weights"`` or ``"grads"`` with an optional ``":int8"`` (the
-    default) or ``":int4"``: ``"weights"``, ``"grads:int4"``, ``"weights+grads:int4"`` (ZeRO++'s pair: int8
-    weights, int4 gradients), ``"weights:int4+grads:int4"``."""
+    default) or ``":int4"`` and an optional ``"@B"``, the block (values per fp32 scale, default
+    :data:`DEFAULT_BLOCK`): ``"weights"``, ``"grads:int4"``, ``"weights+grads:int4"`` (ZeRO++'s pair: int8
+    weights, int4 gradients), ``"weights:int4@64+grads"`` (int4 weights in blocks of 64, int8 gradients)."""
     if value is None:
         return None, None
     wires: dict[str, Wire] = {}
     for part in str(value).split("+"):
-        what, _, width = part.partition(":")
+        spec, _, block = part.partition("@")
+        what, _, width = spec.partition(":")
         bits = {"": 8, "int8": 8, "int4": 4}.get(width)
         if what not in PARTS or bits is None or what in wires:
             raise ValueError(
                 f"quantized_comm={value!r}: {part!r} is not a part; join 'weights' and/or 'grads' with '+', each "
-                "optionally ':int8' (the default) or ':int4', e.g. 'weights', 'weights+grads', 'weights+grads:int4'."
+                "optionally ':int8' (the default) or ':int4' and '@B' for B values per scale, e.g. 'weights', "
+                "'weights+grads', 'weights+grads:int4', 'weights:int4@64+grads'."
             )
-        wires[what] = Wire(bits)
+        size = int(block) if block.isdigit() else 0 if "@" in part else DEFAULT_BLOCK
+        if size < 2 or size % 2 and bits == 4:
+            raise ValueError(
+                f"quantized_comm={value!r}: the block of {part!r} must be a whole number of values per scale, at "
+                f"least 2{' and even (int4 packs two values per byte)' if bits == 4 else ''}, e.g. "
+                f"'{spec}@64' (default {DEFAULT_BLOCK}; a last dim the block does not divide is one block)."
+            )
+        wires[what] = Wire(bits, size)
     return wires.get("weights"), wires.get("grads")
 
 

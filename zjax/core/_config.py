@@ -96,14 +96,11 @@ class PlanConfig:
                     f"Plan: quantized_comm={self.quantized_comm!r} quantizes ZeRO-3's weight gathers and gradient "
                     f"reductions: it needs stage 3 (got stage {self.stage.level}). Use stage=3, or quantized_comm=None."
                 )
-            gather = None if self.pipeline is None else self.pipeline.zero3_gather
-            if self.pipeline is not None and (self.grads_wire is not None or gather == "layer"):
+            if self.pipeline is not None and self.grads_wire is not None:
                 raise ValueError(
-                    f"Plan: quantized_comm={self.quantized_comm!r} under a pipeline: the weights cross dp quantized "
-                    f"when they are gathered once per step (Pipeline(zero3_gather='step'), every table schedule) or "
-                    f"per chunk ('chunk'), with quantized_comm='weights' (or 'weights:int4'; got zero3_gather="
-                    f"{gather!r}); 'layer' gathers inside the stages' loops, and gradients reduce in the compute "
-                    "dtype under a pipeline. Use those, or quantized_comm=None."
+                    f"Plan: quantized_comm={self.quantized_comm!r} under a pipeline: gradients reduce in the compute "
+                    "dtype under a pipeline; its weight gathers cross dp quantized in every zero3_gather mode. Use "
+                    "quantized_comm='weights' (or 'weights:int4'), or None."
                 )
         if not isinstance(self.compute_copy, bool):
             raise TypeError(f"Plan: compute_copy must be True or False, got {self.compute_copy!r}.")

@@ -75,10 +75,12 @@ class Plan(PlanConfig):
         about half of ZeRO-3's gather bytes; gradients still reduce in the compute dtype and the fp32
         master never sees quantization. The model must read its parameters through
         :func:`zjax.comm.gathered` (``zjax.models.Decoder`` does). ``"grads"`` / ``"weights+grads"`` (qgZ):
-        gradients reduce as int8 blocks through all-to-alls, summed in fp32. Under a pipeline, ``"weights"``
-        with ``Pipeline(zero3_gather="chunk")`` or ``"step"`` (every table schedule); with ``hpz``, the int8
-        crossings are the node shards' gather and (qgZ) each layer's reduction inside the node, then across
-        nodes. ``None`` (default): no quantization.
+        gradients reduce as int8 blocks through all-to-alls, summed in fp32. A part names its width and block
+        (``"weights:int4@64+grads"``: :func:`zjax.comm.parse`). Under a pipeline, ``"weights"`` in every
+        ``Pipeline(zero3_gather=...)`` mode (with ``"layer"``, the stage reads each layer through
+        :func:`zjax.comm.gathered_tree`, as the Decoder does); with ``hpz``, the int8 crossings are the node
+        shards' gather and (qgZ) each layer's reduction inside the node, then across nodes. ``None``
+        (default): no quantization.
       compute_copy: ``True`` (default) keeps the parameters in the compute dtype (``state.params``) beside the
         fp32 master in the optimizer state: 14 bytes per parameter with Adam at stage 3. ``False`` (stage 3,
         bf16/fp16, no pipeline or offload) keeps only the fp32 weights, as ``state.params``, and each step

@@ -13,7 +13,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from .. import pipeline
-from ..comm._gather import across_replica
+from ..comm._qwz import across_replica
 from ..offload._update import streamed_update
 from ..sharding._batch import check_batch
 from ..sharding._mesh import use_mesh_platform

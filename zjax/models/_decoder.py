@@ -216,7 +216,7 @@ class Decoder(nn.Module):
         stats = None
         if schedule is not None and not self.is_initializing():
             packed = segment_ids is not None or (positions is not None and not load_balanced)
-            stage_fn = pipeline_stage_fn(c, packed=packed, load_balanced=load_balanced)
+            stage_fn = pipeline_stage_fn(c, packed=packed, load_balanced=load_balanced, at=(*self.path, "layers"))
             layers = self.variables["params"]["layers"]
             if schedule.zero3_gather in (None, "step"):  # gathered once, before the loop: read as the rest (qwZ)
                 layers = comm.gathered_tree(layers, (*self.path, "layers"))
@@ -273,11 +273,13 @@ PACKED_UNDER_PIPELINE = (
 
 
 def pipeline_stage_fn(
-    c: DecoderConfig, *, packed: bool = False, load_balanced: bool = False
+    c: DecoderConfig, *, packed: bool = False, load_balanced: bool = False, at: tuple[str, ...] = ("layers",)
 ) -> Callable[[Any, jax.Array], Any]:
     """The ``stage_fn`` of :func:`zjax.pipeline.apply` / :func:`zjax.pipeline.loss` for a decoder: each stage
-    scans its layers, rematerialized per layer by the model's policy. A mixture of experts' stage returns
-    ``(h, router sums per layer)`` (``apply(..., outputs=True)``).
+    scans its layers, rematerialized per layer by the model's policy, each layer read through
+    :func:`zjax.comm.gathered_tree` at ``at`` (the stacked layers' path: qwZ's per-layer gathers under
+    ``zero3_gather="layer"``). A mixture of experts' stage returns ``(h, router sums per layer)``
+    (``apply(..., outputs=True)``).
 
     Raises:
       ValueError: ``scan=False``, packed sequences, a partitioned remat policy (none run in a pipeline); a
@@ -309,7 +311,7 @@ def pipeline_stage_fn(
     def layer(w: Any, h: jax.Array) -> Any:
         # the balanced layout's positions are the same for every row: each token's index before the permutation
         positions = load_balance(jnp.arange(h.shape[1], dtype=jnp.int32)[None]) if load_balanced else None
-        h, stats = one.apply({"params": w}, h, positions)
+        h, stats = one.apply({"params": comm.gathered_tree(w, at)}, h, positions)
         return h if c.moe is None else (h, stats)
 
     return pipeline.scan_layers(layer, policy, outputs=c.moe is not None)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from ..comm._gather import passthrough
+from ..comm._gather import passthrough, stage_reads
 from ..sharding._axes import DATA_AXES
 from ._config import Pipeline
 
@@ -138,13 +138,24 @@ def _tie_bwd(dtype: Any, _: None, ct: jax.Array) -> tuple[jax.Array, jax.Array]:
 _tie.defvjp(_tie_fwd, _tie_bwd)
 
 
-def own_reads(stage_fn: Callable[[Any, jax.Array], Any]) -> Callable[[Any, jax.Array], Any]:
+def own_reads(
+    stage_fn: Callable[[Any, jax.Array], Any], per_layer: bool = False, reads: list | None = None
+) -> Callable[[Any, jax.Array], Any]:
     """``stage_fn`` traced with :func:`zjax.comm.gathered` passing values through: the stage's weights arrive as
-    the pipeline gathered them ("step", "chunk") or as GSPMD gathers them per use ("layer")."""
+    the pipeline gathered them ("step", "chunk") or as GSPMD gathers them per use ("layer"). ``per_layer``
+    ("layer"): under qwZ, a layer read with its model path crosses the ZeRO axes as integer blocks
+    (:func:`zjax.comm._gather.stage_reads`); each trace appends its reads to ``reads`` (``None``: nothing
+    quantizes)."""
 
     def fn(stage_layers: Any, h: jax.Array) -> Any:
-        with passthrough():
-            return stage_fn(stage_layers, h)
+        if not per_layer:
+            with passthrough():
+                return stage_fn(stage_layers, h)
+        with stage_reads() as made:
+            out = stage_fn(stage_layers, h)
+        if reads is not None:
+            reads.append(made)
+        return out
 
     return fn
 

@@ -115,7 +115,8 @@ def apply(
         ``zero3_gather="chunk"`` (its hand-written backward carries none).
     """
     cfg = current() if pipeline is None else pipeline
-    stage_fn = own_reads(stage_fn)
+    reads: list = []  # per trace of the stage, its quantized layer reads (None: nothing quantizes)
+    stage_fn = own_reads(stage_fn, cfg is not None and cfg.zero3_gather == "layer", reads)
     mesh = jax.sharding.get_abstract_mesh()
     stages = 1 if mesh.empty else dict(mesh.shape).get(PP, 1)
     count = _layer_count(layers)
@@ -169,7 +170,7 @@ def apply(
         def loop(fn: Callable, w: Any, h: jax.Array) -> Any:
             return run(by_visit(w, cfg.repeats, stages), h, lambda w, io: engine(w, io, fn))
 
-        return summed_wide(stage_fn, loop, layers, x)
+        return _read_per_layer(summed_wide(stage_fn, loop, layers, x), reads)
     leaves, treedef = jax.tree.flatten(stacked)
     dims: list[int | None] = [None] * len(leaves)
     if cfg.zero3_gather == "chunk" and DP in region and outputs:
@@ -199,13 +200,27 @@ def apply(
             return out
         return out[0], jax.lax.psum(out[1], region)  # each rank summed its own rows
 
-    return jax.shard_map(
+    out = jax.shard_map(
         body,
         in_specs=(jax.tree.unflatten(treedef, specs), P(region)),
         out_specs=(P(region), P()) if outputs else P(region),
         axis_names=set(region),
         check_vma=False,
     )(jax.tree.unflatten(treedef, entered), x)
+    return _read_per_layer(out, reads)
+
+
+def _read_per_layer(out: Any, reads: list) -> Any:
+    """``out``, once every trace of the stage that quantizes its per-layer gathers read a layer (``reads``)."""
+    if any(made is not None and not made for made in reads):
+        raise ValueError(
+            "zjax.pipeline.apply: Plan(quantized_comm='weights') with zero3_gather='layer' gathers each layer "
+            "over dp as integer blocks where the stage reads it through zjax.comm.gathered_tree(layer, "
+            "('layers',)) (the model's path of the stacked layers); this stage_fn read none, so its gathers "
+            "would cross dp in the compute dtype. Read each layer so in layer_fn (zjax.models.Decoder does), "
+            "or use Pipeline(zero3_gather='step') or 'chunk'."
+        )
+    return out
 
 
 def _layer_count(layers: Any) -> int:

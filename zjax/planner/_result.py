@@ -193,7 +193,9 @@ class Estimate:
             ints = "int8, int4" if any("int4" in r.wire for r in self.rows) else "int8"
             head += (
                 f"; wire = what the data-parallel gradients and stage 3's weights cross in ({ints}: ZeRO++'s blocks, "
-                "fp32 scales included in comm)"
+                "fp32 scales included in comm"
+                + ("; @B: one scale per B values, else per 256" if any("@" in r.wire for r in self.rows) else "")
+                + ")"
             )
         copies = any(not r.compute_copy for r in self.rows)
         if copies:
