@@ -165,6 +165,25 @@ def test_quantized_gathers_and_reductions_are_int8_with_their_scales_on_the_gpu_
     assert plan.quantizes_grads
 
 
+def test_per_layer_pipeline_gathers_stay_int8_on_the_gpu_target():
+    """qwZ under a pipeline's default zero3_gather="layer" (dp=4 x pp=2) on the GPU compiler: every gather over dp
+    inside the loop moves int8 blocks and fp32 scales (XLA:GPU combines them into one all-gather), none bf16, and
+    about half of the bf16 step's in-loop gather bytes (the tiny preset's head_dim-wide blocks: 4 bytes per 32)."""
+    shape, pipe = {"pp": 2, "dp": 4}, zjax.Pipeline(4, zero3_gather="layer")
+    inside = {}
+    for q in (None, "weights"):
+        text = _compiled(3, mesh_axes=shape, pipeline=pipe, quantized_comm=q)[0].as_text()
+        inside[q] = [
+            c
+            for c in collectives(text)
+            if c.kind == "all-gather" and c.in_loop and "dp" in spanned_axes(c.groups, shape)
+        ]
+    assert inside[None] and {d for c in inside[None] for d in c.dtypes} == {"bf16"}
+    assert inside["weights"] and all(c.dtypes == ("f32", "s8") for c in inside["weights"])
+    moved, plain = (sum(c.volume * c.trips for c in inside[q]) for q in ("weights", None))
+    assert 0.5 * plain < moved <= (1 + 4 / 32) * 0.5 * plain, (moved, plain)
+
+
 def _figure(page: str, command: str) -> str:
     """The printed output beside ``command`` on a docs page. CI's ``docs/figures.py --check`` holds it equal to
     what the command prints now, so numbers read here are the compiler's (without compiling them twice)."""

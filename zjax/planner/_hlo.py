@@ -196,7 +196,8 @@ class Collective:
     # scheduled (async) collectives: compute instructions the scheduler put between its -start and -done;
     # None for a synchronous collective (XLA:CPU), which overlaps nothing
     overlap_ops: int | None = None
-    dtype: str = ""  # the element type it moves (s8 for quantized collectives)
+    dtype: str = ""  # the element type it moves (s8 for quantized collectives): its last array's
+    dtypes: tuple[str, ...] = ()  # every element type it moves (a combined collective moves several)
 
     @property
     def overlapped(self) -> bool:
@@ -253,7 +254,7 @@ def collectives(hlo_text: str) -> list[Collective]:
             out.append(
                 Collective(
                     instr.name, kind, size, vol, wire, factor, comp in looped, groups, comp, between.get(instr.name),
-                    arrays[-1][0] if arrays else "",
+                    arrays[-1][0] if arrays else "", tuple(sorted({a[0] for a in arrays})),
                 )
             )  # fmt: skip
     return out
