@@ -127,12 +127,11 @@ class PlanConfig:
                 )
 
     def _check_without_compute_copy(self) -> None:
-        """``compute_copy=False`` casts stage 3's shards before each gather: it needs stage 3 on the device."""
+        """``compute_copy=False`` casts stage 3's shards before each gather: it needs stage 3 on the device (with or
+        without a pipeline: its stages read the cast shards as they would the copy)."""
         problem = (
             f"stage {self.stage.level} (its parameters are not split: the cast would be gathered whole every step)"
             if not self.stage.shard_parameters
-            else "a pipeline (its stages read the compute copy in their own loops)"
-            if self.pipeline is not None
             else f"offload={cast(Offload, self.offload).name!r} (the fp32 weights live in host memory)"
             if cast(Offload, self.offload).enabled
             else None
@@ -141,7 +140,7 @@ class PlanConfig:
             raise ValueError(
                 f"Plan: compute_copy=False keeps only the fp32 weights and casts each shard to "
                 f"{jnp.dtype(self.precision.compute_dtype).name} before it is gathered; it is supported at stage 3 "
-                f"without a pipeline or offload, not with {problem}. Use stage=3, or compute_copy=True."
+                f"without offload, not with {problem}. Use stage=3, or compute_copy=True."
             )
 
     def _check_hpz(self) -> None:

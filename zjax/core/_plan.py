@@ -83,7 +83,7 @@ class Plan(PlanConfig):
         (default): no quantization.
       compute_copy: ``True`` (default) keeps the parameters in the compute dtype (``state.params``) beside the
         fp32 master in the optimizer state: 14 bytes per parameter with Adam at stage 3. ``False`` (stage 3,
-        bf16/fp16, no pipeline or offload) keeps only the fp32 weights, as ``state.params``, and each step
+        bf16/fp16, no offload; under a pipeline too) keeps only the fp32 weights, as ``state.params``, and each step
         casts every shard to the compute dtype before it is gathered (quantized from that cast with
         ``quantized_comm``): 12 bytes per parameter of state, as MaxText and FSDP2 keep, the same bytes on
         the wire and the cast's temporaries during the step. :meth:`reshard` moves a state between the two.
