@@ -154,6 +154,13 @@ def plan_parser(sub) -> None:
         "Plan(hpz=True)); no,yes plans both",
     )
     p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="GPU targets: print each row's roofline walk over the compiled schedule: compute ms per step (peak "
+        "FLOP/s, HBM bandwidth) and the ms it waits for collectives (NVLink inside a host of 8, the network "
+        "across hosts); exposed counts any overlap, this weighs it",
+    )
+    p.add_argument(
         "--reduce-dtype",
         default=None,
         help="the dtype gradients are reduced in over the data axes (Plan(reduce_dtype=...), e.g. float32); "
@@ -307,6 +314,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 for accum in args.accum  # every value is planned
             ]
             est = type(estimates[0])(**{**estimates[0].__dict__, "rows": tuple(r for e in estimates for r in e.rows)})
+            est = dataclasses.replace(est, show_timeline=args.timeline)
             print(est)
             result = est.to_dict()
         else:
@@ -319,6 +327,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 compute_copy=copies[0] == "keep", hpz=hpzs[0] == "yes",
             )  # fmt: skip
             est = type(tried[0])(**{**tried[0].__dict__, "rows": tuple(r for e in tried for r in e.rows)})
+            est = dataclasses.replace(est, show_timeline=args.timeline)
             print(est)
             if skipped:
                 print("\nnot planned (cannot run):")

@@ -62,7 +62,7 @@ def attention_implementation(
     # inside the pipeline's vmap over pp, or a shard_map manual over the data axes (per-rank gradients),
     # cuDNN attention's custom partitioner fails to partition (measured: an INTERNAL custom_partitioner
     # error compiling for H100)
-    manual = pipeline.current() is not None or in_manual_data_axes()
+    manual = pipeline.current() is not None or (in_manual_data_axes() and not _rest_is_one_device())
     if gpu and not packed and not manual:
         return "cudnn"
     return "blocked" if packed or length > blocks.k else "xla"
@@ -76,9 +76,21 @@ def _dense(q, k, v, segment_ids, window, implementation: Literal["cudnn", "xla"]
         q32, k32, v32 = (x.astype(F32) for x in (q, k, v))
         out = jax.nn.dot_product_attention(q32, k32, v32, mask=mask, is_causal=True, local_window_size=local)
         return out.astype(q.dtype)
-    return jax.nn.dot_product_attention(
-        q, k, v, mask=mask, is_causal=True, local_window_size=local, implementation=implementation
+    attend = functools.partial(
+        jax.nn.dot_product_attention, mask=mask, is_causal=True, local_window_size=local, implementation=implementation
     )
+    if implementation == "cudnn" and in_manual_data_axes():
+        # a region manual over the data axes whose other axes are one device each: cuDNN's custom partitioner
+        # fails to partition there, and nothing is left to partition, so the call runs manual over every axis
+        rest = set(jax.sharding.get_abstract_mesh().axis_names) - set(jax.sharding.get_abstract_mesh().manual_axes)
+        return jax.shard_map(attend, in_specs=P(), out_specs=P(), axis_names=rest, check_vma=False)(q, k, v)
+    return attend(q, k, v)
+
+
+def _rest_is_one_device() -> bool:
+    """Whether every mesh axis the current region is not manual over has one device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return all(size == 1 for name, size in mesh.shape.items() if name not in mesh.manual_axes)
 
 
 # -- keys and values whole on the rank (no cp, or after the all-gather) ---------------------------------

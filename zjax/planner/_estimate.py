@@ -25,6 +25,7 @@ from ._hlo import Communication, count_collectives
 from ._models import resolve_model
 from ._result import Estimate, Row
 from ._targets import get_target
+from ._timeline import LINKS, Timeline, timeline
 
 
 def wire_dtypes(plan: Plan) -> str:
@@ -135,6 +136,7 @@ def estimate_fn(
         report = step.memory_report(state, batch, compiled=compiled)
         psi = report.num_params
         comm = count_collectives(hlo, dict(device_mesh.shape))
+        steps = _timeline(hlo, target)
         cost = cost_analysis(compiled) or {}
         theory = {
             "params": report.theory["params"],
@@ -174,12 +176,25 @@ def estimate_fn(
                 wire=wire_dtypes(plan),
                 compute_copy=plan.compute_copy,
                 hpz=plan.hpz,
+                timeline=steps,
                 **_pipeline_fields(plan.pipeline, stages_pp),
             )
         )
     sizes = {k: int(v) for k, v in device_mesh.shape.items()}
     batch_size = int(jax.tree.leaves(batch)[0].shape[0])
     return Estimate(name, psi, sizes, precision, batch_size, tuple(rows), backend, device_kind)
+
+
+def _timeline(hlo: str, target: Any) -> Timeline | None:
+    """A GPU target's roofline walk over the scheduled program (:mod:`zjax.planner._timeline`); ``None`` on
+    XLA:CPU or for a target without a peak or links on record."""
+    if target is None:
+        return None
+    gpu = get_target(target)
+    links = LINKS.get(gpu.name)
+    if links is None or gpu.peak_bf16_flops is None:
+        return None
+    return timeline(hlo, gpu.peak_bf16_flops, gpu.memory_bandwidth, links)
 
 
 def _pipeline_fields(schedule: Pipeline | None, stages: int) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from typing import Any
 from ..core._html import fmt_bytes, mesh_text, table
 from ._hlo import Communication
 from ._table import SEP, text_table
+from ._timeline import Timeline
 
 SCHEDULER_MEMORY_SHARE = 0.8
 """The share of a GPU's memory XLA:GPU's scheduler plans a step against (jaxlib 0.10.2 logs it as the
@@ -43,6 +44,7 @@ class Row:
     wire: str = ""  # what crosses the data axes (:func:`wire_dtypes`): the row's quantized_comm / reduce_dtype
     compute_copy: bool = True  # Plan(compute_copy=...): a compute-dtype copy of the parameters beside the fp32 master
     hpz: bool = False  # Plan(hpz=True): ZeRO++'s hierarchical partitioning (state over replica x dp)
+    timeline: Timeline | None = None  # a GPU target's roofline walk over the schedule (zjax.planner._timeline)
 
     @property
     def over_memory(self) -> bool:
@@ -98,6 +100,7 @@ class Row:
             },
             "flops": self.flops,
             "bytes_accessed": self.bytes_accessed,
+            "timeline": None if self.timeline is None else self.timeline.to_dict(),
             "offload": {
                 "name": self.offload,
                 "host_bytes_per_device": self.offloaded,
@@ -125,6 +128,7 @@ class Estimate:
     rows: tuple[Row, ...]
     backend: str = "cpu"
     device_kind: str = "cpu"
+    show_timeline: bool = False  # print each row's roofline walk (compute and wait, ms: zjax.planner._timeline)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -221,6 +225,16 @@ class Estimate:
         columns += [("schedule", "<"), ("bubble", ">"), ("pp", ">")] if piped else []
         columns += [("offload", "<"), ("host", ">"), ("pcie", ">")] if offloaded else []
         columns += [("experts", ">"), ("dense", ">"), ("a2a", ">")] if experts else []
+        timed = self.show_timeline and all(r.timeline is not None for r in self.rows)
+        links = self.rows[0].timeline.links if timed and self.rows[0].timeline is not None else None
+        if timed and links is not None:
+            head += (
+                "; compute / wait = ms per step at the GPU's peak FLOP/s and HBM bandwidth, and ms it stands still "
+                f"for collectives at {links.intra / 1e9:.0f} GB/s per GPU inside a host of 8 and "
+                f"{links.inter / 1e9:.0f} GB/s across hosts (zjax.planner._timeline: a roofline walk over the "
+                "schedule, no latency term)"
+            )
+            columns += [("compute", ">"), ("wait", ">")]
         cells = []
         for r in self.rows:
             t, c = r.theory, r.compiled
@@ -239,6 +253,8 @@ class Estimate:
             groups = r.state_by_group
             a2a = sum(r.comm.all_to_all_by_axes.values())
             row += [f(groups.get("experts", 0)), f(groups.get("dense", 0)), f(a2a)] if experts else []
+            tl = r.timeline
+            row += [f"{tl.compute * 1e3:.1f}", f"{tl.wait * 1e3:.1f}"] if timed and tl is not None else []
             cells.append(row)
         lines = [head, *text_table(columns, cells)]
         return "\n".join(lines)

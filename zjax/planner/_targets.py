@@ -48,6 +48,14 @@ class GpuTarget:
         return int(m.group(1))
 
     @property
+    def memory_bandwidth(self) -> float:
+        """Device memory bandwidth, bytes per second (``memory_bandwidth``)."""
+        m = re.search(r"memory_bandwidth:\s*(\d+)", self.text)
+        if not m:
+            raise ValueError(f"GPU target {self.source!r} has no memory_bandwidth.")
+        return float(m.group(1))
+
+    @property
     def cudnn_version(self) -> int:
         """cuDNN's version as JAX encodes it (9.10.0 -> 91000), from the target's ``dnn_version``."""
         m = re.search(r'dnn_version:\s*"(\d+)\.(\d+)\.(\d+)"', self.text)
