@@ -61,7 +61,7 @@ def attention_implementation(
         return "pallas"
     # inside the pipeline's vmap over pp, or a shard_map manual over the data axes (per-rank gradients),
     # cuDNN attention's custom partitioner fails to partition (measured: an INTERNAL custom_partitioner
-    # error compiling for H100)
+    # error compiling for H100); in the latter with every other axis one device, _dense runs it manual over them
     manual = pipeline.current() is not None or (in_manual_data_axes() and not _rest_is_one_device())
     if gpu and not packed and not manual:
         return "cudnn"
@@ -79,7 +79,7 @@ def _dense(q, k, v, segment_ids, window, implementation: Literal["cudnn", "xla"]
     attend = functools.partial(
         jax.nn.dot_product_attention, mask=mask, is_causal=True, local_window_size=local, implementation=implementation
     )
-    if implementation == "cudnn" and in_manual_data_axes():
+    if implementation == "cudnn" and in_manual_data_axes() and _rest_is_one_device():
         # a region manual over the data axes whose other axes are one device each: cuDNN's custom partitioner
         # fails to partition there, and nothing is left to partition, so the call runs manual over every axis
         rest = set(jax.sharding.get_abstract_mesh().axis_names) - set(jax.sharding.get_abstract_mesh().manual_axes)

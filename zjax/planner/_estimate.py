@@ -24,7 +24,7 @@ from ._gpu import cost_analysis, cudnn_for_target, gpu_devices
 from ._hlo import Communication, count_collectives
 from ._models import resolve_model
 from ._result import Estimate, Row
-from ._targets import get_target
+from ._targets import GPUS_PER_HOST, get_target
 from ._timeline import LINKS, Timeline, timeline
 
 
@@ -192,9 +192,9 @@ def _timeline(hlo: str, target: Any) -> Timeline | None:
         return None
     gpu = get_target(target)
     links = LINKS.get(gpu.name)
-    if links is None or gpu.peak_bf16_flops is None:
+    if links is None or gpu.peak_bf16_flops is None or "memory_bandwidth" not in gpu.text:
         return None
-    return timeline(hlo, gpu.peak_bf16_flops, gpu.memory_bandwidth, links)
+    return timeline(hlo, gpu.peak_bf16_flops, gpu.memory_bandwidth, links, GPUS_PER_HOST)
 
 
 def _pipeline_fields(schedule: Pipeline | None, stages: int) -> dict[str, Any]:

@@ -29,6 +29,7 @@ import re
 from typing import Any
 
 from ._hlo import KINDS, _bytes, _callees, _Instr, _parse, _trip_count, collectives
+from ._targets import GPUS_PER_HOST
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +82,7 @@ _SLICES = {"dynamic-slice", "slice", "gather"}
 
 
 def timeline(
-    hlo_text: str, peak_flops: float, hbm_bytes_per_s: float, links: Links, gpus_per_host: int = 8
+    hlo_text: str, peak_flops: float, hbm_bytes_per_s: float, links: Links, gpus_per_host: int = GPUS_PER_HOST
 ) -> Timeline:
     """The estimate for a scheduled (compiled) HLO module's text; partition ``i`` sits on host
     ``i // gpus_per_host``."""
