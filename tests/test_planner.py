@@ -197,6 +197,8 @@ def test_cli_errors():
     assert proc.returncode == 2 and "expected entries like dp=64,tp=2" in proc.stderr
     proc = zjax_plan("--mesh", "dp=8")  # no silent default model: a plan names what it plans
     assert proc.returncode == 2 and "the following arguments are required: --model" in proc.stderr
+    proc = zjax_plan("--model", "tiny", "--mesh", "dp=8", "--timeline")  # a roofline walk needs a GPU's schedule
+    assert proc.returncode == 2 and "--timeline walks a GPU's schedule: give --target" in proc.stderr
 
 
 @pytest.mark.slow  # three compiles in a subprocess; the argument error below runs in the fast suite

@@ -198,6 +198,9 @@ def plan_parser(sub) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    if args.timeline and args.target is None:
+        print("zjax plan: --timeline walks a GPU's schedule: give --target too (e.g. h100)", file=sys.stderr)
+        return 2
     devices = math.prod(args.mesh.values())
     import jax
 
