@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{pipeline.microbatches} microbatches, {pipeline.repeats} repeat(s): {pipeline.table(stages).ticks} "
                 f"ticks, bubble {pipeline.bubble(stages):.1%}")  # fmt: skip
         first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731 (an MoE: (loss, router metrics))
+        # the held-out tokens' mean loss: the eval returns its LossSum (an MoE's with its routers' terms, as trained)
         evaluate = None if held_out is None else plan.eval_step(lambda p, b: first(lm_loss(model, p, b)))
         kind, devices = jax.devices()[0].device_kind, jax.device_count()
         result = zjax.train.fit(

@@ -68,6 +68,34 @@ def test_blocked_attention_equals_xla_attention(packed, window):
         np.testing.assert_allclose(g, h, atol=2e-5)
 
 
+@pytest.mark.parametrize("balanced", [False, True])
+@pytest.mark.parametrize("mode", ["ring", "all-gather"])
+def test_attention_over_cp4_equals_dense_attention(mode, balanced):
+    """At cp=4 (where a ring that visits its chunks the wrong way round is no longer its own mirror, as at cp=2)
+    the sequence split over cp gives dense attention's outputs and dq, dk, dv: packed rows, GQA, fp32, in the
+    contiguous and the load-balanced layouts."""
+    q, k, v = qkv(seed=3)
+    seg = jnp.asarray(packed_segments(2, 64, seed=3))
+    w = jnp.asarray(np.random.default_rng(4).normal(size=q.shape), jnp.float32)
+    order = balanced_order(64, 4) if balanced else np.arange(64)
+
+    def dense(q, k, v):
+        out = _dense(q, k, v, seg, None, "xla")
+        return jnp.sum(out * w), out
+
+    def split(q, k, v):
+        q, k, v, s, wt = (x[:, order] for x in (q, k, v, seg, w))
+        out = attention(q, k, v, segment_ids=s, load_balanced=balanced, context_mode=mode)
+        return jnp.sum(out * wt), out[:, np.argsort(order)]
+
+    (_, want), want_grads = jax.jit(jax.value_and_grad(dense, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    with jax.set_mesh(zjax.make_mesh(dp=2, cp=4)):
+        (_, got), got_grads = jax.jit(jax.value_and_grad(split, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    for name, g, h in zip("qkv", got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, h, atol=2e-5, err_msg=f"d{name}")
+
+
 def test_the_pallas_flash_kernel_takes_packed_rows_and_equals_xla_attention():
     """JAX's Pallas flash attention (GPU packed rows), run in its interpreter: with GQA and packed segments its
     outputs and gradients equal XLA's dense attention, on one device and in its shard_map over a dp x tp mesh

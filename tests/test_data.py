@@ -66,7 +66,7 @@ def test_packed_batch_loss_equals_documents_apart():
     import flax.linen as nn
 
     params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
-    loss = jax.jit(lambda b: lm_loss(model, params, b))
+    loss = jax.jit(lambda b: lm_loss(model, params, b).mean)
     got = float(loss(jax.tree.map(jnp.asarray, packed)))
     # each document on its own row, with its end-of-document token as the last target
     apart = [np.append(tok.encode(d), tok.eos_id)[None].astype(np.int32) for d in docs]

@@ -102,7 +102,11 @@ def test_dropped_rows_are_summed_over_the_devices():
 
 def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
     """``jax.lax.ragged_all_to_all`` built from a dense all-to-all (XLA:CPU has no ragged one): each rank's
-    slice for rank r, padded to the operand's length, travels with its size and offset."""
+    slice for rank r, padded to the operand's length, travels with its size and offset.
+
+    What the real collective requires is checked, and a violation poisons the output (NaN; the smallest int for
+    ids; a traced program cannot raise): each sender's slices lie inside its operand; each receiver expects
+    (``recv_sizes``) exactly the sizes its senders send; the slices land inside the output without overlapping."""
     n, ep = operand.shape[0], send_sizes.shape[0]
     i = jnp.arange(n)
     taken = jnp.take(operand, jnp.clip(input_offsets[:, None] + i, 0, n - 1), axis=0)
@@ -113,7 +117,18 @@ def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outp
     for j in range(ep):
         at = jnp.where(i < sizes[j], offsets[j] + i, output.shape[0])  # past the end: dropped
         output = output.at[at].set(chunks[j].astype(output.dtype), mode="drop")
-    return output
+    ends = offsets + sizes
+    overlap = (offsets[:, None] < ends[None, :]) & (offsets[None, :] < ends[:, None]) & (sizes[:, None] > 0)
+    overlap &= (sizes[None, :] > 0) & ~jnp.eye(ep, dtype=bool)
+    valid = (
+        jnp.all(input_offsets + send_sizes <= n)
+        & jnp.all((input_offsets >= 0) & (send_sizes >= 0))
+        & jnp.all(sizes == recv_sizes)
+        & jnp.all((offsets >= 0) & (ends <= output.shape[0]))
+        & ~jnp.any(overlap)
+    )
+    poison = jnp.nan if jnp.issubdtype(output.dtype, jnp.floating) else jnp.iinfo(output.dtype).min
+    return jnp.where(valid, output, poison).astype(output.dtype)
 
 
 def test_the_ragged_exchange_sends_every_row_to_its_expert_and_back(monkeypatch):
@@ -396,7 +411,8 @@ def test_nested_checkpointing_carries_the_routers_statistics():
     out = {}
     for remat in ("full", "nested"):
         model = Decoder(dataclasses.replace(cfg, remat=remat))
-        out[remat] = jax.jit(jax.value_and_grad(lambda p, t, m=model: lm_loss(m, p, t), has_aux=True))(params, tokens)
+        mean = lambda p, t, m=model: (lambda out: (out[0].mean, out[1]))(lm_loss(m, p, t))  # noqa: E731
+        out[remat] = jax.jit(jax.value_and_grad(mean, has_aux=True))(params, tokens)
     for a, b in zip(jax.tree.leaves(out["nested"]), jax.tree.leaves(out["full"]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert out["nested"][0][1]["expert_tokens"].shape == (4, 8)

@@ -228,7 +228,7 @@ def test_packed_sequences_equal_separate_ones():
         "positions": np.concatenate([np.arange(7), np.arange(10)])[None].repeat(2, 0),
         "segment_ids": np.concatenate([np.full(7, 1), np.full(10, 2)])[None].repeat(2, 0),
     }
-    loss = jax.jit(lambda batch: lm_loss(model, params, batch))
+    loss = jax.jit(lambda batch: lm_loss(model, params, batch).mean)
     got = loss(jax.tree.map(jnp.asarray, packed))
     # targets: 6 in the first sequence, 9 in the second, none across the boundary
     want = (6 * loss(jnp.asarray(a)) + 9 * loss(jnp.asarray(b))) / 15

@@ -47,11 +47,11 @@ def test_the_per_rank_tied_loss_equals_the_plain_one():
     model = Decoder(TIED)
     tokens = np.random.RandomState(0).randint(0, TIED.vocab, (16, 33)).astype(np.int32)
     params = model.init(jax.random.key(0), jnp.zeros((1, 32), jnp.int32))["params"]
-    plain = jax.jit(jax.value_and_grad(lambda p, t: lm_loss(model, p, t)))(params, tokens)
+    plain = jax.jit(jax.value_and_grad(lambda p, t: lm_loss(model, p, t).mean))(params, tokens)
     mesh = zjax.make_mesh(dp=8)
     with jax.set_mesh(mesh):
         sharded = jax.device_put(tokens, NamedSharding(mesh, P("dp")))
-        ranked = jax.jit(jax.value_and_grad(lambda p, t: lm_loss(model, p, t)))(params, sharded)
+        ranked = jax.jit(jax.value_and_grad(lambda p, t: lm_loss(model, p, t).mean))(params, sharded)
     np.testing.assert_allclose(ranked[0], plain[0], rtol=1e-6)
     for got, want in zip(jax.tree.leaves(ranked[1]), jax.tree.leaves(plain[1]), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

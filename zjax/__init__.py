@@ -26,6 +26,7 @@ from .core import PRECISIONS as PRECISIONS
 from .core import DynamicLossScale as DynamicLossScale
 from .core import EvalStep as EvalStep
 from .core import LossScaleState as LossScaleState
+from .core import LossSum as LossSum
 from .core import MemoryReport as MemoryReport
 from .core import MixedPrecisionState as MixedPrecisionState
 from .core import Plan as Plan
@@ -71,6 +72,7 @@ __all__ = [
     "DynamicLossScale",
     "EvalStep",
     "LossScaleState",
+    "LossSum",
     "MemoryReport",
     "MixedPrecisionState",
     "Offload",

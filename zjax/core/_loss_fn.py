@@ -1,5 +1,5 @@
-"""The user's loss function as the steps call it: its optional arguments, its result, its microbatches, and how it
-reads the parameters while it is traced."""
+"""The user's loss function as the steps call it: its optional arguments and how it reads the parameters while it
+is traced (what it returns and how that is normalised: :mod:`._objective`)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,6 @@ import dataclasses
 import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-
-import jax
-import jax.numpy as jnp
 
 from .. import comm
 from ..pipeline._context import quantizing
@@ -48,23 +45,6 @@ class Loss:
         if not isinstance(accum_steps, int) or isinstance(accum_steps, bool) or accum_steps < 1:
             raise ValueError(f"train_step: accum_steps={accum_steps!r} must be an int >= 1.")
         return cls(fn, accum_steps, takes(fn, "rng"), takes(fn, "model_state"))
-
-
-def loss_and_aux(out: Any) -> tuple[jax.Array, Any]:
-    """``loss_fn``'s result (``loss`` or ``(loss, aux)``) as ``(fp32 scalar loss, aux or None)``."""
-    loss, aux = out if isinstance(out, tuple) else (out, None)
-    if jnp.ndim(loss) != 0:
-        raise ValueError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}.")
-    return loss.astype(jnp.float32), aux
-
-
-def split_microbatches(batch: Any, k: int) -> Any:
-    """``[B, ...] -> [k, B/k, ...]`` where microbatch ``i`` is rows ``i, i+k, ...``.
-
-    Reshaping to ``(B/k, k)`` keeps each dp shard's rows on that shard (the dp split stays on the
-    first dimension), so no data moves; ``(k, B/k)`` directly would put dp on the microbatch index.
-    """
-    return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
 def placing(plan: PlanConfig, layout: StateLayout) -> contextlib.ExitStack:

@@ -25,7 +25,8 @@ from ..sharding._mesh import data_axes, data_size, manual_data_axes
 from ..sharding._rules import Rules, spec_axes
 from ._config import PlanConfig
 from ._layout import StateLayout
-from ._loss_fn import Loss, loss_and_aux, split_microbatches
+from ._loss_fn import Loss
+from ._objective import accumulate, seeded, split_output
 
 
 def without_axes(rules: Any, drop: set[str]) -> tuple[tuple[str, Any], ...]:
@@ -61,28 +62,22 @@ def defers_reduction(plan: PlanConfig, loss: Loss, layout: StateLayout, model_st
     )
 
 
-def _scaled_loss(loss: Loss, scale: jax.Array, n: int, key: jax.Array, prepare=lambda p: p):
-    """``(params, microbatch, i) -> (loss * scale / n, (loss, aux))`` for one rank's rows."""
+def _grad_fn(loss: Loss, scale: jax.Array, axes: tuple[str, ...], key: jax.Array, prepare=lambda p: p):
+    """One rank's ``(params, carry, microbatch, i) -> (grads, (part, aux, carry))`` for :func:`accumulate`: the
+    gradient of its share of the microbatch's objective (:func:`seeded` over the manual ``axes``)."""
 
     def scaled(p, b, i):
         p = prepare(p)
         out = loss.fn(p, b, rng=jax.random.fold_in(key, i)) if loss.takes_rng else loss.fn(p, b)
-        value, aux = loss_and_aux(out)
-        return value * scale / n, (value, aux)
+        part, aux = split_output(out)
+        value, part = seeded(part, scale, axes)
+        return value, (part, aux)
 
-    return scaled
+    def grad_fn(p, carry, b, i):
+        grads, (part, aux) = jax.grad(scaled, has_aux=True)(p, b, i)
+        return grads, (part, aux, carry)
 
-
-def _accumulate(scaled: Any, p: Any, rows: Any, k: int) -> tuple[Any, Any]:
-    """The fp32 sum of ``scaled``'s gradients over ``k`` microbatches of ``rows``; their losses and aux."""
-
-    def body(acc, xs):
-        i, microbatch = xs
-        grads, (loss, aux) = jax.grad(scaled, has_aux=True)(p, microbatch, i)
-        return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads), (loss, aux)
-
-    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p)
-    return jax.lax.scan(body, zeros, (jnp.arange(k), split_microbatches(rows, k)))
+    return grad_fn
 
 
 def _per_rank(x: Any) -> Any:
@@ -96,13 +91,14 @@ def grads_per_rank(
     path of ``Plan(reduce_dtype=...)`` at stages 0-2, whose one reduction runs in that dtype.
 
     A ``shard_map`` manual over the data axes (tp stays with GSPMD) gives every data-parallel rank its
-    own rows; it sums its microbatch gradients, unreduced, into its fp32 accumulator; after the loop
-    the ranks' accumulators are summed once, straight into the optimizer's layout (a reduce-scatter at
-    stage 1, an all-reduce at stage 0): ZeRO's 2 psi per step for every ``accum_steps``. Microbatch
-    ``i`` holds the same rows as without it; each rank's dropout key is folded with its index.
+    own rows; it sums its microbatch gradients, unreduced, into its fp32 accumulator (each microbatch's
+    share of the step's objective, :mod:`._objective`); after the loop the ranks' accumulators are summed
+    once, straight into the optimizer's layout (a reduce-scatter at stage 1, an all-reduce at stage 0):
+    ZeRO's 2 psi per step for every ``accum_steps``. Microbatch ``i`` holds the same rows as without it; each
+    rank's dropout key is folded with its index.
     """
-    mesh, k = plan.mesh, loss.accum_steps
-    axes, n = data_axes(mesh), data_size(mesh)
+    mesh = plan.mesh
+    axes = data_axes(mesh)
     rules = without_axes(cast(Rules, plan.rules).activations_for(mesh), set(axes))
 
     def local(p, rows, key):
@@ -110,16 +106,15 @@ def grads_per_rank(
         # each rank sees only its own rows: activation rules must not split them over the data axes again
         # under a pipeline its loop sums the microbatches' gradients in reduce_dtype too
         with nn.logical_axis_rules(rules), manual_data_axes(), accumulating(plan.reduce_dtype):
-            acc, (losses, auxes) = _accumulate(_scaled_loss(loss, scale, n, key), p, rows, k)
-        aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
-        return jax.tree.map(_per_rank, acc), _per_rank(jnp.mean(losses)), jax.tree.map(_per_rank, aux)
+            grads, total, aux = _in_region(loss, scale, axes, key, p, rows)
+        return jax.tree.map(_per_rank, grads), total, jax.tree.map(_per_rank, aux)
 
     data = PartitionSpec(axes)
-    acc, losses, auxes = jax.shard_map(
+    acc, total, auxes = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(PartitionSpec(), data, PartitionSpec()),
-        out_specs=data,
+        out_specs=(data, PartitionSpec(), data),
         axis_names=set(axes),
         check_vma=False,
     )(params, batch, rng)
@@ -128,7 +123,15 @@ def grads_per_rank(
     reduce_in = plan.reduce_dtype  # Plan(reduce_dtype=...): the ranks' sums widened before the reduction
     grads = jax.tree.map(lambda a, p: _sum_leading(a.astype(reduce_in or p.dtype)), acc, params)
     aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
-    return jnp.mean(losses), aux, grads
+    return total, aux, grads
+
+
+def _in_region(loss: Loss, scale: jax.Array, axes: tuple[str, ...], key: jax.Array, p: Any, rows: Any, prepare=None):
+    """One rank's gradients (its share of the step's objective, over its microbatches), the step's
+    :class:`LossSum` and the rank's aux."""
+    grad_fn = _grad_fn(loss, scale, axes, key, *(() if prepare is None else (prepare,)))
+    grads, total, aux, _ = accumulate(grad_fn, p, rows, loss.accum_steps)
+    return grads, total, aux
 
 
 def zero3_grads(
@@ -143,7 +146,7 @@ def zero3_grads(
     through :func:`zjax.comm.gathered` is gathered before the loss (found by tracing the loss once abstractly).
     """
     mesh, k = plan.mesh, loss.accum_steps
-    axes, n = data_axes(mesh), data_size(mesh)
+    axes = data_axes(mesh)
     rules = without_axes(cast(Rules, plan.rules).activations_for(mesh), set(axes))
     compute = plan.precision.compute_dtype
     placements = layout.params.placements
@@ -175,21 +178,20 @@ def zero3_grads(
             manual_data_axes(),
             comm.manual(placements, axes, compute, reduction, weights=None if hpz else wire, hierarchical=hpz),
         ):
-            acc, (losses, auxes) = _accumulate(_scaled_loss(loss, scale, n, key, gather), p, rows, k)
-        aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
-        return acc, _per_rank(jnp.mean(losses)), jax.tree.map(_per_rank, aux)
+            grads, total, aux = _in_region(loss, scale, axes, key, p, rows, gather)
+        return grads, total, jax.tree.map(_per_rank, aux)
 
     data = PartitionSpec(axes)
-    grads, losses, auxes = jax.shard_map(
+    grads, total, auxes = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(specs, data, PartitionSpec()),
-        out_specs=(specs, data, data),
+        out_specs=(specs, PartitionSpec(), data),
         axis_names=set(axes),
         check_vma=False,
     )(primal, batch, rng)
     aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
-    return jnp.mean(losses), aux, grads
+    return total, aux, grads
 
 
 def _is_spec(x: Any) -> bool:

@@ -40,7 +40,11 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = param(self, "scale", (self.dim,), ("norm",), nn.initializers.ones)
+        # whole where it is used, its gradient summed whole too (a replicated constraint, transposed): left to
+        # GSPMD, ZeRO-3's split of the scale over cp reached back into the gradient's sum over the tokens, whose
+        # operand, split along the sequence over cp x tp, was then replicated to meet it (XLA's "involuntary
+        # full rematerialization", forward and backward)
+        scale = nn.with_logical_constraint(param(self, "scale", (self.dim,), ("norm",), nn.initializers.ones), ("norm",))
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (y * scale.astype(jnp.float32)).astype(x.dtype)
@@ -250,7 +254,9 @@ class Decoder(nn.Module):
             stats = None if c.moe is None else jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
         if stats is not None and not self.is_initializing():
             self.sow("intermediates", MOE_STATS, stats)  # per layer, stacked: read by lm_loss
-        x = RMSNorm(c.embed, c.norm_eps, name="final_norm")(x)
+        # pinned like the residual stream: left free, GSPMD may give the norm's product its scale's ZeRO split
+        # and replicate the activation to get there (dp=1 x cp=4 x tp=2 at stage 3)
+        x = _constrain(RMSNorm(c.embed, c.norm_eps, name="final_norm")(x))
         if return_hidden:  # the loss reads the head itself (zjax.models.lm_loss)
             return x
         if c.tie_embeddings:

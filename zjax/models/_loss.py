@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import comm, pipeline
 from ..context import context_size, load_balance
+from ..core import LossSum
 from ..sharding._axes import DATA_AXES, PP
 from ..sharding._mesh import in_manual_data_axes
 from ._config import DecoderConfig
@@ -78,7 +79,7 @@ def chunked_cross_entropy(
     (:func:`cross_entropy_sum` over the weights' sum)."""
     b, s, _ = hidden.shape
     w = jnp.ones((b, s), jnp.float32) if weights is None else weights.astype(jnp.float32)
-    return cross_entropy_sum(hidden, head, targets, w, vocab_chunk) / jnp.maximum(jnp.sum(w), 1.0)
+    return LossSum(cross_entropy_sum(hidden, head, targets, w, vocab_chunk), jnp.sum(w)).mean
 
 
 def cross_entropy_sum(
@@ -126,7 +127,11 @@ def cross_entropy_sum(
 
 
 def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16384) -> Any:
-    """Mean next-token cross-entropy (fp32) of a :class:`~zjax.models.Decoder` on ``batch``.
+    """Next-token cross-entropy (fp32) of a :class:`~zjax.models.Decoder` on ``batch``, as a
+    :class:`zjax.LossSum`: the weighted token losses' sum and the weights' sum (``.mean`` is the mean).
+
+    A train step divides the sums of every microbatch and data-parallel rank by the counts of all of them, so
+    that every path minimises the mean over the whole global batch's scored tokens, as one device would.
 
     ``batch`` is int tokens ``[B, S+1]`` (inputs ``[:, :-1]``, targets ``[:, 1:]``) or a dict with ``tokens``
     and optional ``positions``, ``segment_ids`` (packed sequences: attention stays within a segment, and
@@ -136,9 +141,10 @@ def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16
     load-balanced causal layout (:func:`zjax.context.load_balance`) before the model splits them over ``cp``.
 
     For a mixture-of-experts decoder (``DecoderConfig(moe=...)``) it returns ``(loss, metrics)``: the
-    cross-entropy plus the routers' weighted auxiliary losses, and ``ce``, ``load_balance`` and ``z_loss``
-    (means over layers), ``dropped`` rows and ``expert_tokens [layers, experts]`` (a train step puts them in its
-    metrics' ``aux``).
+    cross-entropy plus the routers' weighted auxiliary losses (counted once per scored token, so that a step
+    that splits the batch weighs each part's auxiliary loss by its tokens), and ``ce`` (the part's mean),
+    ``load_balance`` and ``z_loss`` (means over layers), ``dropped`` rows and ``expert_tokens [layers,
+    experts]`` (a train step puts them in its metrics' ``aux``).
     """
     tokens, positions, segment_ids, loss_mask = read_batch(batch)
     weights = None if loss_mask is None else loss_mask[:, 1:].astype(jnp.float32)
@@ -160,19 +166,21 @@ def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16
             positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
         inputs, positions, targets = (load_balance(x) for x in (inputs, positions, targets))
         segment_ids, weights = (None if x is None else load_balance(x) for x in (segment_ids, weights))
+    w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights
+    count = jnp.sum(w)
     if schedule is not None and schedule.tabled:
         # each target weighted by its share of the mean: the microbatches' sums add up to the mean, whose
         # cotangent (the loss scale) then seeds the pipeline's backward passes at the magnitude GPipe's get
-        w = jnp.ones(inputs.shape, jnp.float32) if weights is None else weights
-        w = w / jnp.maximum(jnp.sum(w), 1.0)
-        return _pipelined_sum(model.cfg, nn.unbox(params), inputs, targets, w, vocab_chunk, balanced)
+        share = w / jnp.where(count > 0, count, 1.0)
+        mean = _pipelined_sum(model.cfg, nn.unbox(params), inputs, targets, share, vocab_chunk, balanced)
+        return LossSum(mean * count, count)
     ranks = _data_ranks()
     if model.cfg.tie_embeddings and ranks:
-        rows = (inputs, positions, segment_ids, targets, weights)
+        rows = (inputs, positions, segment_ids, targets, w)
         return _tied_per_rank(model, params, rows, ranks, balanced, vocab_chunk)
     hidden, stats = _hidden(model, params, inputs, positions, segment_ids, load_balanced=balanced)
     head = _read_head(model.cfg, nn.unbox(params), vocab_chunks(model.cfg.vocab, vocab_chunk) > 1)
-    return _with_experts(model.cfg, chunked_cross_entropy(hidden, head, targets, weights, vocab_chunk), stats)
+    return _with_experts(model.cfg, LossSum(cross_entropy_sum(hidden, head, targets, w, vocab_chunk), count), stats)
 
 
 def _hidden(model: Any, params: Any, *args: Any, **kwargs: Any) -> tuple[jax.Array, Any]:
@@ -183,21 +191,21 @@ def _hidden(model: Any, params: Any, *args: Any, **kwargs: Any) -> tuple[jax.Arr
     return hidden, sown["intermediates"][MOE_STATS][0]
 
 
-def _with_experts(cfg: DecoderConfig, ce: jax.Array, stats: Any) -> Any:
-    """``ce`` for a dense decoder; ``(ce + the routers' auxiliary losses, metrics)`` for a mixture of experts:
-    ``ce``, ``load_balance`` and ``z_loss`` (means over layers), ``dropped`` rows (all layers) and
-    ``expert_tokens`` ``[layers, experts]`` (rows each expert was chosen for)."""
+def _with_experts(cfg: DecoderConfig, ce: LossSum, stats: Any) -> Any:
+    """``ce`` for a dense decoder; ``(ce + the routers' auxiliary losses per counted token, metrics)`` for a
+    mixture of experts: ``ce`` (mean), ``load_balance`` and ``z_loss`` (means over layers), ``dropped`` rows
+    (all layers) and ``expert_tokens`` ``[layers, experts]`` (rows each expert was chosen for)."""
     if stats is None or cfg.moe is None:
         return ce
     balance, z = cfg.moe.aux_losses(stats)
     metrics = {
-        "ce": ce,
+        "ce": ce.mean,
         "load_balance": jnp.mean(balance),
         "z_loss": jnp.mean(z),
         "dropped": jnp.sum(stats["dropped"]),
         "expert_tokens": stats["tokens"],
     }
-    return ce + cfg.moe.loss(stats), metrics
+    return LossSum(ce.sum + ce.count * cfg.moe.loss(stats), ce.count), metrics
 
 
 def _read_head(cfg: DecoderConfig, params: Any, looped: bool = False) -> jax.Array:
@@ -225,13 +233,12 @@ def _tied_per_rank(
     gradients meet on each rank and the table's gradient crosses the data axes once. Used twice by the
     model, GSPMD reduces each use's gradient on its own (measured: two all-reduces of the table at stage 0,
     ZeRO's 2 psi becoming 2.43 for a Llama-3.2-1B shape)."""
-    inputs, positions, segment_ids, targets, weights = rows
+    inputs, positions, segment_ids, targets, w = rows
     mesh = dict(jax.sharding.get_abstract_mesh().shape)
     n = math.prod(mesh[a] for a in axes)
     table = comm.gathered(nn.unbox(params)["embedding"], ("embedding",))
     copies = jnp.broadcast_to(table[None], (n, *table.shape))
     copies = jax.lax.with_sharding_constraint(copies, P(axes, P.UNCONSTRAINED, P.UNCONSTRAINED))
-    w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights
     by_rank = lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:])  # noqa: E731 - rows split over the axes
     embeds = jax.vmap(lambda e, t: jnp.take(e, t, axis=0), spmd_axis_name=axes)(copies, by_rank(inputs))
     hidden, stats = _hidden(
@@ -247,7 +254,7 @@ def _tied_per_rank(
             return cross_entropy_sum(h, e.T, t, wt, vocab_chunk)
 
     total = jax.vmap(one, spmd_axis_name=axes)(copies, by_rank(hidden), by_rank(targets), by_rank(w))
-    return _with_experts(model.cfg, jnp.sum(total) / jnp.maximum(jnp.sum(w), 1.0), stats)
+    return _with_experts(model.cfg, LossSum(jnp.sum(total), jnp.sum(w)), stats)
 
 
 def _pipelined_sum(

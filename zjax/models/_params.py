@@ -8,7 +8,14 @@ import jax.numpy as jnp
 from .. import comm
 
 
-def param(module: nn.Module, name: str, shape: tuple[int, ...], names: tuple[str | None, ...], init=None, gather=True):
+def param(
+    module: nn.Module,
+    name: str,
+    shape: tuple[int, ...],
+    names: tuple[str | None, ...],
+    init=None,
+    gather=True,
+):
     """The parameter ``name`` of ``module`` (fp32 when made; the step passes it in the compute dtype), read
     through :func:`zjax.comm.gathered` (int8 over the ZeRO axes under ``Plan(quantized_comm="weights")``);
     ``gather=False``: as it lies, for a reader that gathers it itself (:func:`zjax.comm.lookup`)."""

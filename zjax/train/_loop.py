@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from ..checkpoint import Checkpointer
+from ..core import LossSum
 from ._config import LoopConfig
 from ._data import Batches, eval_batches
 from ._report import Reporter
@@ -116,8 +117,9 @@ def fit(
     Each step feeds ``plan.shard_batch`` of the step's batch (the next one is read while the step runs).
     Every ``log_every`` steps one host sync writes a record (``loss``, ``grad_norm``, ``loss_scale``,
     ``skipped``, ``step_time`` and what the optional arguments add) to ``config.log_dir``'s writers and the
-    progress bar (process 0 only). Every ``eval_every`` steps and at the end, ``eval_step`` averages its loss
-    over ``config.eval_batches`` held-out batches. With ``checkpoint_dir`` the state is saved every
+    progress bar (process 0 only). Every ``eval_every`` steps and at the end, ``eval_step`` evaluates
+    ``config.eval_batches`` held-out batches: a :class:`zjax.LossSum` as the sums over the counts of all of them
+    (the held-out tokens' mean), a scalar as the mean over the batches. With ``checkpoint_dir`` the state is saved every
     ``save_every`` steps and after the last, with its data position; a SIGTERM (with ``jax.distributed`` up:
     :func:`runtime` with ``preemptible``, or any multi-process job) saves the agreed step on every process and
     returns with ``preempted``.
@@ -129,7 +131,8 @@ def fit(
       data: ``LMData``, a function ``step -> batch`` or an iterable of numpy batches (this process's rows).
       config: the loop's settings.
       start: the first step's data position (from :func:`init_or_restore`).
-      eval_step: ``plan.eval_step(fn)`` with ``fn(params, batch) -> scalar loss``; needs ``eval_data``.
+      eval_step: ``plan.eval_step(fn)`` with ``fn(params, batch) -> LossSum`` or a scalar loss; needs
+        ``eval_data``.
       eval_data: ``LMData`` (its ``epoch_batches``), a list of batches, or a function returning an iterable.
       schedule: the learning-rate schedule, logged as ``learning_rate``.
       tokens_per_step: tokens in a global batch, for ``tokens_per_second``.
@@ -172,7 +175,10 @@ def fit(
         if eval_step is None:  # checked above; here for the type checker
             raise ValueError("zjax.train.fit: eval_every needs eval_step.")
         held = eval_batches(eval_data, mesh, config.eval_batches) if held is None else held
-        return float(np.mean([float(eval_step(state, plan.shard_batch(b))) for b in held]))
+        outs = [eval_step(state, plan.shard_batch(b)) for b in held]
+        if all(isinstance(out, LossSum) for out in outs):  # the held-out tokens' mean, as the step's loss is
+            return float(sum(float(o.sum) for o in outs) / max(sum(float(o.count) for o in outs), 1e-30))
+        return float(np.mean([float(out) for out in outs]))
 
     profile = config.profile_steps
     losses: list[Any] = []  # device scalars, fetched at logged steps: one host sync per log_every steps
