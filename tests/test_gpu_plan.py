@@ -266,9 +266,10 @@ remat), compiled by XLA:GPU deviceless with jax 0.10.2, as the issue that asked 
 
 
 def test_llama2_7b_on_8_gpus_without_the_compute_copy_holds_maxtexts_state():
-    """The issue's comparison, state: MaxText keeps 12 bytes per parameter (fp32 weights, m, v: 10.1 GB) and peaks
-    at 19.0 GB (:data:`MAXTEXT_LLAMA2_7B`); zjax without the compute copy holds the same, moves what the copy's
-    step moves and peaks no higher. Read from the figure of both forms on docs/concepts/quantized_comm.md (recomputed in CI by docs/figures.py --check)."""
+    """The issue's comparison, state: MaxText keeps 12 bytes per parameter (fp32 weights, m, v: 10.1 GB) and peaks at
+    19.0 GB (:data:`MAXTEXT_LLAMA2_7B`); zjax without the compute copy holds the same, moves what the copy's step moves
+    and peaks no higher. Read from the figure of both forms on docs/concepts/quantized_comm.md (recomputed in CI by
+    docs/figures.py --check)."""
     text = _figure("docs/concepts/quantized_comm.md", "--compute-copy keep,drop")
     rows = {}  # copy (yes/no) -> (state, total, comm) in GB
     for line in text.splitlines():

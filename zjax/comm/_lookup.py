@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ..sharding._axes import CP, DP
+from ..sharding._axes import CP, DATA_AXES, DP
 from ._gather import _axes, gathered, manual_placement, placement
 from ._reduce import reduce
 
@@ -50,11 +50,11 @@ def lookup(table: jax.Array, ids: jax.Array, path: Sequence[str]) -> jax.Array:
         and all(sizes.get(a, 1) == 1 for a in ("replica", "ep", "pp"))
     )
     if not local:
-        return _take(gathered(table, path), ids, sizes)
+        return _take(table, ids, path, sizes)
     axes = _axes(found[0][1])  # the hidden columns' split, in its order
     n, dp, cp = math.prod(sizes[a] for a in axes), sizes[DP], sizes.get(CP, 1)
     if ids.shape[0] % dp or ids.shape[1] % cp or table.shape[1] % n:
-        return _take(gathered(table, path), ids, sizes)
+        return _take(table, ids, path, sizes)
     rows = P(DP, CP) if cp > 1 else P(DP)
 
     def rank(t: jax.Array, i: jax.Array) -> jax.Array:
@@ -70,18 +70,33 @@ def lookup(table: jax.Array, ids: jax.Array, path: Sequence[str]) -> jax.Array:
         blocks = blocks.reshape(n, b // dp, s // cp, e)
         return jax.lax.all_to_all(blocks, axes, 0, 3, tiled=True)[0]  # [B / dp, S / cp, E]
 
-    return jax.shard_map(
-        rank, in_specs=(P(None, axes), rows), out_specs=rows, axis_names=set(axes), check_vma=True
-    )(table, ids)
+    return jax.shard_map(rank, in_specs=(P(None, axes), rows), out_specs=rows, axis_names=set(axes), check_vma=True)(
+        table, ids
+    )
 
 
-def _take(table: jax.Array, ids: jax.Array, sizes: dict) -> jax.Array:
-    """``table[ids]`` by GSPMD. With ``cp`` the rows' batch and sequence dims are both split: the ids go in as one
-    flat dim split over both, so that the table's gradient is a scatter-add of updates split along one dim, which
-    GSPMD partitions (with two split dims it replicated the whole activation gradient first)."""
+def _take(table: jax.Array, ids: jax.Array, path: Sequence[str], sizes: dict) -> jax.Array:
+    """``table[ids]`` by GSPMD, the table as :func:`gathered` reads it.
+
+    With ``cp`` (the rows' batch and sequence dims both split) the table is whole over the ZeRO axes before the lookup
+    (stage 3), and the ids go in as one flat dim split over the data axes and ``cp`` and nothing else (each rank's block
+    of rows and sequence chunk side by side: no data moves), so that the table's gradient is a scatter-add of updates
+    split along one dim, summed and then split as the stage keeps it. Left to GSPMD, the gradient's split of the hidden
+    dim over ``dp x cp`` reached back into the updates, split over the same axes along other dims, and it replicated the
+    whole activation gradient to meet it (XLA's "involuntary full rematerialization")."""
     if sizes.get(CP, 1) == 1 or ids.ndim != 2:
-        return jnp.take(table, ids, axis=0)
-    return jnp.take(table, ids.reshape(-1), axis=0).reshape(*ids.shape, table.shape[-1])
+        return jnp.take(gathered(table, path), ids, axis=0)
+    data = tuple(a for a in DATA_AXES if sizes.get(a, 1) > 1)
+    n, cp = math.prod(sizes[a] for a in data), sizes[CP]
+    (b, s), e = ids.shape, table.shape[-1]
+    if b % n:
+        return jnp.take(gathered(table, path), ids, axis=0)
+    # [B, S] -> [n, cp, B/n, S/cp] (rank-major, its rows and chunk inside) -> flat, split over (data..., cp)
+    blocks = ids.reshape(n, b // n, cp, s // cp).transpose(0, 2, 1, 3)
+    flat = jax.lax.with_sharding_constraint(blocks.reshape(-1), P((*data, CP)))
+    out = jnp.take(gathered(table, path, now=True), flat, axis=0)
+    out = jax.lax.with_sharding_constraint(out, P((*data, CP), None))
+    return out.reshape(n, cp, b // n, s // cp, e).transpose(0, 2, 1, 3, 4).reshape(b, s, e)
 
 
 def _manual_lookup(

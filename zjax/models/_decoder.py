@@ -40,11 +40,7 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        # whole where it is used, its gradient summed whole too (a replicated constraint, transposed): left to
-        # GSPMD, ZeRO-3's split of the scale over cp reached back into the gradient's sum over the tokens, whose
-        # operand, split along the sequence over cp x tp, was then replicated to meet it (XLA's "involuntary
-        # full rematerialization", forward and backward)
-        scale = nn.with_logical_constraint(param(self, "scale", (self.dim,), ("norm",), nn.initializers.ones), ("norm",))
+        scale = param(self, "scale", (self.dim,), ("norm",), nn.initializers.ones)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (y * scale.astype(jnp.float32)).astype(x.dtype)
@@ -68,6 +64,19 @@ def _region(x: jax.Array) -> jax.Array:
     there = nn.logical_to_mesh_axes(("batch", "seq", "embed"))
     back = nn.logical_to_mesh_axes(("batch", RESIDUAL_SEQ, "embed"))
     return _region_vjp(x, there, back)
+
+
+def _leave(y: jax.Array) -> jax.Array:
+    """The output of a tensor-parallel region (partial sums over tp) into the residual stream's layout (a
+    reduce-scatter under sequence parallelism), its cotangent back in the region's layout (an all-gather over tp,
+    Megatron's backward of the reduce-scatter), where the weight gradient reads it. Left to GSPMD, at stage 3 with
+    cp x tp the weight gradient's ZeRO split (its embed dim over cp) reached back into that cotangent, which was
+    then replicated to meet it (XLA's "involuntary full rematerialization")."""
+    if pipeline.current() is not None or not nn.get_logical_axis_rules():
+        return y
+    there = nn.logical_to_mesh_axes(("batch", "seq", "embed"))
+    back = nn.logical_to_mesh_axes(("batch", RESIDUAL_SEQ, "embed"))
+    return _region_vjp(y, back, there)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -139,7 +148,7 @@ class Block(nn.Module):
             context_mode=c.context_mode,  # type: ignore[arg-type]  # validated in DecoderConfig
         )  # fmt: skip
         attn = _heads(attn, "heads")
-        x = _constrain(x + checkpoint_name(jnp.einsum("bshd,hde->bse", attn, wo), "out_proj"))
+        x = _constrain(x + checkpoint_name(_leave(jnp.einsum("bshd,hde->bse", attn, wo)), "out_proj"))
 
         h = _region(RMSNorm(c.embed, c.norm_eps, name="mlp_norm")(x))
         stats = None
@@ -150,7 +159,7 @@ class Block(nn.Module):
             mlp = ("batch", "seq", "mlp")
             gate = nn.with_logical_constraint(checkpoint_name(h @ w_gate, "mlp_in"), mlp)
             up = nn.with_logical_constraint(checkpoint_name(h @ w_up, "mlp_in"), mlp)
-            y = (jax.nn.silu(gate) * up) @ w_down
+            y = _leave((jax.nn.silu(gate) * up) @ w_down)
         else:
             y, stats = MoELayer(c.moe, c.embed, c.mlp, name="moe")(h)
         x = x + checkpoint_name(y, "mlp_out")
@@ -254,9 +263,9 @@ class Decoder(nn.Module):
             stats = None if c.moe is None else jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
         if stats is not None and not self.is_initializing():
             self.sow("intermediates", MOE_STATS, stats)  # per layer, stacked: read by lm_loss
-        # pinned like the residual stream: left free, GSPMD may give the norm's product its scale's ZeRO split
-        # and replicate the activation to get there (dp=1 x cp=4 x tp=2 at stage 3)
-        x = _constrain(RMSNorm(c.embed, c.norm_eps, name="final_norm")(x))
+        # the head's input, as a tensor-parallel region's (vocabulary over tp): left free, the head's gradient took
+        # its ZeRO split from its weight and replicated the activation to get there (cp=4 x tp=2 at stage 3)
+        x = _region(RMSNorm(c.embed, c.norm_eps, name="final_norm")(x))
         if return_hidden:  # the loss reads the head itself (zjax.models.lm_loss)
             return x
         if c.tie_embeddings:
