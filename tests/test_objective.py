@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 
 import zjax
+from zjax.models import Decoder, lm_loss
 from zjax.planner._compile import compiled_here
 
 from ._models import TINY
-from ._objective import applied, reference, relative, uneven_batch
+from ._objective import SGD, applied, init_fn, reference, relative, uneven_batch
 
 ROWS = 32  # 8 data-parallel ranks x 4 microbatches
 FP32, BF16, QGZ = 3e-5, 3e-2, 6e-2
@@ -31,6 +36,7 @@ class Case:
     tolerance: float = FP32
     context_mode: str | None = None
     packed: bool = True
+    slow: bool = False  # a path another fast case takes too (the same function, other options)
 
 
 CASES = {
@@ -41,7 +47,7 @@ CASES = {
     # accumulation at stage 0 reduces once per step in zjax's region; at stage 2 GSPMD reduces per microbatch
     "stage0-accum4": Case({"dp": 8}, {"stage": 0}, accum=4),
     "stage2-accum4": Case({"dp": 8}, {"stage": 2}, accum=4),
-    "stage3-accum4": Case({"dp": 8}, {"stage": 3}, accum=4),
+    "stage3-accum4": Case({"dp": 8}, {"stage": 3}, accum=4, slow=True),
     "offload": Case({"dp": 8}, {"stage": 2, "offload": "optimizer"}),
     "hpz": Case({"dp": (2, 4)}, {"stage": 3, "hpz": True}),
     "dp4-tp2": Case({"dp": 4, "tp": 2}, {"stage": 3}),
@@ -55,11 +61,13 @@ CASES = {
     "bf16-stage0-accum4-reduce-fp32": Case(
         {"dp": 8}, {"stage": 0, "precision": "bf16", "reduce_dtype": "float32"}, 4, BF16
     ),
-    "bf16-stage3-reduce-fp32": Case({"dp": 8}, {"stage": 3, "precision": "bf16", "reduce_dtype": "float32"}, 1, BF16),
+    "bf16-stage3-reduce-fp32": Case(
+        {"dp": 8}, {"stage": 3, "precision": "bf16", "reduce_dtype": "float32"}, 1, BF16, slow=True
+    ),
     "bf16-hpz": Case({"dp": (2, 4)}, {"stage": 3, "precision": "bf16", "hpz": True}, 1, BF16),
     "bf16-no-compute-copy": Case({"dp": 8}, {"stage": 3, "precision": "bf16", "compute_copy": False}, 1, BF16),
     "bf16-qgz": Case({"dp": 8}, {"stage": 3, "precision": "bf16", "quantized_comm": "grads"}, 1, QGZ),
-    "bf16-qgz-accum4": Case({"dp": 8}, {"stage": 3, "precision": "bf16", "quantized_comm": "grads"}, 4, QGZ),
+    "bf16-qgz-accum4": Case({"dp": 8}, {"stage": 3, "precision": "bf16", "quantized_comm": "grads"}, 4, QGZ, slow=True),
 }
 
 
@@ -72,7 +80,9 @@ def references():
     return out
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.slow] if c.slow else []) for n, c in CASES.items()]
+)
 def test_every_path_computes_the_one_device_objective(references, name, capfd):
     """... and no step makes XLA's partitioner replicate a tensor it cannot reshard ("involuntary full
     rematerialization", a whole activation per device at long context), which it reports in the compile log."""
@@ -103,3 +113,39 @@ def test_packed_rows_under_a_pipeline_are_refused_until_the_engine_takes_them(re
     plan = zjax.Plan(zjax.make_mesh(dp=4, pp=2), stage=1, precision="fp32", pipeline=zjax.Pipeline(4))
     with pytest.raises(ValueError, match="packed"):
         applied(plan, TINY, batch)
+
+
+def test_step_grads_are_what_the_step_applies_and_leave_the_state_as_it_was(references):
+    """``step.grads`` (the public way to see a step's gradients) gives the gradient the step applies, by the same
+    path (here each rank's region with accumulation), and the state can still be used afterwards."""
+    batch, loss, grads = references[True]
+    plan = zjax.Plan(zjax.make_mesh(dp=8), stage=0, precision="fp32")
+    model = Decoder(TINY)
+    state = plan.init(init_fn(TINY), SGD, jax.random.key(0))
+    step = plan.train_step(lambda p, b: lm_loss(model, p, b), accum_steps=4)
+    shown, metrics = step.grads(state, plan.shard_batch(batch))
+    assert relative(jax.tree.map(np.asarray, shown), grads) <= FP32
+    assert abs(float(metrics["loss"]) - loss) <= 1e-6 * loss
+    state, _ = step(state, plan.shard_batch(batch))  # not donated by grads: the step still takes it
+    np.testing.assert_allclose(
+        np.concatenate([np.ravel(x) for x in jax.tree.leaves(state.opt_state.inner[0].trace)]),
+        np.concatenate([np.ravel(x) for x in jax.tree.leaves(shown)]),
+        rtol=0,
+        atol=1e-7,
+    )
+
+
+@pytest.mark.parametrize(
+    ("out", "error", "match"),
+    [
+        (lambda p: zjax.LossSum(jnp.ones(3) * p, 3.0), ValueError, "sum has shape"),
+        (lambda p: ((p, 1.0), None), TypeError, "first element is a tuple"),
+        (lambda p: jnp.ones(2) * p, ValueError, "scalar loss or a zjax.LossSum"),
+    ],
+)
+def test_a_loss_that_is_neither_a_scalar_nor_a_loss_sum_is_refused(out, error, match):
+    plan = zjax.Plan(zjax.make_mesh(dp=8), stage=0, precision="fp32")
+    state = plan.init(lambda r: {"w": jnp.ones(())}, optax.sgd(0.1), jax.random.key(0))
+    step = plan.train_step(lambda p, b: out(p["w"] * jnp.sum(b)))
+    with pytest.raises(error, match=match):
+        step(state, plan.shard_batch(np.ones((8, 2), np.float32)))

@@ -24,7 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from .. import comm, pipeline
-from ..context import attention, check_sequence, load_balance
+from ..context import attention, check_sequence, context_size, load_balance
 from ..experts._dispatch import local_experts
 from ..remat import RematPolicy, gather_checkpoint, linen_scan, nested_scan, partition_checkpoint
 from ..sharding._axes import DP, EP
@@ -263,9 +263,13 @@ class Decoder(nn.Module):
             stats = None if c.moe is None else jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
         if stats is not None and not self.is_initializing():
             self.sow("intermediates", MOE_STATS, stats)  # per layer, stacked: read by lm_loss
-        # the head's input, as a tensor-parallel region's (vocabulary over tp): left free, the head's gradient took
-        # its ZeRO split from its weight and replicated the activation to get there (cp=4 x tp=2 at stage 3)
-        x = _region(RMSNorm(c.embed, c.norm_eps, name="final_norm")(x))
+        x = RMSNorm(c.embed, c.norm_eps, name="final_norm")(x)
+        if context_size() > 1:
+            # with cp, the head's input as a tensor-parallel region's (vocabulary over tp): left free, the head's
+            # gradient took its ZeRO split from its weight and replicated the activation to get there (cp=4 x
+            # tp=2 at stage 3). Without cp GSPMD's own choice is cheaper (dp=4 x tp=2, the small preset: it
+            # gathers the small head rather than the hidden states, 0.5 MB less per step)
+            x = _region(x)
         if return_hidden:  # the loss reads the head itself (zjax.models.lm_loss)
             return x
         if c.tie_embeddings:
