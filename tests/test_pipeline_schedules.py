@@ -192,7 +192,7 @@ def train(plan: zjax.Plan, steps: int = 2):
     for i in range(steps):
         state, metrics = step(state, plan.shard_batch(batch(i)))
         losses.append(float(metrics["loss"]))
-    evaluated = float(plan.eval_step(loss_fn)(state, plan.shard_batch(batch(0))))
+    evaluated = float(plan.eval_step(loss_fn)(state, plan.shard_batch(batch(0))).mean)
     return losses, evaluated, jax.device_get(state.params)
 
 
