@@ -220,6 +220,9 @@ def test_a_quantized_reduction_keeps_a_non_finite_gradient_non_finite():
         assert not np.all(np.isfinite(out))
 
 
+# the fast suite's one-objective matrix runs the Decoder through layer_scan under qgZ (tests/test_objective.py,
+# bf16-qgz) against one device's gradient: a layer reduced into the wrong place fails it (relative error ~1)
+@pytest.mark.slow
 def test_layer_scan_reduces_each_layer_during_the_next_ones_backward_with_the_same_result(monkeypatch):
     """Under quantized gradients the Decoder's layers run in zjax.comm.layer_scan (full remat): each layer's gradient
     is carried into the next backward iteration and exchanged there, the layer's weights in one all-to-all. Against

@@ -41,7 +41,7 @@ class Case:
 
 CASES = {
     "stage0": Case({"dp": 8}, {"stage": 0}),
-    "stage1": Case({"dp": 8}, {"stage": 1}),
+    "stage1": Case({"dp": 8}, {"stage": 1}, slow=True),  # without accumulation the program of stage 2
     "stage2": Case({"dp": 8}, {"stage": 2}),
     "stage3": Case({"dp": 8}, {"stage": 3}),
     # accumulation at stage 0 reduces once per step in zjax's region; at stage 2 GSPMD reduces per microbatch
@@ -49,7 +49,7 @@ CASES = {
     "stage2-accum4": Case({"dp": 8}, {"stage": 2}, accum=4),
     "stage3-accum4": Case({"dp": 8}, {"stage": 3}, accum=4, slow=True),
     "offload": Case({"dp": 8}, {"stage": 2, "offload": "optimizer"}),
-    "hpz": Case({"dp": (2, 4)}, {"stage": 3, "hpz": True}),
+    "hpz": Case({"dp": (2, 4)}, {"stage": 3, "hpz": True}, slow=True),  # bf16-hpz below is fast
     "dp4-tp2": Case({"dp": 4, "tp": 2}, {"stage": 3}),
     "dp2-cp4-ring": Case({"dp": 2, "cp": 4}, {"stage": 3}, context_mode="ring"),
     "dp2-cp4-all-gather": Case({"dp": 2, "cp": 4}, {"stage": 3}, context_mode="all-gather"),
@@ -115,6 +115,7 @@ def test_packed_rows_under_a_pipeline_are_refused_until_the_engine_takes_them(re
         applied(plan, TINY, batch)
 
 
+@pytest.mark.slow  # CI's docs step runs docs/concepts/objective.md's block: step.grads against one device
 def test_step_grads_are_what_the_step_applies_and_leave_the_state_as_it_was(references):
     """``step.grads`` (the public way to see a step's gradients) gives the gradient the step applies, by the same
     path (here each rank's region with accumulation), and the state can still be used afterwards."""
