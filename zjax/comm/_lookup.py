@@ -49,7 +49,7 @@ def lookup(table: jax.Array, ids: jax.Array, path: Sequence[str]) -> jax.Array:
         # copy", jaxlib 0.10.2): GSPMD gathers the table there; the manual path above handles replica
         and all(sizes.get(a, 1) == 1 for a in ("replica", "ep", "pp"))
     )
-    if not local:
+    if not local or found is None:
         return _take(table, ids, path, sizes)
     axes = _axes(found[0][1])  # the hidden columns' split, in its order
     n, dp, cp = math.prod(sizes[a] for a in axes), sizes[DP], sizes.get(CP, 1)
