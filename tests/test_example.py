@@ -165,20 +165,16 @@ def test_compilation_cache_serves_a_restarted_run(tmp_path):
 
 
 def test_evaluation_does_not_change_the_training_rows():
-    """The held-out split is set by --eval-fraction alone: turning --eval-every on trains on the same rows."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import train_lm
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
+    """The held-out split is set by data.eval_fraction alone: turning loop.eval_every on trains on the same rows."""
     import zjax
     from zjax.models import PRESETS
+    from zjax.train._lm import build_data
 
     tok = zjax.data.load_tokenizer(None)
     runs = {}
-    for flags in ([], ["--eval-every", "5"]):
-        args = train_lm.build_parser().parse_args([*SMALL, *flags])
-        runs[bool(flags)] = train_lm.build_data(args, PRESETS["tiny"], tok, False, log=lambda *a: None)
+    base = zjax.train.RunConfig().override(["model.seq_len=32", "data.batch_size=16"])
+    for flags in ([], ["loop.eval_every=5"]):
+        runs[bool(flags)] = build_data(base.override(flags), PRESETS["tiny"], tok, False, log=lambda *a: None)
     (plain, none), (evaluated, held) = runs[False], runs[True]
     assert none is None and held is not None and held.num_rows > 0
     assert plain.num_rows == evaluated.num_rows

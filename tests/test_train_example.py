@@ -58,7 +58,11 @@ def user_script(*, steps: int, stage: int, accum: int, eval_every: int, log_ever
 
     plan = zjax.Plan(zjax.make_mesh(dp=8), stage=stage, precision="bf16", clip_norm=1.0)
     schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, max(1, steps // 10), max(2, steps))
-    tx = optax.adamw(schedule, b2=0.95, weight_decay=0.1)
+    # weight decay on the matrices of the layers only, not on norms, the embedding or the head (zjax train's default)
+    decays = lambda p: jax.tree_util.tree_map_with_path(  # noqa: E731
+        lambda path, _: "layers" in jax.tree_util.keystr(path) and "norm" not in jax.tree_util.keystr(path), p
+    )
+    tx = optax.adamw(schedule, b2=0.95, weight_decay=0.1, mask=decays)
     state = plan.init(lambda r: model.init(r, jnp.zeros((1, 32), jnp.int32))["params"], tx, jax.random.key(0))
     loss_fn = lambda params, batch: lm_loss(model, params, batch)  # noqa: E731
     config = zjax.train.LoopConfig(steps=steps, eval_every=eval_every, log_every=log_every, progress=False)

@@ -1,5 +1,9 @@
 """zjax: train large models with JAX/XLA without running out of accelerator memory."""
 
+from ._quiet import import_jax as _import_jax
+
+_import_jax()  # first, where zjax is the first to import JAX: without the CUDA plugin's driver-probe lines
+
 from . import checkpoint as checkpoint
 from . import comm as comm
 from . import context as context

@@ -8,6 +8,7 @@ import math
 import sys
 from pathlib import Path
 
+from ._extras import MissingExtra, require
 from ._jsonfile import write_json_atomic
 from .pipeline._config import GATHER_MODES
 
@@ -61,7 +62,7 @@ def _parses(quantized: str) -> bool:
 
 
 def _plot(est, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # checked before the compiles (run_plan)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -201,6 +202,12 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.timeline and args.target is None:
         print("zjax plan: --timeline walks a GPU's schedule: give --target too (e.g. h100)", file=sys.stderr)
         return 2
+    if args.plot is not None:
+        try:
+            require("matplotlib", "zjax plan --plot")  # before the compiles, not after them
+        except MissingExtra as e:
+            print(f"zjax plan: {e}", file=sys.stderr)
+            return 2
     devices = math.prod(args.mesh.values())
     import jax
 

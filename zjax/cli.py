@@ -1,8 +1,10 @@
 """The ``zjax`` command.
 
+``zjax train [RUN.toml] [section.key=value ...]`` trains a decoder language model (:mod:`zjax.train`);
 ``zjax plan --model llama2-7b --mesh dp=64`` compiles every stage ahead of time on simulated CPU devices
 (or, with ``--target h100``, with XLA:GPU for GPUs that are not there) and prints per-device memory and
-communication; ``zjax ckpt info PATH`` describes a checkpoint."""
+communication; ``zjax ckpt info PATH`` describes a checkpoint; ``zjax launch`` runs a command as local processes.
+Mistakes in the input are one line and exit status 2."""
 
 from __future__ import annotations
 
@@ -10,7 +12,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from ._argparse import ArgumentParser
 from ._plan_cli import plan_parser, run_plan
+from ._version import __version__
+from .train import add_train_arguments, run_command
 
 
 def _ckpt_parser(sub) -> None:
@@ -72,12 +77,16 @@ def _run_launch(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="zjax", description="zjax command line")
+    parser = ArgumentParser(prog="zjax", description="zjax command line")
+    parser.add_argument("--version", action="version", version=f"zjax {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_train_arguments(sub.add_parser("train", help="train a decoder LM from a run file and key=value overrides"))
     plan_parser(sub)
     _ckpt_parser(sub)
     _launch_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "train":
+        return run_command(args, prog="zjax train")
     if args.command == "plan":
         return run_plan(args)
     if args.command == "ckpt":

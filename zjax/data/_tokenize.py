@@ -7,6 +7,8 @@ from typing import Protocol
 
 import numpy as np
 
+from .._extras import require
+
 
 class Tokenizer(Protocol):
     vocab_size: int
@@ -31,6 +33,7 @@ class HFTokenizer:
     _EOS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<|im_end|>", "<eos>")
 
     def __init__(self, path: str | os.PathLike):
+        require("tokenizers", "a tokenizer.json (zjax.data.HFTokenizer)")
         from tokenizers import Tokenizer as _Tokenizer
 
         path = os.fspath(path)

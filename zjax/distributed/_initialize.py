@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -79,8 +80,9 @@ def initialize(
       local_device_ids: local GPUs this process drives (default: from the cluster, see above).
       timeouts: when a failed or stuck job ends (see :class:`Timeouts`); default
         :meth:`Timeouts.from_env`.
-      cpu_devices: CPU devices per process (simulated; for tests and laptops). Default: the
-        ``ZJAX_CPU_DEVICES`` variable, else JAX's default.
+      cpu_devices: CPU devices per process (simulated; for tests and laptops). The ``ZJAX_CPU_DEVICES``
+        variable wins when set (``zjax launch --cpu-devices-per-process`` sets it; a different value here warns),
+        else JAX's default.
       env: the environment to read (default ``os.environ``).
 
     Returns:
@@ -98,10 +100,17 @@ def initialize(
         env, coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id,
         local_device_ids=ids,
     )  # fmt: skip
-    if cpu_devices is None and env.get(CPU_DEVICES, "").strip():
+    if env.get(CPU_DEVICES, "").strip():  # the launcher's (zjax launch --cpu-devices-per-process) wins
         text = env[CPU_DEVICES].strip()
         if not text.isdigit() or int(text) < 1:
             raise ClusterError(f"{CPU_DEVICES}={text!r} must be a positive integer.")
+        if cpu_devices is not None and cpu_devices != int(text):
+            warnings.warn(
+                f"zjax.distributed.initialize(cpu_devices={cpu_devices}): the launcher set {CPU_DEVICES}={text} "
+                f"(zjax launch --cpu-devices-per-process {text}); {text} simulated devices per process it is.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         cpu_devices = int(text)
     if cpu_devices is not None:
         simulate_cpu_devices(cpu_devices)  # with XLA:CPU threads enough for their collectives

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._extras import require
 from ..core import Plan, TrainState
 from ..models import Decoder, DecoderConfig, config_from_hf
 from ..models._hf_config import config_path, read_hf_config
@@ -155,6 +156,7 @@ def load(
         unexpected tensors (listed), a tensor whose shape disagrees with the config.
       FileNotFoundError: no ``config.json`` or no safetensors weights.
     """
+    require("safetensors", "zjax.hf.load")
     directory = checkpoint_dir(path)
     rng = jax.random.key(0) if rng is None else rng
     if not isinstance(model, Decoder):

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._extras import require
 from ..core import TrainState
 from ..models import Decoder, config_to_hf
 from ..planner._gpu import parse_size
@@ -103,6 +104,7 @@ def save(
     Returns:
       The checkpoint directory.
     """
+    require("safetensors", "zjax.hf.save")
     import ml_dtypes
     from safetensors.numpy import save_file
 

@@ -41,7 +41,8 @@ class Reporter:
         self.mfu: float | None = None
         quiet = not config.progress or not self.main
         desc = f"zero{plan.stage.level}"
-        self.bar = tqdm(range(start, end), desc=desc, disable=quiet, file=sys.stdout)
+        # on stderr (tqdm's own default): a redirected log keeps the step lines, not the bar's carriage returns
+        self.bar = tqdm(range(start, end), desc=desc, disable=quiet, file=sys.stderr)
         self.writer = None
         if config.log_dir is not None:
             wandb = {"project": config.wandb, "config": run_config or {}} if config.wandb else None
@@ -73,6 +74,7 @@ class Reporter:
         stats = jax.local_devices()[0].memory_stats() or {}
         if "peak_bytes_in_use" in stats and self.memory is not None:  # GPUs: the allocator's peak beside the plan's
             record |= {"device_peak_bytes": stats["peak_bytes_in_use"], "planned_peak_bytes": self.memory.peak_bytes}
+        evaluated = evaluate is not None
         if evaluate is not None:
             self.eval_loss = record["eval_loss"] = evaluate()
         if self.writer is not None:
@@ -81,7 +83,7 @@ class Reporter:
         self.bar.set_postfix(**shown, scale=record["loss_scale"])
         if not self.config.progress and self.main:
             line = f"step {i:5d}  loss {loss:.4f}" + ("" if rate is None else f"  tokens/s {rate:,.0f}")
-            print(line + ("" if self.eval_loss is None else f"  eval {self.eval_loss:.4f}"), flush=True)
+            print(line + (f"  eval {self.eval_loss:.4f}" if evaluated else ""), flush=True)  # this step's eval only
         self.t_last, self.i_last = time.perf_counter(), i + 1
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import jax
 
 from .. import distributed
+from .._quiet import filtered_stderr
 from ..sharding import simulate_cpu_devices
 from ._config import LoopConfig
 
@@ -68,6 +69,8 @@ def runtime(config: LoopConfig, argv: Sequence[str] | None = None) -> Iterator[d
         )
     else:
         simulate_cpu_devices(config.cpu_devices)  # before the backend starts; threads for its collectives
+        with filtered_stderr():  # the CUDA plugin's driver probe, on a machine without a GPU
+            jax.devices()
     if config.compilation_cache is not None:  # a resumed job reuses its compiled steps
         jax.config.update("jax_compilation_cache_dir", str(config.compilation_cache))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every step, however fast it compiled

@@ -1,0 +1,56 @@
+"""JAX imported without the CUDA plugin's start-up lines on a machine without a GPU.
+
+With ``jax-cuda12-plugin`` installed (the ``test`` and ``plan-gpu`` extras), ``import jax`` loads the plugin's
+libraries, and on a machine without an NVIDIA driver XLA's C++ logging writes "Could not find cuda drivers on your
+machine" from ``cudart_stub.cc`` three times, each after absl's "All log messages before absl::InitializeLog()"
+notice, to file descriptor 2 (no environment variable stops it). When zjax is what imports JAX, the import runs
+with descriptor 2 sent to a temporary file, and what it wrote there is passed on to ``sys.stderr`` without those
+lines; the trainer (:func:`zjax.train.runtime`) starts JAX's backend the same way, where the plugin probes once
+more. Nothing else is filtered; a process that imported JAX itself first sees JAX as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+
+NOISE = ("cudart_stub.cc", "All log messages before absl::InitializeLog() is called")
+"""Substrings of the lines left out: the CUDA plugin's driver probe on a machine without a GPU, and absl's notice
+that precedes each of them."""
+
+
+def import_jax() -> None:
+    """``import jax`` with the lines of :data:`NOISE` left out of standard error (a no-op if JAX is imported)."""
+    if "jax" in sys.modules:
+        return
+    with filtered_stderr():
+        import jax  # noqa: F401
+
+
+@contextlib.contextmanager
+def filtered_stderr() -> Iterator[None]:
+    """Descriptor 2 into a temporary file while the block runs; then what was written there, less the lines of
+    :data:`NOISE`, to ``sys.stderr``."""
+    try:
+        saved = os.dup(2)
+    except OSError:  # no descriptor 2 (an embedded interpreter): nothing to filter
+        yield
+        return
+    with tempfile.TemporaryFile() as caught:
+        sys.stderr.flush()
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            text = caught.read().decode("utf-8", "replace")
+            kept = [line for line in text.splitlines(keepends=True) if not any(n in line for n in NOISE)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()

@@ -1,0 +1,283 @@
+"""The language-model run behind ``zjax train`` (and ``examples/train_lm.py``): a :class:`RunConfig` in, a trained
+decoder and its figures out.
+
+The run checks what it can before it starts JAX's backend or compiles (files, extras, the mesh against the devices,
+the batch against the data-parallel ranks, accumulation and microbatches), then builds the tokenizer, the decoder,
+the data on grain, the plan and the optimizer from the configuration and hands them to :func:`fit`. Without an
+accelerator it runs on ``loop.cpu_devices`` simulated CPU devices. The default text is the source of a few modules
+of Python's own standard library, read from this interpreter's installation (no downloads).
+"""
+
+from __future__ import annotations
+
+import math
+import sysconfig
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .._extras import require
+from ._run import MESH_AXES, RunConfig, mesh_sizes
+
+TEXT_FILES = ("argparse.py", "dataclasses.py", "functools.py", "textwrap.py", "typing.py", "inspect.py",
+              "json/decoder.py", "collections/__init__.py")  # fmt: skip
+"""The default training documents: standard-library modules of the running interpreter."""
+
+
+def load_texts() -> list[str]:
+    """The default training documents (:data:`TEXT_FILES`)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [(root / name).read_text(encoding="utf-8") for name in TEXT_FILES]
+
+
+def check(cfg: RunConfig) -> None:
+    """What can be checked before JAX starts: files, extras, and the batch against the mesh's data-parallel ranks,
+    accumulation and microbatches (the mesh's size against the devices is checked once they are known).
+
+    Raises:
+      FileNotFoundError: a data, tokenizer or checkpoint path that does not exist.
+      ValueError: a batch that does not split, an output directory that is not empty, a pipeline setting.
+      zjax.MissingExtra (an ImportError): an optional package the settings need.
+    """
+    paths = (("data.path", cfg.data.path), ("data.tokenizer", cfg.data.tokenizer), ("model.hf", cfg.model.hf))
+    for name, path in paths:
+        if path is not None and not path.exists():
+            raise FileNotFoundError(f"{name} = {str(path)!r}: no such file or directory.")
+    out = cfg.output.save_hf
+    if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(
+            f"output.save_hf = {str(out)!r}: exists and is not an empty directory; use a new or empty one."
+        )
+    if cfg.model.hf is not None or out is not None:
+        require("safetensors", "model.hf and output.save_hf")
+    if cfg.data.tokenizer is not None:
+        require("tokenizers", "data.tokenizer")
+    if cfg.data.path is not None and any(p.suffix == ".parquet" for p in _files(cfg.data.path)):
+        require("pyarrow", "data.path's .parquet files")
+    if cfg.loop.tensorboard:
+        require("tensorboardX", "loop.tensorboard")
+    if cfg.loop.wandb:
+        require("wandb", "loop.wandb")
+    from ..sharding._simulate import nvidia_gpu_visible
+
+    sizes = mesh_sizes(cfg.plan.mesh)
+    if not nvidia_gpu_visible():  # the run's devices: its simulated CPU devices, in all its processes
+        sizes = check_devices(cfg, cfg.loop.cpu_devices)
+    stages, fixed = sizes.get("pp", 1), all(v > 0 for v in sizes.values())
+    data = math.prod(sizes.get(a, 1) for a in ("replica", "dp", "ep")) if fixed else None
+    micro = cfg.pipeline.microbatches or 2 * stages if stages > 1 else 1
+    if data is not None:
+        split = data * cfg.plan.accum * (micro if stages > 1 else 1)
+        if cfg.data.batch_size % split:
+            what = f"replica x dp x ep = {data} data-parallel ranks x plan.accum = {cfg.plan.accum}"
+            what += f" x {micro} pipeline microbatches" if stages > 1 else ""
+            raise ValueError(
+                f"data.batch_size = {cfg.data.batch_size} does not split over {what} = {split}; use a multiple of "
+                f"{split} (e.g. {split * max(1, round(cfg.data.batch_size / split))})."
+            )
+    if stages > 1:
+        from ..pipeline import Pipeline
+
+        Pipeline(micro, repeats=cfg.pipeline.repeats, zero3_gather=cfg.pipeline.zero3_gather,
+                 schedule=cfg.pipeline.schedule).check(stages)  # fmt: skip
+
+
+def check_devices(cfg: RunConfig, devices: int) -> dict[str, int]:
+    """The mesh's sizes with ``-1`` resolved against ``devices``; a mesh that does not fit them is refused."""
+    sizes = mesh_sizes(cfg.plan.mesh)
+    known = math.prod(v for v in sizes.values() if v > 0)
+    free = [a for a, v in sizes.items() if v < 0]
+    if free and devices % known == 0:
+        sizes[free[0]] = devices // known
+    if math.prod(sizes.values()) != devices:
+        given = ",".join(f"{a}={v}" for a, v in mesh_sizes(cfg.plan.mesh).items())
+        raise ValueError(
+            f"plan.mesh = {given!r} needs {math.prod(v for v in sizes.values() if v > 0)} devices, not the "
+            f"{devices} this run has; make the sizes multiply to {devices} (or size one axis -1: the rest)."
+        )
+    return sizes
+
+
+def _files(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+
+
+def build_data(cfg: RunConfig, model_cfg: Any, tok: Any, pipelined: bool, log: Callable[..., None]):
+    """Training rows and the held-out split (``None`` without ``loop.eval_every``), packed on grain."""
+    import numpy as np
+
+    from .. import data as zdata
+
+    if cfg.data.path is None:
+        end = [tok.eos_id] if tok.eos_id is not None else []
+        stream = np.concatenate([np.concatenate([tok.encode(d), end]) for d in load_texts()]).astype(np.int32)
+    else:
+        stream = zdata.tokenize(cfg.data.path, tok)
+    eos = tok.eos_id
+    if int(stream.max()) >= model_cfg.vocab:
+        if cfg.data.tokenizer is not None:
+            raise ValueError(
+                f"data.tokenizer: its ids reach {int(stream.max())}, beyond the model's vocabulary {model_cfg.vocab}."
+            )
+        stream, eos = stream % model_cfg.vocab, None
+        log(f"training on byte ids modulo {model_cfg.vocab} (not the checkpoint's tokenizer); documents not separated")
+    if pipelined and eos is not None:
+        eos = None  # the pipeline takes unpacked rows (segment ids need pp=1)
+        log("pipeline: packed documents are not separated (segment ids are supported with pp=1)")
+    # held out by data.eval_fraction alone: a run with and without loop.eval_every trains on the same rows
+    train, held = zdata.train_eval_split(stream, cfg.data.eval_fraction)
+    seq, rows = cfg.model.seq_len, cfg.data.batch_size
+    out = zdata.LMData(train, seq, rows, eos_id=eos, seed=cfg.data.seed)
+    if not cfg.loop.eval_every:
+        return out, None
+    return out, zdata.LMData(held, seq, rows, eos_id=eos, shuffle=False)
+
+
+def build_model(cfg: RunConfig, tok: Any) -> Any:
+    """The model's config: a preset sized to the tokenizer and ``model.seq_len``, or a Hugging Face checkpoint's."""
+    import dataclasses
+
+    from ..models import PRESETS, from_hf_config
+
+    if cfg.model.hf is not None:
+        return from_hf_config(cfg.model.hf, remat=cfg.model.remat).cfg
+    vocab = -(-tok.vocab_size // 128) * 128  # padded to a multiple of 128 (it splits over tp)
+    return dataclasses.replace(PRESETS[cfg.model.preset], max_len=cfg.model.seq_len, remat=cfg.model.remat, vocab=vocab)
+
+
+def run_lm(cfg: RunConfig, argv: Sequence[str] | None = None, log: Callable[..., None] | None = None) -> dict[str, Any]:
+    """Train as ``cfg`` says; returns the run's figures (what ``output.metrics_json`` holds) and prints a summary.
+
+    Args:
+      cfg: the run's settings.
+      argv: this command's arguments, for a relaunch as ``loop.processes`` local processes (default: sys.argv).
+      log: where progress lines go on process 0 (default ``print``).
+    """
+    check(cfg)
+    from . import _runtime
+
+    started = time.perf_counter()
+    with _runtime.runtime(cfg.loop, argv):  # joins a cluster, launches processes or simulates CPU devices
+        import jax
+        import jax.numpy as jnp
+
+        import zjax
+
+        from ..models import Decoder, lm_loss
+        from ._loop import fit, init_or_restore
+
+        sizes = check_devices(cfg, jax.device_count())
+        say = (log or print) if jax.process_index() == 0 else (lambda *a, **k: None)
+        tok = zjax.data.load_tokenizer(cfg.data.tokenizer)
+        model_cfg = build_model(cfg, tok)
+        stages, pipeline, p = sizes.get("pp", 1), None, cfg.pipeline
+        if stages > 1 or p.microbatches is not None:
+            pipeline = zjax.Pipeline(p.microbatches or 2 * stages, repeats=p.repeats, zero3_gather=p.zero3_gather,
+                                     schedule=p.schedule)  # fmt: skip
+            chunks = stages * p.repeats
+            if model_cfg.layers % chunks and cfg.model.hf is not None:
+                raise ValueError(
+                    f"model.hf: {model_cfg.layers} layers do not split into pp={stages} x {p.repeats} repeats."
+                )
+            model_cfg = type(model_cfg)(**{**model_cfg.__dict__, "layers": chunks * -(-model_cfg.layers // chunks)})
+        axes: dict[str, Any] = dict(sizes)
+        if "replica" in axes:  # HSDP: dp=(replica, shard)
+            axes["dp"] = (axes.pop("replica"), axes.get("dp", 1))
+        model = Decoder(model_cfg)
+        plan = zjax.Plan(
+            zjax.make_mesh(**axes), stage=cfg.plan.stage, precision=cfg.plan.precision, clip_norm=cfg.optim.clip_norm,
+            pipeline=pipeline, offload=cfg.plan.offload, reduce_dtype=cfg.plan.reduce_dtype, hpz=cfg.plan.hpz,
+            quantized_comm=None if cfg.plan.quantize_comm == "none" else cfg.plan.quantize_comm,
+            compute_copy=cfg.plan.compute_copy,
+        )  # fmt: skip
+        loop = cfg.loop
+        init_fn = lambda r: model.init(r, jnp.zeros((1, cfg.model.seq_len), jnp.int32))["params"]  # noqa: E731
+        rng = jax.random.key(cfg.data.seed)
+        tx = cfg.optim.transformation(loop.steps, jax.eval_shape(init_fn, rng))
+        hf_dir = cfg.model.hf
+        hf = None if hf_dir is None else (lambda: zjax.hf.load(hf_dir, plan, model, tx, rng))
+        state, start = init_or_restore(plan, init_fn, tx, rng, loop, fresh=hf)
+        step = plan.train_step(lambda params, batch: lm_loss(model, params, batch), accum_steps=cfg.plan.accum)
+        data, held_out = build_data(cfg, model_cfg, tok, plan.pipeline is not None, say)
+        say(f"zjax train: {model_cfg.num_params:,} params, remat {cfg.model.remat!r}, {data.num_rows:,} rows of "
+            f"{cfg.model.seq_len + 1} tokens, devices: {jax.devices()[0].platform} x {jax.device_count()} in "
+            f"{jax.process_count()} process(es), mesh {dict(plan.mesh.shape)}, "
+            f"{cfg.optim.name} with a {cfg.optim.schedule} schedule")  # fmt: skip
+        if plan.pipeline is not None:
+            pipe = plan.pipeline
+            say(f"pipeline: {pipe.schedule}, {stages} stages x {model_cfg.layers // stages} layers, "
+                f"{pipe.microbatches} microbatches, {pipe.repeats} repeat(s): {pipe.table(stages).ticks} ticks, "
+                f"bubble {pipe.bubble(stages):.1%}")  # fmt: skip
+        first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731 (an MoE: (loss, router metrics))
+        # the held-out tokens' mean loss: the eval returns its LossSum (an MoE's with its routers' terms, as trained)
+        evaluate = None if held_out is None else plan.eval_step(lambda p_, b: first(lm_loss(model, p_, b)))
+        kind, devices = jax.devices()[0].device_kind, jax.device_count()
+        result = fit(
+            plan, step, state, data, loop, start=start, schedule=cfg.optim.learning_rate(loop.steps),
+            eval_step=evaluate, eval_data=held_out, tokens_per_step=cfg.data.batch_size * cfg.model.seq_len,
+            mfu=lambda rate: zjax.metrics.mfu(rate, model_cfg, cfg.model.seq_len, kind, devices),
+            aux_metrics=None if model_cfg.moe is None else router_metrics,
+            run_config={"run": cfg.to_toml()},
+        )  # fmt: skip
+        if cfg.output.save_hf is not None:  # every process takes part; process 0 writes
+            zjax.hf.save(cfg.output.save_hf, model, result.state)
+        summary = figures(cfg, model_cfg, plan, result)
+        if cfg.output.metrics_json is not None and jax.process_index() == 0:
+            zjax.write_json_atomic(cfg.output.metrics_json, summary)
+        say(closing_line(cfg, result, time.perf_counter() - started))
+    return summary
+
+
+def router_metrics(aux: Any) -> dict[str, Any]:
+    """A mixture of experts' routers: auxiliary losses, dropped rows, tokens per expert (all layers)."""
+    import numpy as np
+
+    return {k: float(aux[k]) for k in ("ce", "load_balance", "z_loss", "dropped")} | {
+        "expert_tokens": np.asarray(aux["expert_tokens"]).sum(axis=0)
+    }
+
+
+def closing_line(cfg: RunConfig, result: Any, seconds: float) -> str:
+    """The run's last line: where it ended, its losses, its speed, and what it wrote where."""
+    parts = [f"step {result.end}/{cfg.loop.steps}" + (" (preempted)" if result.preempted else "")]
+    if result.losses:
+        parts.append(f"loss {result.losses[-1]:.4f}")
+    if result.eval_loss is not None:
+        parts.append(f"eval loss {result.eval_loss:.4f}")
+    if result.tokens_per_second:
+        parts.append(f"{result.tokens_per_second:,.0f} tokens/s")
+    if result.mfu is not None:
+        parts.append(f"MFU {result.mfu:.1%}")
+    parts.append(f"{seconds:.0f} s")
+    wrote = [f"{what} {path}" for what, path in (
+        ("checkpoints", cfg.loop.checkpoint_dir), ("logs", cfg.loop.log_dir), ("metrics", cfg.output.metrics_json),
+        ("weights", cfg.output.save_hf)) if path is not None]  # fmt: skip
+    return "zjax train: " + ", ".join(parts) + ("; wrote " + ", ".join(wrote) if wrote else "")
+
+
+def figures(cfg: RunConfig, model_cfg: Any, plan: Any, result: Any) -> dict[str, Any]:
+    """The run's figures as ``output.metrics_json`` holds them."""
+    import jax
+
+    sizes, pipe, pp = {k: int(v) for k, v in plan.mesh.shape.items()}, plan.pipeline, int(plan.mesh.shape["pp"])
+    memory = result.memory
+    return {
+        "stage": cfg.plan.stage, "mesh": {name: sizes[name] for name in MESH_AXES}, "processes": jax.process_count(),
+        "pipeline": None if pipe is None else {
+            "schedule": pipe.schedule, "microbatches": pipe.microbatches, "repeats": pipe.repeats,
+            "zero3_gather": pipe.zero3_gather, "ticks": pipe.table(pp).ticks, "bubble": pipe.bubble(pp),
+        },
+        "precision": cfg.plan.precision, "quantize_comm": cfg.plan.quantize_comm, "reduce_dtype": cfg.plan.reduce_dtype,
+        "compute_copy": "keep" if cfg.plan.compute_copy else "drop", "hpz": cfg.plan.hpz, "offload": cfg.plan.offload,
+        "accum": cfg.plan.accum, "remat": cfg.model.remat, "optimizer": cfg.optim.name,
+        "lr_schedule": cfg.optim.schedule,
+        "preset": None if cfg.model.hf is not None else cfg.model.preset,
+        "hf": None if cfg.model.hf is None else str(cfg.model.hf),
+        "num_params": model_cfg.num_params, "active_params": model_cfg.num_active_params, "losses": result.losses,
+        "state_bytes_per_device": {"theory": memory.state_theory, "compiled": memory.state_compiled},
+        "temp_bytes_per_device": memory.temp_bytes, "memory": memory.to_dict(),
+        "tokens_per_second": result.tokens_per_second, "resumed_from": result.start if cfg.loop.resume else None,
+        "final_step": int(result.state.step), "skipped_steps": result.skipped_steps, "eval_loss": result.eval_loss,
+        "mfu": result.mfu, "final_loss_scale": float(result.state.loss_scale.scale),
+    }  # fmt: skip
