@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ._extras import MissingExtra, require
 from ._jsonfile import write_json_atomic
+from ._quiet import filtered_stderr
 from .pipeline._config import GATHER_MODES
 
 
@@ -216,6 +217,8 @@ def run_plan(args: argparse.Namespace) -> int:
         from .sharding import simulate_cpu_devices
 
         simulate_cpu_devices(devices)
+    with filtered_stderr():  # the backend starts: the CUDA plugin probes for a driver
+        jax.devices()
     from . import planner
     from .planner._gpu import budget as make_budget
     from .remat import POLICIES

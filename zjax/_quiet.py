@@ -21,6 +21,14 @@ NOISE = ("cudart_stub.cc", "All log messages before absl::InitializeLog() is cal
 """Substrings of the lines left out: the CUDA plugin's driver probe on a machine without a GPU, and absl's notice
 that precedes each of them."""
 
+GPU_TARGET_NOISE = (
+    *NOISE,
+    # XLA:GPU's check of a program's argument bytes against a default budget it cannot know for a GPU that is not
+    # there (a deviceless compile for a target); the planner reports the real figures itself
+    "The byte size of input/output arguments",
+)
+"""Lines a deviceless compile for a GPU target prints that say nothing about the program (the planner's)."""
+
 
 def import_jax() -> None:
     """``import jax`` with the lines of :data:`NOISE` left out of standard error (a no-op if JAX is imported)."""
@@ -31,9 +39,9 @@ def import_jax() -> None:
 
 
 @contextlib.contextmanager
-def filtered_stderr() -> Iterator[None]:
-    """Descriptor 2 into a temporary file while the block runs; then what was written there, less the lines of
-    :data:`NOISE`, to ``sys.stderr``."""
+def filtered_stderr(noise: tuple[str, ...] = NOISE) -> Iterator[None]:
+    """Descriptor 2 into a temporary file while the block runs; then what was written there, less the lines holding
+    one of ``noise``'s substrings (default :data:`NOISE`), to ``sys.stderr``."""
     try:
         saved = os.dup(2)
     except OSError:  # no descriptor 2 (an embedded interpreter): nothing to filter
@@ -50,7 +58,7 @@ def filtered_stderr() -> Iterator[None]:
             os.close(saved)
             caught.seek(0)
             text = caught.read().decode("utf-8", "replace")
-            kept = [line for line in text.splitlines(keepends=True) if not any(n in line for n in NOISE)]
+            kept = [line for line in text.splitlines(keepends=True) if not any(n in line for n in noise)]
             if kept:
                 sys.stderr.write("".join(kept))
                 sys.stderr.flush()

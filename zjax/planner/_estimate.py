@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from .._quiet import GPU_TARGET_NOISE, filtered_stderr
 from ..core import Plan
 from ..models import Decoder, DecoderConfig, lm_loss
 from ..offload import Offload
@@ -128,7 +129,7 @@ def estimate_fn(
         if target is not None:  # the scheduled GPU program: async collectives, real reduce-scatters, bf16
             with cudnn_for_target(target):  # cuDNN attention is checked against the target, not this CPU
                 lowered = step.lower(state, batch)
-            with compiled_here():
+            with compiled_here(), filtered_stderr(GPU_TARGET_NOISE):  # XLA:GPU's budget check for an absent GPU
                 compiled = lowered.compile()
             hlo = compiled.as_text()
         else:  # XLA:CPU: read right after SPMD partitioning (later CPU passes upcast and split collectives)

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 
+from .._quiet import GPU_TARGET_NOISE, filtered_stderr
 from ._targets import GpuTarget, get_target, topology_string
 
 PLUGIN_HINT = 'pip install "zjax[plan-gpu]"  (the CUDA compiler plugin, jax-cuda12-plugin; no GPU needed)'
@@ -44,7 +45,10 @@ def gpu_devices(target: str | GpuTarget, count: int) -> list[Any]:
     from jax.experimental import topologies
 
     try:
-        topo = topologies.get_topology_desc(platform="cuda", target_config=spec.text, topology=topology_string(count))
+        with filtered_stderr(GPU_TARGET_NOISE):  # the plugin probes for a driver (on a machine without a GPU)
+            topo = topologies.get_topology_desc(
+                platform="cuda", target_config=spec.text, topology=topology_string(count)
+            )
     except RuntimeError as e:
         raise RuntimeError(
             f"deviceless compile for {count} x {spec.device_kind} failed to start: {e}. Run JAX on the CPU "
