@@ -50,6 +50,7 @@ CASES = {
     "stage3-accum4": Case({"dp": 8}, {"stage": 3}, accum=4, slow=True),
     "offload": Case({"dp": 8}, {"stage": 2, "offload": "optimizer"}),
     "hpz": Case({"dp": (2, 4)}, {"stage": 3, "hpz": True}, slow=True),  # bf16-hpz below is fast
+    "hsdp": Case({"dp": (2, 4)}, {"stage": 3}),  # replica=2 x dp=4
     "dp4-tp2": Case({"dp": 4, "tp": 2}, {"stage": 3}),
     "dp2-cp4-ring": Case({"dp": 2, "cp": 4}, {"stage": 3}, context_mode="ring"),
     "dp2-cp4-all-gather": Case({"dp": 2, "cp": 4}, {"stage": 3}, context_mode="all-gather"),

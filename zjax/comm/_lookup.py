@@ -14,6 +14,7 @@ forward and backward: XLA's "involuntary full rematerialization".)
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -78,25 +79,49 @@ def lookup(table: jax.Array, ids: jax.Array, path: Sequence[str]) -> jax.Array:
 def _take(table: jax.Array, ids: jax.Array, path: Sequence[str], sizes: dict) -> jax.Array:
     """``table[ids]`` by GSPMD, the table as :func:`gathered` reads it.
 
-    With ``cp`` (the rows' batch and sequence dims both split) the table is whole over the ZeRO axes before the lookup
-    (stage 3), and the ids go in as one flat dim split over the data axes and ``cp`` and nothing else (each rank's block
-    of rows and sequence chunk side by side: no data moves), so that the table's gradient is a scatter-add of updates
-    split along one dim, summed and then split as the stage keeps it. Left to GSPMD, the gradient's split of the hidden
-    dim over ``dp x cp`` reached back into the updates, split over the same axes along other dims, and it replicated the
-    whole activation gradient to meet it (XLA's "involuntary full rematerialization")."""
-    if sizes.get(CP, 1) == 1 or ids.ndim != 2:
-        return jnp.take(gathered(table, path), ids, axis=0)
+    With ``cp`` (the rows' batch and sequence dims both split), or with more than one data axis (HSDP's ``replica`` x
+    ``dp``), the table is whole over the ZeRO axes before the lookup (stage 3), and the ids go in as one flat dim
+    split over the data axes and ``cp`` and nothing else (each rank's block of rows and sequence chunk side by side:
+    no data moves), so that the table's gradient is a scatter-add of updates split along one dim, summed and then
+    split as the stage keeps it. Left to GSPMD, the gradient's split of the hidden dim over ``dp`` (``x cp``) reached
+    back into the updates, split over those axes along other dims, and it replicated the whole activation gradient to
+    meet it (XLA's "involuntary full rematerialization")."""
     data = tuple(a for a in DATA_AXES if sizes.get(a, 1) > 1)
+    if (sizes.get(CP, 1) == 1 and len(data) < 2) or ids.ndim != 2:
+        return jnp.take(gathered(table, path), ids, axis=0)
     n, cp = math.prod(sizes[a] for a in data), sizes[CP]
     (b, s), e = ids.shape, table.shape[-1]
     if b % n:
         return jnp.take(gathered(table, path), ids, axis=0)
     # [B, S] -> [n, cp, B/n, S/cp] (rank-major, its rows and chunk inside) -> flat, split over (data..., cp)
+    rows = (*data, CP) if cp > 1 else data
     blocks = ids.reshape(n, b // n, cp, s // cp).transpose(0, 2, 1, 3)
-    flat = jax.lax.with_sharding_constraint(blocks.reshape(-1), P((*data, CP)))
-    out = jnp.take(gathered(table, path, now=True), flat, axis=0)
-    out = jax.lax.with_sharding_constraint(out, P((*data, CP), None))
+    flat = jax.lax.with_sharding_constraint(blocks.reshape(-1), P(rows))
+    whole = gathered(table, path, now=True)
+    if e % (n * cp) == 0:  # its gradient first summed into a split over the rows' axes, then laid out as kept
+        whole = _gradient_split(whole, P(None, rows))
+    out = jax.lax.with_sharding_constraint(jnp.take(whole, flat, axis=0), P(rows, None))
     return out.reshape(n, cp, b // n, s // cp, e).transpose(0, 2, 1, 3, 4).reshape(b, s, e)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gradient_split(table: jax.Array, spec: P) -> jax.Array:
+    """``table``, whose gradient is laid out as ``spec`` where it is made: the scatter-add of updates split over the
+    same axes along their rows, reduce-scattered onto the hidden dim (with HSDP's ``replica`` among them, GSPMD went
+    straight for the stage's split over ``dp`` alone, which it cannot reach from updates split over ``replica x
+    dp``, and replicated the activation gradient to get there)."""
+    return table
+
+
+def _gradient_split_fwd(table: jax.Array, spec: P) -> tuple[jax.Array, None]:
+    return table, None
+
+
+def _gradient_split_bwd(spec: P, _: None, g: jax.Array) -> tuple[jax.Array]:
+    return (jax.lax.with_sharding_constraint(g, spec),)
+
+
+_gradient_split.defvjp(_gradient_split_fwd, _gradient_split_bwd)
 
 
 def _manual_lookup(
