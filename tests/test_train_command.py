@@ -31,7 +31,7 @@ def run(argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
     def no_runtime(*args, **kwargs):
         raise AssertionError("the run started its runtime: the input should have been refused before")
 
-    monkeypatch.setattr(zjax.train._runtime, "runtime", no_runtime)
+    monkeypatch.setattr(zjax.train._lm, "runtime", no_runtime)
     with pytest.raises(SystemExit) as stop:
         zjax.cli.main(["train", *argv])
     out = capsys.readouterr()

@@ -10,6 +10,7 @@ of Python's own standard library, read from this interpreter's installation (no 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sysconfig
 import time
@@ -17,8 +18,23 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import data as zdata
+from .. import hf as zhf
+from .. import metrics
 from .._extras import require
+from .._jsonfile import write_json_atomic
+from ..core import Plan
+from ..models import PRESETS, Decoder, from_hf_config, lm_loss
+from ..pipeline import Pipeline
+from ..sharding import make_mesh
+from ..sharding._simulate import nvidia_gpu_visible
+from ._loop import fit, init_or_restore
 from ._run import MESH_AXES, RunConfig, mesh_sizes
+from ._runtime import runtime
 
 TEXT_FILES = ("argparse.py", "dataclasses.py", "functools.py", "textwrap.py", "typing.py", "inspect.py",
               "json/decoder.py", "collections/__init__.py")  # fmt: skip
@@ -38,7 +54,7 @@ def check(cfg: RunConfig) -> None:
     Raises:
       FileNotFoundError: a data, tokenizer or checkpoint path that does not exist.
       ValueError: a batch that does not split, an output directory that is not empty, a pipeline setting.
-      zjax.MissingExtra (an ImportError): an optional package the settings need.
+      MissingExtra (an ImportError, zjax._extras): an optional package the settings need.
     """
     paths = (("data.path", cfg.data.path), ("data.tokenizer", cfg.data.tokenizer), ("model.hf", cfg.model.hf))
     for name, path in paths:
@@ -59,8 +75,6 @@ def check(cfg: RunConfig) -> None:
         require("tensorboardX", "loop.tensorboard")
     if cfg.loop.wandb:
         require("wandb", "loop.wandb")
-    from ..sharding._simulate import nvidia_gpu_visible
-
     sizes = mesh_sizes(cfg.plan.mesh)
     if not nvidia_gpu_visible():  # the run's devices: its simulated CPU devices, in all its processes
         sizes = check_devices(cfg, cfg.loop.cpu_devices)
@@ -77,8 +91,6 @@ def check(cfg: RunConfig) -> None:
                 f"{split} (e.g. {split * max(1, round(cfg.data.batch_size / split))})."
             )
     if stages > 1:
-        from ..pipeline import Pipeline
-
         Pipeline(micro, repeats=cfg.pipeline.repeats, zero3_gather=cfg.pipeline.zero3_gather,
                  schedule=cfg.pipeline.schedule).check(stages)  # fmt: skip
 
@@ -105,10 +117,6 @@ def _files(path: Path) -> list[Path]:
 
 def build_data(cfg: RunConfig, model_cfg: Any, tok: Any, pipelined: bool, log: Callable[..., None]):
     """Training rows and the held-out split (``None`` without ``loop.eval_every``), packed on grain."""
-    import numpy as np
-
-    from .. import data as zdata
-
     if cfg.data.path is None:
         end = [tok.eos_id] if tok.eos_id is not None else []
         stream = np.concatenate([np.concatenate([tok.encode(d), end]) for d in load_texts()]).astype(np.int32)
@@ -136,10 +144,6 @@ def build_data(cfg: RunConfig, model_cfg: Any, tok: Any, pipelined: bool, log: C
 
 def build_model(cfg: RunConfig, tok: Any) -> Any:
     """The model's config: a preset sized to the tokenizer and ``model.seq_len``, or a Hugging Face checkpoint's."""
-    import dataclasses
-
-    from ..models import PRESETS, from_hf_config
-
     if cfg.model.hf is not None:
         return from_hf_config(cfg.model.hf, remat=cfg.model.remat).cfg
     vocab = -(-tok.vocab_size // 128) * 128  # padded to a multiple of 128 (it splits over tp)
@@ -155,25 +159,15 @@ def run_lm(cfg: RunConfig, argv: Sequence[str] | None = None, log: Callable[...,
       log: where progress lines go on process 0 (default ``print``).
     """
     check(cfg)
-    from . import _runtime
-
     started = time.perf_counter()
-    with _runtime.runtime(cfg.loop, argv):  # joins a cluster, launches processes or simulates CPU devices
-        import jax
-        import jax.numpy as jnp
-
-        import zjax
-
-        from ..models import Decoder, lm_loss
-        from ._loop import fit, init_or_restore
-
+    with runtime(cfg.loop, argv):  # joins a cluster, launches processes or simulates CPU devices
         sizes = check_devices(cfg, jax.device_count())
         say = (log or print) if jax.process_index() == 0 else (lambda *a, **k: None)
-        tok = zjax.data.load_tokenizer(cfg.data.tokenizer)
+        tok = zdata.load_tokenizer(cfg.data.tokenizer)
         model_cfg = build_model(cfg, tok)
         stages, pipeline, p = sizes.get("pp", 1), None, cfg.pipeline
         if stages > 1 or p.microbatches is not None:
-            pipeline = zjax.Pipeline(p.microbatches or 2 * stages, repeats=p.repeats, zero3_gather=p.zero3_gather,
+            pipeline = Pipeline(p.microbatches or 2 * stages, repeats=p.repeats, zero3_gather=p.zero3_gather,
                                      schedule=p.schedule)  # fmt: skip
             chunks = stages * p.repeats
             if model_cfg.layers % chunks and cfg.model.hf is not None:
@@ -185,8 +179,8 @@ def run_lm(cfg: RunConfig, argv: Sequence[str] | None = None, log: Callable[...,
         if "replica" in axes:  # HSDP: dp=(replica, shard)
             axes["dp"] = (axes.pop("replica"), axes.get("dp", 1))
         model = Decoder(model_cfg)
-        plan = zjax.Plan(
-            zjax.make_mesh(**axes), stage=cfg.plan.stage, precision=cfg.plan.precision, clip_norm=cfg.optim.clip_norm,
+        plan = Plan(
+            make_mesh(**axes), stage=cfg.plan.stage, precision=cfg.plan.precision, clip_norm=cfg.optim.clip_norm,
             pipeline=pipeline, offload=cfg.plan.offload, reduce_dtype=cfg.plan.reduce_dtype, hpz=cfg.plan.hpz,
             quantized_comm=None if cfg.plan.quantize_comm == "none" else cfg.plan.quantize_comm,
             compute_copy=cfg.plan.compute_copy,
@@ -196,7 +190,7 @@ def run_lm(cfg: RunConfig, argv: Sequence[str] | None = None, log: Callable[...,
         rng = jax.random.key(cfg.data.seed)
         tx = cfg.optim.transformation(loop.steps, jax.eval_shape(init_fn, rng))
         hf_dir = cfg.model.hf
-        hf = None if hf_dir is None else (lambda: zjax.hf.load(hf_dir, plan, model, tx, rng))
+        hf = None if hf_dir is None else (lambda: zhf.load(hf_dir, plan, model, tx, rng))
         state, start = init_or_restore(plan, init_fn, tx, rng, loop, fresh=hf)
         step = plan.train_step(lambda params, batch: lm_loss(model, params, batch), accum_steps=cfg.plan.accum)
         data, held_out = build_data(cfg, model_cfg, tok, plan.pipeline is not None, say)
@@ -216,23 +210,21 @@ def run_lm(cfg: RunConfig, argv: Sequence[str] | None = None, log: Callable[...,
         result = fit(
             plan, step, state, data, loop, start=start, schedule=cfg.optim.learning_rate(loop.steps),
             eval_step=evaluate, eval_data=held_out, tokens_per_step=cfg.data.batch_size * cfg.model.seq_len,
-            mfu=lambda rate: zjax.metrics.mfu(rate, model_cfg, cfg.model.seq_len, kind, devices),
+            mfu=lambda rate: metrics.mfu(rate, model_cfg, cfg.model.seq_len, kind, devices),
             aux_metrics=None if model_cfg.moe is None else router_metrics,
             run_config={"run": cfg.to_toml()},
         )  # fmt: skip
         if cfg.output.save_hf is not None:  # every process takes part; process 0 writes
-            zjax.hf.save(cfg.output.save_hf, model, result.state)
+            zhf.save(cfg.output.save_hf, model, result.state)
         summary = figures(cfg, model_cfg, plan, result)
         if cfg.output.metrics_json is not None and jax.process_index() == 0:
-            zjax.write_json_atomic(cfg.output.metrics_json, summary)
+            write_json_atomic(cfg.output.metrics_json, summary)
         say(closing_line(cfg, result, time.perf_counter() - started))
     return summary
 
 
 def router_metrics(aux: Any) -> dict[str, Any]:
     """A mixture of experts' routers: auxiliary losses, dropped rows, tokens per expert (all layers)."""
-    import numpy as np
-
     return {k: float(aux[k]) for k in ("ce", "load_balance", "z_loss", "dropped")} | {
         "expert_tokens": np.asarray(aux["expert_tokens"]).sum(axis=0)
     }
@@ -258,8 +250,6 @@ def closing_line(cfg: RunConfig, result: Any, seconds: float) -> str:
 
 def figures(cfg: RunConfig, model_cfg: Any, plan: Any, result: Any) -> dict[str, Any]:
     """The run's figures as ``output.metrics_json`` holds them."""
-    import jax
-
     sizes, pipe, pp = {k: int(v) for k, v in plan.mesh.shape.items()}, plan.pipeline, int(plan.mesh.shape["pp"])
     memory = result.memory
     return {
