@@ -10,8 +10,10 @@ row scores a different number of tokens) and packed rows (two documents in some 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,11 +51,18 @@ def init_fn(cfg: DecoderConfig = TINY):
     return lambda rng: model.init(rng, jnp.zeros((1, cfg.max_len), jnp.int32))["params"]
 
 
+@functools.cache
+def initial(cfg: DecoderConfig, seed: int = 0) -> Any:
+    """The model's initial parameters (one device, on the host): every case starts from them (``plan.init``'s
+    ``params``, which places them without compiling the model's initialization again)."""
+    return nn.unbox(jax.device_get(jax.jit(init_fn(cfg))(jax.random.key(seed))))
+
+
 def reference(cfg: DecoderConfig, batch: dict[str, np.ndarray], seed: int = 0) -> tuple[float, Any]:
     """``(loss, grads)`` of the whole batch's mean token loss on one device, in float64 on the host."""
     model = Decoder(cfg)
     device = jax.devices()[0]
-    params = jax.device_put(jax.jit(init_fn(cfg))(jax.random.key(seed)), device)
+    params = jax.device_put(initial(cfg, seed), device)
     loss, grads = jax.jit(jax.value_and_grad(lambda p, b: lm_loss(model, p, b).mean))(
         params, jax.device_put(batch, device)
     )
@@ -67,7 +76,7 @@ SGD = optax.chain(optax.trace(decay=0.0), optax.scale(-1.0))
 def applied(plan: zjax.Plan, cfg: DecoderConfig, batch: Any, accum: int = 1, seed: int = 0) -> tuple[Any, dict]:
     """The gradient one SGD step (learning rate 1) of ``plan`` applied, in float64 on the host, and its metrics."""
     model = Decoder(cfg)
-    state = plan.init(init_fn(cfg), SGD, jax.random.key(seed))
+    state = plan.init(init_fn(cfg), SGD, jax.random.key(seed), params=initial(cfg, seed))
     weights = lambda s: s.master_params if plan.keeps_master else s.params  # noqa: E731 - the fp32 weights
     before = _host(weights(state))
     step = plan.train_step(lambda p, b: lm_loss(model, p, b), accum_steps=accum)

@@ -155,14 +155,13 @@ def test_muon_on_sharded_state_updates_as_optax_muon_on_one_device(stage, mesh):
     under a ZeRO stage moves the parameters as optax's Muon does on one device, within 1e-5: its Newton-Schulz
     iterations see whole matrices, one per layer of a stacked weight, whatever splits them."""
     boxed = jax.eval_shape(_init, jax.random.key(0))
-    zeros = lambda rng: jax.tree.map(jnp.zeros_like, _init(rng))  # noqa: E731 - no weight term in the update
     rs = np.random.RandomState(0)
     grads = jax.tree.map(lambda x: rs.randn(*x.shape).astype(np.float32), nn.unbox(boxed))
     tx = MUON.transformation(10, boxed)
     plain = nn.unbox(jax.tree.map(lambda x: np.zeros(x.shape, np.float32), boxed))
     want, _ = jax.jit(tx.update)(grads, tx.init(plain), plain)
     plan = zjax.Plan(zjax.make_mesh(**mesh), stage=stage, precision="fp32")
-    state = plan.init(zeros, tx, jax.random.key(0))
+    state = plan.init(_init, tx, jax.random.key(0), params=plain)  # zeros: no weight term in the update
     step = plan.train_step(
         lambda p, b: (
             sum(jnp.sum(x * g) for x, g in zip(jax.tree.leaves(p), jax.tree.leaves(grads), strict=True)) * jnp.mean(b)
