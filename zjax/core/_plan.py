@@ -244,6 +244,7 @@ class Plan(PlanConfig):
         shardings = layout.state_shardings(abstract.tx)
         if params is None:
             return jax.jit(make, out_shardings=shardings)(rng)
+        params = unbox(params)  # flax's boxed (logically partitioned) leaves, as model.init returns them, too
         _check_given(params, abstract.params)
         return jax.jit(make, out_shardings=shardings, donate_argnums=(1,) if donate else ())(rng, params)
 
