@@ -163,14 +163,14 @@ def _reference():
     return _train(TINY, 0, dp=8)
 
 
-def _refused(cfg, stage, pipeline=None, **mesh_axes):
+def _refused(cfg, stage, pipeline=None, batch=None, **mesh_axes):
     """Trace (not run) a step of ``cfg`` on the mesh: a refused configuration raises while the step is traced."""
     model = Decoder(cfg)
     plan = zjax.Plan(zjax.make_mesh(**mesh_axes), stage=stage, precision="fp32", pipeline=pipeline)
     init = lambda r: model.init(r, jnp.zeros((1, cfg.max_len), jnp.int32))["params"]  # noqa: E731
     state = plan.abstract_state(init, optax.adamw(1e-2), jax.random.key(0))
     step = plan.train_step(lambda p, b: lm_loss(model, p, b))
-    step.lower(state, plan.shard_batch(np.zeros((16, cfg.max_len + 1), np.int32)))
+    step.lower(state, plan.shard_batch(np.zeros((16, cfg.max_len + 1), np.int32) if batch is None else batch))
 
 
 def _same_training(stage, mesh_axes, offload="none", pipeline=None):
@@ -260,6 +260,77 @@ def test_gradients_reach_the_router_through_the_gates_and_through_the_auxiliary_
     main, aux, both = (router_grad(moe, w) for w in ("main", "aux", "all"))
     assert np.abs(main).max() > 1e-4 and np.abs(aux).max() > 1e-4
     np.testing.assert_allclose(both, main + aux, rtol=1e-4, atol=1e-7)
+
+
+def _hf_balance(logits: np.ndarray, mask: np.ndarray, top_k: int) -> float:
+    """Hugging Face's ``load_balancing_loss_func`` (Mixtral, Qwen-MoE) with an attention mask, in NumPy: every
+    layer's router logits ``[layers, batch, seq, E]`` concatenated, ``f`` per (choice, expert) and ``P`` per
+    expert over the unmasked tokens of all layers, ``E x sum f P``."""
+    e = logits.shape[-1]
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs = (probs / probs.sum(-1, keepdims=True)).reshape(-1, e)
+    chosen = np.argsort(-probs, axis=-1)[:, :top_k]
+    picks = np.eye(e)[chosen]  # [tokens, k, E]
+    m = np.broadcast_to(mask[None], logits.shape[:3]).reshape(-1).astype(np.float64)
+    f = np.einsum("t,tke->ke", m, picks) / m.sum()
+    p = np.einsum("t,te->e", m, probs) / m.sum()
+    return float(e * np.sum(f * p[None]))
+
+
+@pytest.mark.parametrize("balance_loss", ["pooled", "per-layer"])
+def test_the_load_balancing_loss_is_hugging_faces_or_per_layer_and_leaves_padding_out(balance_loss):
+    """Two layers' routers on uneven masks: ``pooled`` equals Hugging Face's formula (the layers' f and P
+    averaged first), ``per-layer`` the mean of each layer's own formula; the masked tokens count in neither."""
+    moe = MoE(experts=E, top_k=K, balance_loss=balance_loss)
+    layer = MoELayer(moe, D, F)
+    xs = jax.random.normal(jax.random.key(3), (2, 4, 6, D))  # two layers' inputs
+    mask = (np.arange(6)[None] < np.array([6, 2, 5, 1])[:, None]).astype(np.float32)
+    logits, stats = [], []
+    for i in range(2):
+        params = layer.init(jax.random.key(10 + i), xs[i])["params"]
+        _, st = layer.apply({"params": params}, xs[i], jnp.asarray(mask))
+        logits.append(np.asarray(xs[i] @ nn.unbox(params)["router"], np.float64))
+        stats.append(st)
+    balance, _ = moe.aux_losses(jax.tree.map(lambda *a: jnp.stack(a), *stats))
+    logits = np.stack(logits)
+    if balance_loss == "pooled":
+        want = _hf_balance(logits, mask, K)
+    else:
+        want = np.mean([_hf_balance(logits[i : i + 1], mask, K) for i in range(2)])
+    assert float(balance) == pytest.approx(want, rel=1e-5)
+    assert float(balance) != pytest.approx(_hf_balance(logits, np.ones_like(mask), K), rel=1e-3)  # mask matters
+    other = (
+        _hf_balance(logits, mask, K)
+        if balance_loss == "per-layer"
+        else np.mean([_hf_balance(logits[i : i + 1], mask, K) for i in range(2)])
+    )
+    assert float(balance) != pytest.approx(other, rel=1e-3)  # the two formulas differ on two layers
+
+
+def test_lm_loss_routes_padding_but_leaves_it_out_of_the_routers_statistics():
+    """``loss_mask`` reaches the routers: the load-balancing loss and the token counts do not change with what
+    the padded positions hold, and they differ from the unmasked batch's."""
+    model = Decoder(TINY)
+    tokens = jax.random.randint(jax.random.key(0), (4, 17), 0, TINY.vocab)
+    mask = (jnp.arange(17)[None] < jnp.array([17, 9, 12, 4])[:, None]).astype(jnp.int32)
+    params = model.init(jax.random.key(1), tokens[:, :-1])["params"]
+    loss = jax.jit(lambda b: lm_loss(model, params, b))
+    _, masked = loss({"tokens": tokens, "loss_mask": mask})
+    noise = jax.random.randint(jax.random.key(2), tokens.shape, 0, TINY.vocab)
+    _, repadded = loss({"tokens": jnp.where(mask > 0, tokens, noise), "loss_mask": mask})
+    _, whole = loss({"tokens": tokens})
+    np.testing.assert_allclose(masked["load_balance"], repadded["load_balance"], rtol=1e-6)
+    np.testing.assert_array_equal(masked["expert_tokens"], repadded["expert_tokens"])
+    counted = int(jnp.sum(mask[:, :-1])) * TINY.moe.top_k
+    assert (np.asarray(masked["expert_tokens"]).sum(axis=1) == counted).all()
+    assert float(masked["load_balance"]) != pytest.approx(float(whole["load_balance"]), rel=1e-4)
+
+
+def test_a_loss_mask_under_a_pipeline_with_experts_is_refused_with_what_to_do():
+    tokens = np.zeros((8, TINY.max_len + 1), np.int32)
+    batch = {"tokens": tokens, "loss_mask": np.ones_like(tokens)}
+    with pytest.raises(ValueError, match="loss_mask with a mixture of experts under pipeline"):
+        _refused(TINY, 1, pipeline=zjax.Pipeline(microbatches=2), batch=batch, dp=4, pp=2)
 
 
 @pytest.mark.slow  # the GPU target's test checks the same formula

@@ -3,6 +3,7 @@ of Hugging Face's sparse MoE blocks (PyTorch-only in transformers) run on the te
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -202,7 +203,7 @@ def test_moe_layer_matches_hugging_face(checkpoints, kind):
 def test_loaded_loss_equals_the_tree_made_by_hand(checkpoints):
     hf, directory = CONFIGS["mixtral"], checkpoints["mixtral"]
     model = from_hf_config(directory)
-    assert model.cfg.moe == MoE(experts=EXPERTS, top_k=2, load_balance_weight=0.02)
+    assert model.cfg.moe == MoE(experts=EXPERTS, top_k=2, load_balance_weight=0.02, balance_loss="pooled")
     batch = jnp.asarray(_tokens())
     hand = jax.tree.map(jnp.asarray, by_hand(hf, read_checkpoint(directory)))
     want, metrics = jax.jit(lambda p, b: lm_loss(model, p, b))(hand, batch)
@@ -337,16 +338,18 @@ QWEN3_30B_A3B = {
 
 def test_configs_map_and_round_trip():
     mixtral = config_from_hf(MIXTRAL_8X7B)
-    assert mixtral.moe == MoE(experts=8, top_k=2, normalize_top_k=True, load_balance_weight=0.02)
+    assert mixtral.moe == MoE(experts=8, top_k=2, normalize_top_k=True, load_balance_weight=0.02, balance_loss="pooled")
     assert not mixtral.qkv_bias and not mixtral.qk_norm and mixtral.sliding_window is None
     assert mixtral.num_params == 46_702_792_704  # Mixtral-8x7B's published count
     qwen2 = config_from_hf(QWEN15_MOE_A27B)
     assert qwen2.moe == MoE(experts=60, top_k=4, mlp=1408, normalize_top_k=False, shared_mlp=5632,
-                            load_balance_weight=0.001)  # fmt: skip
+                            load_balance_weight=0.001, balance_loss="pooled")  # fmt: skip
     assert qwen2.qkv_bias and not qwen2.qk_norm and qwen2.sliding_window is None and qwen2.mlp == 5632
     assert qwen2.num_params == 14_315_784_192  # Qwen1.5-MoE-A2.7B's
     qwen3 = config_from_hf(QWEN3_30B_A3B)
-    assert qwen3.moe == MoE(experts=128, top_k=8, mlp=768, normalize_top_k=True, load_balance_weight=0.001)
+    assert qwen3.moe == MoE(
+        experts=128, top_k=8, mlp=768, normalize_top_k=True, load_balance_weight=0.001, balance_loss="pooled"
+    )
     assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.head_dim == 128
     assert qwen3.num_params == 30_532_122_624  # Qwen3-30B-A3B's
     windowed = config_from_hf({**MIXTRAL_8X7B, "sliding_window": 4096})
@@ -362,8 +365,11 @@ def test_configs_map_and_round_trip():
     assert hf["norm_topk_prob"] is False and hf["decoder_sparse_step"] == 1 and hf["mlp_only_layers"] == []
     assert config_to_hf(mixtral)["num_local_experts"] == 8 and config_to_hf(mixtral)["intermediate_size"] == 14336
     # a decoder whose experts are the size of its dense mlp: both sizes written, read back the same
-    same = DecoderConfig(qk_norm=True, moe=MoE(experts=4, top_k=2))
+    # (Hugging Face's configs have one load-balancing formula, the pooled one: an import reads it back as that)
+    same = DecoderConfig(qk_norm=True, moe=MoE(experts=4, top_k=2, balance_loss="pooled"))
     assert config_from_hf(config_to_hf(same)) == same
+    per_layer = dataclasses.replace(same, moe=dataclasses.replace(same.moe, balance_loss="per-layer"))
+    assert config_from_hf(config_to_hf(per_layer)) == same
     # transformers' Mixtral defaults where the file leaves them out
     lean = {k: v for k, v in MIXTRAL_8X7B.items() if k not in ("rope_theta", "rms_norm_eps")}
     assert config_from_hf(lean).rope_theta == 1e6 and config_from_hf(lean).norm_eps == 1e-5

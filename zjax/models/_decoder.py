@@ -113,7 +113,13 @@ class Block(nn.Module):
     load_balanced: bool = False  # the sequence is in zjax.context.load_balance's layout
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None):
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        router_mask: jax.Array | None = None,
+    ):
         c = self.cfg
         partitioned = RematPolicy.from_str(c.remat).partition
         if partitioned:
@@ -161,7 +167,7 @@ class Block(nn.Module):
             up = nn.with_logical_constraint(checkpoint_name(h @ w_up, "mlp_in"), mlp)
             y = _leave((jax.nn.silu(gate) * up) @ w_down)
         else:
-            y, stats = MoELayer(c.moe, c.embed, c.mlp, name="moe")(h)
+            y, stats = MoELayer(c.moe, c.embed, c.mlp, name="moe")(h, router_mask)
         x = x + checkpoint_name(y, "mlp_out")
         if partitioned:
             return partition_checkpoint(_constrain(x), axis=1), stats
@@ -184,6 +190,8 @@ class Decoder(nn.Module):
     ``load_balanced=True`` says the rows are in :func:`zjax.context.load_balance`'s layout (then pass the
     tokens' ``positions``): :func:`lm_loss` does this on a mesh with ``cp > 1``. ``inputs_embeds``
     ``[batch, seq, embed]`` replaces the embedding lookup (the tokens then give only the shapes).
+    ``router_mask [batch, seq]`` weighs the tokens in a mixture of experts' router statistics (the load-balancing
+    and z-losses; default: every token counts).
     """
 
     cfg: DecoderConfig
@@ -198,6 +206,7 @@ class Decoder(nn.Module):
         return_hidden: bool = False,
         load_balanced: bool = False,
         inputs_embeds: jax.Array | None = None,
+        router_mask: jax.Array | None = None,
     ) -> jax.Array:
         c = self.cfg
         if not self.is_initializing():
@@ -228,6 +237,8 @@ class Decoder(nn.Module):
         schedule = pipeline.current()
         stats = None
         if schedule is not None and not self.is_initializing():
+            if router_mask is not None and c.moe is not None:
+                raise ValueError(ROUTER_MASK_UNDER_PIPELINE)
             packed = segment_ids is not None or (positions is not None and not load_balanced)
             stage_fn = pipeline_stage_fn(c, packed=packed, load_balanced=load_balanced, at=(*self.path, "layers"))
             layers = self.variables["params"]["layers"]
@@ -248,17 +259,17 @@ class Decoder(nn.Module):
             x = comm.layer_scan(layer, nn.unbox(self.variables["params"]["layers"]), x, (*self.path, "layers"))
         elif c.scan and policy.kind == "nested" and not self.is_initializing():
             one = Block(c, load_balanced)
-            layer = lambda w, h: one.apply({"params": w}, h, positions, segment_ids)  # noqa: E731
+            layer = lambda w, h: one.apply({"params": w}, h, positions, segment_ids, router_mask)  # noqa: E731
             x, stats = nested_scan(layer, self.variables["params"]["layers"], x, policy, outputs=True)
         elif c.scan:
             made = "full" if policy.kind == "nested" else policy  # init: the same stacked parameters
             stack = linen_scan(Block, c.layers, made, broadcast=True)(c, load_balanced, name="layers")
-            x, stats = stack(x, positions, segment_ids)
+            x, stats = stack(x, positions, segment_ids, router_mask)
         else:
             block = nn.remat(Block, policy=policy.jax_policy()) if policy.remat else Block
             per_layer = []
             for i in range(c.layers):
-                x, layer_stats = block(c, load_balanced, name=f"layer_{i}")(x, positions, segment_ids)
+                x, layer_stats = block(c, load_balanced, name=f"layer_{i}")(x, positions, segment_ids, router_mask)
                 per_layer.append(layer_stats)
             stats = None if c.moe is None else jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
         if stats is not None and not self.is_initializing():
@@ -288,6 +299,13 @@ def _overlaps_reductions(c: DecoderConfig, policy: RematPolicy) -> bool:
 PACKED_UNDER_PIPELINE = (
     "Decoder: packed sequences (positions / segment_ids) are not supported under pipeline parallelism yet; "
     "train with pp=1, or pass unpacked sequences (tokens only)."
+)
+
+
+ROUTER_MASK_UNDER_PIPELINE = (
+    "Decoder: a loss_mask with a mixture of experts under pipeline parallelism is not supported yet: the routers' "
+    "statistics leave out the masked tokens, and the mask does not travel through the pipeline's stages. Train "
+    "with pp=1, or without a loss_mask (every token then counts in the load-balancing loss)."
 )
 
 

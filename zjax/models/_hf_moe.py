@@ -65,7 +65,8 @@ def moe_from_hf(hf: dict[str, Any], model_type: str, source: str, mlp: int) -> M
             shared_mlp=shared,
         )
     try:
-        return MoE(top_k=int(hf["num_experts_per_tok"]), load_balance_weight=aux, **fields)
+        # Hugging Face's load_balancing_loss_func pools every layer's routers before it multiplies f by P
+        return MoE(top_k=int(hf["num_experts_per_tok"]), load_balance_weight=aux, balance_loss="pooled", **fields)
     except ValueError as e:
         raise ValueError(f"zjax.models: {source}: {e}") from None
 

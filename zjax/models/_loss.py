@@ -143,8 +143,10 @@ def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16
     For a mixture-of-experts decoder (``DecoderConfig(moe=...)``) it returns ``(loss, metrics)``: the
     cross-entropy plus the routers' weighted auxiliary losses (counted once per scored token, so that a step
     that splits the batch weighs each part's auxiliary loss by its tokens), and ``ce`` (the part's mean),
-    ``load_balance`` and ``z_loss`` (means over layers), ``dropped`` rows and ``expert_tokens [layers,
-    experts]`` (a train step puts them in its metrics' ``aux``).
+    ``load_balance`` and ``z_loss`` (:meth:`~zjax.models.MoE.aux_losses`), ``dropped`` rows and ``expert_tokens
+    [layers, experts]`` (a train step puts them in its metrics' ``aux``). The routers' statistics count the input
+    tokens whose ``loss_mask`` is nonzero (``loss_mask[:, :-1]``: padding is left out, as Hugging Face's
+    attention mask leaves it out of Mixtral's load-balancing loss).
     """
     tokens, positions, segment_ids, loss_mask = read_batch(batch)
     weights = None if loss_mask is None else loss_mask[:, 1:].astype(jnp.float32)
@@ -153,6 +155,8 @@ def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16
         weights = same if weights is None else weights * same
     cut = lambda x: None if x is None else x[:, :-1]  # noqa: E731
     inputs, positions, segment_ids, targets = tokens[:, :-1], cut(positions), cut(segment_ids), tokens[:, 1:]
+    # the input tokens the routers count: those the loss mask keeps (padding is no routed traffic)
+    routed = None if loss_mask is None or getattr(model.cfg, "moe", None) is None else cut(loss_mask)
     packed = positions is not None or segment_ids is not None
     schedule = pipeline.current()
     if packed and schedule is not None:
@@ -165,7 +169,7 @@ def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
         inputs, positions, targets = (load_balance(x) for x in (inputs, positions, targets))
-        segment_ids, weights = (None if x is None else load_balance(x) for x in (segment_ids, weights))
+        segment_ids, weights, routed = (None if x is None else load_balance(x) for x in (segment_ids, weights, routed))
     w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights
     count = jnp.sum(w)
     if schedule is not None and schedule.tabled:
@@ -176,9 +180,9 @@ def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16
         return LossSum(mean * count, count)
     ranks = _data_ranks()
     if model.cfg.tie_embeddings and ranks:
-        rows = (inputs, positions, segment_ids, targets, w)
+        rows = (inputs, positions, segment_ids, targets, w, routed)
         return _tied_per_rank(model, params, rows, ranks, balanced, vocab_chunk)
-    hidden, stats = _hidden(model, params, inputs, positions, segment_ids, load_balanced=balanced)
+    hidden, stats = _hidden(model, params, inputs, positions, segment_ids, load_balanced=balanced, router_mask=routed)
     head = _read_head(model.cfg, nn.unbox(params), vocab_chunks(model.cfg.vocab, vocab_chunk) > 1)
     return _with_experts(model.cfg, LossSum(cross_entropy_sum(hidden, head, targets, w, vocab_chunk), count), stats)
 
@@ -193,15 +197,15 @@ def _hidden(model: Any, params: Any, *args: Any, **kwargs: Any) -> tuple[jax.Arr
 
 def _with_experts(cfg: DecoderConfig, ce: LossSum, stats: Any) -> Any:
     """``ce`` for a dense decoder; ``(ce + the routers' auxiliary losses per counted token, metrics)`` for a
-    mixture of experts: ``ce`` (mean), ``load_balance`` and ``z_loss`` (means over layers), ``dropped`` rows
+    mixture of experts: ``ce`` (mean), ``load_balance`` and ``z_loss`` (:meth:`MoE.aux_losses`), ``dropped`` rows
     (all layers) and ``expert_tokens`` ``[layers, experts]`` (rows each expert was chosen for)."""
     if stats is None or cfg.moe is None:
         return ce
     balance, z = cfg.moe.aux_losses(stats)
     metrics = {
         "ce": ce.mean,
-        "load_balance": jnp.mean(balance),
-        "z_loss": jnp.mean(z),
+        "load_balance": balance,
+        "z_loss": z,
         "dropped": jnp.sum(stats["dropped"]),
         "expert_tokens": stats["tokens"],
     }
@@ -233,7 +237,7 @@ def _tied_per_rank(
     gradients meet on each rank and the table's gradient crosses the data axes once. Used twice by the
     model, GSPMD reduces each use's gradient on its own (measured: two all-reduces of the table at stage 0,
     ZeRO's 2 psi becoming 2.43 for a Llama-3.2-1B shape)."""
-    inputs, positions, segment_ids, targets, w = rows
+    inputs, positions, segment_ids, targets, w, routed = rows
     mesh = dict(jax.sharding.get_abstract_mesh().shape)
     n = math.prod(mesh[a] for a in axes)
     table = comm.gathered(nn.unbox(params)["embedding"], ("embedding",))
@@ -242,7 +246,7 @@ def _tied_per_rank(
     by_rank = lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:])  # noqa: E731 - rows split over the axes
     embeds = jax.vmap(lambda e, t: jnp.take(e, t, axis=0), spmd_axis_name=axes)(copies, by_rank(inputs))
     hidden, stats = _hidden(
-        model, params, inputs, positions, segment_ids, load_balanced=balanced,
+        model, params, inputs, positions, segment_ids, load_balanced=balanced, router_mask=routed,
         inputs_embeds=embeds.reshape(*inputs.shape, -1),
     )  # fmt: skip
 

@@ -22,6 +22,12 @@ from ._params import param
 
 F32 = jnp.float32
 
+BALANCE_LOSSES = {
+    "per-layer": "the mean over layers of each layer's E x sum_e f_le P_le",
+    "pooled": "E x sum_e mean_l(f_le) x mean_l(P_le): the routers pooled first (Hugging Face's Mixtral, Qwen-MoE)",
+}
+"""How :class:`MoE`'s load-balancing loss combines the layers (``MoE(balance_loss=...)``)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class MoE:
@@ -35,9 +41,12 @@ class MoE:
     ``sigmoid(h @ shared_gate)`` (Qwen2-MoE). ``capacity_factor`` (default ``None``: dropless) caps each expert
     at :func:`zjax.experts.capacity` rows of each device's tokens. The loss adds
     ``load_balance_weight x`` the load-balancing loss (Switch Transformer's ``E x sum_e f_e P_e`` with ``f_e``
-    the fraction of tokens that chose expert ``e`` and ``P_e`` its mean probability, as Hugging Face's
-    Mixtral computes it; ``top_k`` when perfectly balanced) and ``z_loss_weight x`` the router z-loss
-    (``mean(logsumexp(logits)^2)``, ST-MoE), both averaged over layers. ``exchange`` picks how rows cross
+    the fraction of tokens that chose expert ``e`` and ``P_e`` its mean probability; ``top_k`` when perfectly
+    balanced), the layers combined as ``balance_loss`` says (:data:`BALANCE_LOSSES`: ``"per-layer"``, the mean
+    of each layer's loss, or ``"pooled"``, each expert's ``f`` and ``P`` averaged over layers first, as Hugging
+    Face's Mixtral computes it), and ``z_loss_weight x`` the router z-loss (``mean(logsumexp(logits)^2)``,
+    ST-MoE) averaged over layers. The routers count the tokens whose ``loss_mask`` is nonzero (padding is not
+    routed traffic; :func:`zjax.models.lm_loss`). ``exchange`` picks how rows cross
     ``ep`` and ``grouped`` the grouped matmul (:func:`zjax.experts.expert_mlp`; both by platform by default).
     """
 
@@ -49,6 +58,7 @@ class MoE:
     capacity_factor: float | None = None
     load_balance_weight: float = 0.01
     z_loss_weight: float = 0.0
+    balance_loss: str = "per-layer"
     exchange: str | None = None
     grouped: str | None = None
 
@@ -71,6 +81,11 @@ class MoE:
         for name in ("load_balance_weight", "z_loss_weight"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"MoE: {name}={getattr(self, name)} must be >= 0.")
+        if self.balance_loss not in BALANCE_LOSSES:
+            raise ValueError(
+                f"MoE: balance_loss={self.balance_loss!r}; use one of {list(BALANCE_LOSSES)} (how the layers' "
+                "load-balancing losses combine)."
+            )
         if self.exchange is not None and self.exchange not in EXCHANGES:
             raise ValueError(f"MoE: exchange={self.exchange!r}; use one of {list(EXCHANGES)} or None (by platform).")
         if self.grouped is not None and self.grouped not in GROUPED:
@@ -92,18 +107,25 @@ class MoE:
         return self.top_k * 3 * embed * self.expert_mlp(dense_mlp) + self.params_per_layer(embed, dense_mlp)[1]
 
     def aux_losses(self, stats: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        """``(load_balance, z_loss)`` per layer from the routers' sums (:class:`MoELayer`'s ``stats``, stacked
-        per layer): ``E x sum_e (tokens_e / N) (probs_e / N)`` and ``z / N`` over the ``N`` tokens counted.
-        Computed from sums, they are the same however the tokens were split on the way (microbatches of a
-        pipeline, data-parallel ranks)."""
+        """``(load_balance, z_loss)``, scalars, from the routers' sums (:class:`MoELayer`'s ``stats``, stacked per
+        layer) over the ``N_l`` tokens each layer counted: the load-balancing loss as :attr:`balance_loss` combines
+        the layers (:data:`BALANCE_LOSSES`, with ``f_le = tokens_le / N_l`` and ``P_le = probs_le / N_l``) and
+        the mean over layers of ``z_l / N_l``. Computed from sums, they are the same however the tokens were split
+        on the way (microbatches of a pipeline, data-parallel ranks); a layer that counted no token adds 0."""
         count = stats["count"]
-        balance = self.experts * jnp.sum(stats["tokens"] * stats["probs"], axis=-1) / (count * count)
-        return balance, stats["z"] / count
+        safe = jnp.where(count > 0, count, 1.0)
+        if self.balance_loss == "pooled":
+            total = jnp.maximum(jnp.sum(count), 1.0)
+            share, prob = jnp.sum(stats["tokens"], axis=0) / total, jnp.sum(stats["probs"], axis=0) / total
+            balance = self.experts * jnp.sum(share * prob)
+        else:
+            balance = jnp.mean(self.experts * jnp.sum(stats["tokens"] * stats["probs"], axis=-1) / (safe * safe))
+        return balance, jnp.mean(stats["z"] / safe)
 
     def loss(self, stats: dict[str, jax.Array]) -> jax.Array:
-        """The weighted auxiliary losses of ``stats`` (per layer, stacked), averaged over layers."""
+        """The weighted auxiliary losses of ``stats`` (per layer, stacked)."""
         balance, z = self.aux_losses(stats)
-        return self.load_balance_weight * jnp.mean(balance) + self.z_loss_weight * jnp.mean(z)
+        return self.load_balance_weight * balance + self.z_loss_weight * z
 
 
 def _swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
@@ -111,17 +133,18 @@ def _swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array)
 
 
 class MoELayer(nn.Module):
-    """``MoELayer(moe, embed, dense_mlp)(h [batch, seq, embed]) -> (out, stats)``; ``stats`` holds the layer's
-    router sums over its tokens (fp32): ``tokens`` (``[experts]``: rows each expert was chosen for), ``probs``
-    (``[experts]``: the router probabilities), ``z`` (``logsumexp(logits)^2``), ``count`` (tokens) and
-    ``dropped`` (rows past capacity); :meth:`MoE.aux_losses` makes the losses of them."""
+    """``MoELayer(moe, embed, dense_mlp)(h [batch, seq, embed], mask) -> (out, stats)``; ``stats`` holds the
+    layer's router sums over the tokens ``mask [batch, seq]`` counts (all by default; fp32): ``tokens``
+    (``[experts]``: rows each expert was chosen for), ``probs`` (``[experts]``: the router probabilities), ``z``
+    (``logsumexp(logits)^2``), ``count`` (tokens) and ``dropped`` (rows past capacity, every token's);
+    :meth:`MoE.aux_losses` makes the losses of them. Every token is routed: the mask weighs the statistics."""
 
     moe: MoE
     embed: int
     dense_mlp: int
 
     @nn.compact
-    def __call__(self, h: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+    def __call__(self, h: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, dict[str, Any]]:
         m, e = self.moe, self.embed
         f = m.expert_mlp(self.dense_mlp)
         router = param(self, "router", (e, m.experts), ("embed", None))
@@ -148,11 +171,12 @@ class MoELayer(nn.Module):
             weight = jax.nn.sigmoid(h.astype(F32) @ param(self, "shared_router", (e, 1), ("embed", None)).astype(F32))
             out = out + (weight * shared.astype(F32)).astype(out.dtype)
         # sums over the tokens (MoE.aux_losses turns them into the losses), so that parts of a batch add up
+        w = jnp.ones(ids.shape[:2], F32) if mask is None else mask.astype(F32)
         stats = {
-            "tokens": jnp.sum(jax.nn.one_hot(ids, m.experts, dtype=F32), axis=(0, 1, 2)),
-            "probs": jnp.sum(probs, axis=(0, 1)),
-            "z": jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
-            "count": jnp.asarray(ids.shape[0] * ids.shape[1], F32),
+            "tokens": jnp.einsum("bs,bske->e", w, jax.nn.one_hot(ids, m.experts, dtype=F32)),
+            "probs": jnp.einsum("bs,bse->e", w, probs),
+            "z": jnp.sum(w * jax.nn.logsumexp(logits, axis=-1) ** 2),
+            "count": jnp.sum(w),
             "dropped": dropped,
         }
         return out, stats

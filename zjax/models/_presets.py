@@ -19,7 +19,8 @@ _MISTRAL_7B = DecoderConfig(
 )  # fmt: skip
 _QWEN3_30B = DecoderConfig(
     vocab=151936, embed=2048, layers=48, heads=32, head_dim=128, kv_heads=4, mlp=6144, max_len=40960,
-    rope_theta=1e6, qk_norm=True, moe=MoE(experts=128, top_k=8, mlp=768, load_balance_weight=0.001),
+    rope_theta=1e6, qk_norm=True,
+    moe=MoE(experts=128, top_k=8, mlp=768, load_balance_weight=0.001, balance_loss="pooled"),
 )  # fmt: skip
 
 PRESETS: dict[str, DecoderConfig] = {
@@ -29,7 +30,10 @@ PRESETS: dict[str, DecoderConfig] = {
     # mixtures of experts: Mixtral-8x7B (46.7e9 parameters, 12.9e9 active), Qwen3-30B-A3B and Qwen3-235B-A22B
     # Mistral-7B's attention with 8 of its MLPs as experts, 2 per token, and no sliding window
     "mixtral-8x7b": dataclasses.replace(
-        _MISTRAL_7B, sliding_window=None, rope_theta=1e6, moe=MoE(experts=8, top_k=2, load_balance_weight=0.02)
+        _MISTRAL_7B,
+        sliding_window=None,
+        rope_theta=1e6,
+        moe=MoE(experts=8, top_k=2, load_balance_weight=0.02, balance_loss="pooled"),
     ),
     "qwen3-30b-a3b": _QWEN3_30B,
     "qwen3-235b-a22b": dataclasses.replace(
@@ -38,7 +42,7 @@ PRESETS: dict[str, DecoderConfig] = {
         layers=94,
         heads=64,
         mlp=12288,
-        moe=MoE(experts=128, top_k=8, mlp=1536, load_balance_weight=0.001),
+        moe=MoE(experts=128, top_k=8, mlp=1536, load_balance_weight=0.001, balance_loss="pooled"),
     ),  # fmt: skip
     # "small" with 8 experts of half its MLP, 2 per token: the same matmul work per token, 4x the MLP parameters
     "moe-small": DecoderConfig(moe=MoE(experts=8, top_k=2, mlp=256, z_loss_weight=1e-3)),
