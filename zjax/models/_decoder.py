@@ -236,6 +236,14 @@ class Decoder(nn.Module):
         policy = RematPolicy.from_str(c.remat)
         schedule = pipeline.current()
         stats = None
+        biased = c.moe is not None and c.moe.bias_update_rate is not None
+        if biased and not self.is_initializing() and (schedule is not None or policy.kind == "nested"):
+            raise ValueError(
+                "Decoder: MoE(bias_update_rate=...) (the routers' selection biases, model state) is not supported "
+                f"under {'pipeline parallelism' if schedule is not None else f'remat={c.remat!r}'} yet: the "
+                "biases would have to travel with each stage's or group's parameters. Use bias_update_rate=None "
+                "(an auxiliary load-balancing loss), or pp=1 and a non-nested remat policy."
+            )
         if schedule is not None and not self.is_initializing():
             if router_mask is not None and c.moe is not None:
                 raise ValueError(ROUTER_MASK_UNDER_PIPELINE)

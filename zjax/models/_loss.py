@@ -27,6 +27,7 @@ from ..sharding._axes import DATA_AXES, PP
 from ..sharding._mesh import in_manual_data_axes
 from ._config import DecoderConfig
 from ._decoder import MOE_STATS, PACKED_UNDER_PIPELINE, RMSNorm, pipeline_stage_fn
+from ._moe import ROUTER_STATE, moved_bias
 
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
 
@@ -126,7 +127,7 @@ def cross_entropy_sum(
     return jnp.sum(nll * w)
 
 
-def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16384) -> Any:
+def lm_loss(model: Any, params: Any, batch: Any, model_state: Any = None, *, vocab_chunk: int | None = 16384) -> Any:
     """Next-token cross-entropy (fp32) of a :class:`~zjax.models.Decoder` on ``batch``, as a
     :class:`zjax.LossSum`: the weighted token losses' sum and the weights' sum (``.mean`` is the mean).
 
@@ -147,7 +148,32 @@ def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16
     [layers, experts]`` (a train step puts them in its metrics' ``aux``). The routers' statistics count the input
     tokens whose ``loss_mask`` is nonzero (``loss_mask[:, :-1]``: padding is left out, as Hugging Face's
     attention mask leaves it out of Mixtral's load-balancing loss).
+
+    ``model_state`` (the model's other collections, :class:`zjax.TrainState`'s ``model_state``) makes it return
+    ``(that result, new model state)``, as a train step's ``loss_fn(params, batch, model_state)`` does; a
+    mixture of experts with selection biases (``MoE(bias_update_rate=...)``) needs it, and its new state holds
+    the biases moved by this call's expert loads (:func:`zjax.models.moved_bias`).
+
+    Example:
+      >>> step = plan.train_step(lambda p, b, model_state: lm_loss(model, p, b, model_state))
     """
+    biased = getattr(model.cfg, "moe", None) is not None and model.cfg.moe.bias_update_rate is not None
+    if biased and model_state is None:
+        raise ValueError(
+            "lm_loss: the model's routers keep selection biases (MoE(bias_update_rate=...)), which are model state: "
+            "initialize with zjax.Variables.linen(model.init(...)) and pass the state through, "
+            "plan.train_step(lambda p, b, model_state: lm_loss(model, p, b, model_state))."
+        )
+    out, stats = _loss_and_stats(model, params, batch, model_state, vocab_chunk)
+    if model_state is None:
+        return out
+    if biased:
+        model_state = _with_moved_biases(model.cfg, model_state, stats["tokens"])
+    return out, model_state
+
+
+def _loss_and_stats(model: Any, params: Any, batch: Any, model_state: Any, vocab_chunk: int | None) -> Any:
+    """:func:`lm_loss`'s result and the routers' statistics (``None`` for a dense decoder)."""
     tokens, positions, segment_ids, loss_mask = read_batch(batch)
     weights = None if loss_mask is None else loss_mask[:, 1:].astype(jnp.float32)
     if segment_ids is not None:
@@ -177,22 +203,43 @@ def lm_loss(model: Any, params: Any, batch: Any, *, vocab_chunk: int | None = 16
         # cotangent (the loss scale) then seeds the pipeline's backward passes at the magnitude GPipe's get
         share = w / jnp.where(count > 0, count, 1.0)
         mean = _pipelined_sum(model.cfg, nn.unbox(params), inputs, targets, share, vocab_chunk, balanced)
-        return LossSum(mean * count, count)
+        return LossSum(mean * count, count), None
+    variables = {**(model_state or {}), "params": params}
     ranks = _data_ranks()
     if model.cfg.tie_embeddings and ranks:
         rows = (inputs, positions, segment_ids, targets, w, routed)
-        return _tied_per_rank(model, params, rows, ranks, balanced, vocab_chunk)
-    hidden, stats = _hidden(model, params, inputs, positions, segment_ids, load_balanced=balanced, router_mask=routed)
+        return _tied_per_rank(model, variables, rows, ranks, balanced, vocab_chunk)
+    hidden, stats = _hidden(
+        model, variables, inputs, positions, segment_ids, load_balanced=balanced, router_mask=routed
+    )
     head = _read_head(model.cfg, nn.unbox(params), vocab_chunks(model.cfg.vocab, vocab_chunk) > 1)
-    return _with_experts(model.cfg, LossSum(cross_entropy_sum(hidden, head, targets, w, vocab_chunk), count), stats)
+    ce = LossSum(cross_entropy_sum(hidden, head, targets, w, vocab_chunk), count)
+    return _with_experts(model.cfg, ce, stats), stats
 
 
-def _hidden(model: Any, params: Any, *args: Any, **kwargs: Any) -> tuple[jax.Array, Any]:
+def _hidden(model: Any, variables: Any, *args: Any, **kwargs: Any) -> tuple[jax.Array, Any]:
     """The decoder's final hidden states and, for a mixture of experts, its router statistics (per layer)."""
     if getattr(model.cfg, "moe", None) is None:
-        return model.apply({"params": params}, *args, return_hidden=True, **kwargs), None
-    hidden, sown = model.apply({"params": params}, *args, return_hidden=True, mutable=["intermediates"], **kwargs)
+        return model.apply(variables, *args, return_hidden=True, **kwargs), None
+    hidden, sown = model.apply(variables, *args, return_hidden=True, mutable=["intermediates"], **kwargs)
     return hidden, sown["intermediates"][MOE_STATS][0]
+
+
+def _with_moved_biases(cfg: DecoderConfig, model_state: Any, tokens: jax.Array) -> Any:
+    """``model_state`` with each layer's router bias moved by that layer's expert loads (``tokens [layers,
+    experts]``): stacked ``[layers, experts]`` under ``layers`` (``scan=True``) or one per ``layer_{i}``."""
+    moe = cfg.moe
+    if moe is None:  # lm_loss moves biases for a mixture of experts only
+        return model_state
+    biases = dict(model_state[ROUTER_STATE])
+    if "layers" in biases:
+        bias = biases["layers"]["moe"]["bias"]
+        biases["layers"] = {**biases["layers"], "moe": {"bias": moved_bias(moe, bias, tokens)}}
+    else:
+        for i in range(cfg.layers):
+            bias = biases[f"layer_{i}"]["moe"]["bias"]
+            biases[f"layer_{i}"] = {**biases[f"layer_{i}"], "moe": {"bias": moved_bias(moe, bias, tokens[i])}}
+    return {**model_state, ROUTER_STATE: biases}
 
 
 def _with_experts(cfg: DecoderConfig, ce: LossSum, stats: Any) -> Any:
@@ -230,8 +277,8 @@ def _data_ranks() -> tuple[str, ...]:
 
 
 def _tied_per_rank(
-    model: Any, params: Any, rows: tuple, axes: tuple[str, ...], balanced: bool, vocab_chunk: int | None
-) -> jax.Array:
+    model: Any, variables: Any, rows: tuple, axes: tuple[str, ...], balanced: bool, vocab_chunk: int | None
+) -> tuple[Any, Any]:
     """:func:`lm_loss` for a tied embedding on a data-parallel mesh: the lookup and the head use one copy of the
     table per data-parallel rank (a broadcast on a new leading dim split over the data axes), so that the two
     gradients meet on each rank and the table's gradient crosses the data axes once. Used twice by the
@@ -240,13 +287,13 @@ def _tied_per_rank(
     inputs, positions, segment_ids, targets, w, routed = rows
     mesh = dict(jax.sharding.get_abstract_mesh().shape)
     n = math.prod(mesh[a] for a in axes)
-    table = comm.gathered(nn.unbox(params)["embedding"], ("embedding",))
+    table = comm.gathered(nn.unbox(variables["params"])["embedding"], ("embedding",))
     copies = jnp.broadcast_to(table[None], (n, *table.shape))
     copies = jax.lax.with_sharding_constraint(copies, P(axes, P.UNCONSTRAINED, P.UNCONSTRAINED))
     by_rank = lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:])  # noqa: E731 - rows split over the axes
     embeds = jax.vmap(lambda e, t: jnp.take(e, t, axis=0), spmd_axis_name=axes)(copies, by_rank(inputs))
     hidden, stats = _hidden(
-        model, params, inputs, positions, segment_ids, load_balanced=balanced, router_mask=routed,
+        model, variables, inputs, positions, segment_ids, load_balanced=balanced, router_mask=routed,
         inputs_embeds=embeds.reshape(*inputs.shape, -1),
     )  # fmt: skip
 
@@ -258,7 +305,7 @@ def _tied_per_rank(
             return cross_entropy_sum(h, e.T, t, wt, vocab_chunk)
 
     total = jax.vmap(one, spmd_axis_name=axes)(copies, by_rank(hidden), by_rank(targets), by_rank(w))
-    return _with_experts(model.cfg, LossSum(jnp.sum(total), jnp.sum(w)), stats)
+    return _with_experts(model.cfg, LossSum(jnp.sum(total), jnp.sum(w)), stats), stats
 
 
 def _pipelined_sum(

@@ -25,26 +25,47 @@ F32 = jnp.float32
 BALANCE_LOSSES = {
     "per-layer": "the mean over layers of each layer's E x sum_e f_le P_le",
     "pooled": "E x sum_e mean_l(f_le) x mean_l(P_le): the routers pooled first (Hugging Face's Mixtral, Qwen-MoE)",
+    "per-sequence": "the mean over layers and rows of E x sum_e f_lbe P_lbe (DeepSeek-V3's sequence-wise loss x top_k)",
 }
-"""How :class:`MoE`'s load-balancing loss combines the layers (``MoE(balance_loss=...)``)."""
+"""How :class:`MoE`'s load-balancing loss combines the layers and rows (``MoE(balance_loss=...)``)."""
+
+SCORINGS = {
+    "softmax": "softmax(logits): Mixtral, Qwen-MoE, DeepSeek-V2",
+    "sigmoid": "sigmoid(logits), each expert on its own: DeepSeek-V3",
+}
+"""The router's scores (``MoE(scoring=...)``); the top-k choice and the gates read them."""
+
+ROUTER_STATE = "router"
+"""The linen collection of the routers' selection biases (``MoE(bias_update_rate=...)``): model state, not
+parameters (:class:`zjax.TrainState`'s ``model_state``)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class MoE:
     """A mixture-of-experts feed-forward layer in every decoder layer (``DecoderConfig(moe=MoE(...))``).
 
-    Each token's router probabilities are ``softmax(h @ router)`` (fp32); the token goes to its ``top_k``
-    most probable experts, their outputs weighted by those probabilities, renormalized to sum to 1 when
-    ``normalize_top_k`` (Mixtral, Qwen3-MoE; the same as a softmax over the top-k logits) and as they are
-    otherwise (Qwen2-MoE). ``mlp`` is each expert's hidden size (default: the decoder's ``mlp``);
-    ``shared_mlp > 0`` adds a shared SwiGLU expert of that size that every token passes through, scaled by
-    ``sigmoid(h @ shared_gate)`` (Qwen2-MoE). ``capacity_factor`` (default ``None``: dropless) caps each expert
+    Each token's router scores are ``softmax(h @ router)`` or, with ``scoring="sigmoid"``, ``sigmoid(h @ router)``
+    (fp32, :data:`SCORINGS`); the token goes to its ``top_k`` highest-scoring experts, their outputs weighted by
+    those scores, renormalized to sum to 1 when ``normalize_top_k`` (Mixtral, Qwen3-MoE, DeepSeek-V3; for softmax
+    the same as a softmax over the top-k logits) and as they are otherwise (Qwen2-MoE), then times
+    ``routed_scale`` (DeepSeek's ``routed_scaling_factor``). With ``groups > 1`` the experts form ``groups``
+    equal groups (consecutive experts: on an ``ep`` mesh a group lies on one rank when ``groups`` is a multiple
+    of ``ep``) and a token chooses among the ``top_groups`` groups whose two best scores sum highest (DeepSeek-V3's
+    group-limited routing: a token's rows reach at most ``top_groups`` groups). ``bias_update_rate`` (``None``:
+    no bias) adds a per-expert bias to the scores for the choice only (DeepSeek-V3's auxiliary-loss-free
+    balancing): model state in the :data:`ROUTER_STATE` collection, moved after each loss by ``rate x sign(mean
+    load - load)`` over the tokens counted (0: kept as loaded). ``mlp`` is each expert's hidden size (default:
+    the decoder's ``mlp``); ``shared_mlp > 0`` adds a shared SwiGLU expert of that size that every token passes
+    through, scaled by ``sigmoid(h @ shared_gate)`` (Qwen2-MoE) or, ``shared_gate=False``, added as it is
+    (DeepSeek). ``capacity_factor`` (default ``None``: dropless) caps each expert
     at :func:`zjax.experts.capacity` rows of each device's tokens. The loss adds
     ``load_balance_weight x`` the load-balancing loss (Switch Transformer's ``E x sum_e f_e P_e`` with ``f_e``
     the fraction of tokens that chose expert ``e`` and ``P_e`` its mean probability; ``top_k`` when perfectly
-    balanced), the layers combined as ``balance_loss`` says (:data:`BALANCE_LOSSES`: ``"per-layer"``, the mean
-    of each layer's loss, or ``"pooled"``, each expert's ``f`` and ``P`` averaged over layers first, as Hugging
-    Face's Mixtral computes it), and ``z_loss_weight x`` the router z-loss (``mean(logsumexp(logits)^2)``,
+    balanced; ``P`` from the normalized scores ``s / sum(s)`` under sigmoid scoring), the layers combined as
+    ``balance_loss`` says (:data:`BALANCE_LOSSES`: ``"per-layer"``, the mean of each layer's loss, ``"pooled"``,
+    each expert's ``f`` and ``P`` averaged over layers first, as Hugging Face's Mixtral computes it, or
+    ``"per-sequence"``, each row's own loss averaged, DeepSeek-V3's complementary loss times ``top_k``), and
+    ``z_loss_weight x`` the router z-loss (``mean(logsumexp(logits)^2)``,
     ST-MoE) averaged over layers. The routers count the tokens whose ``loss_mask`` is nonzero (padding is not
     routed traffic; :func:`zjax.models.lm_loss`). ``exchange`` picks how rows cross
     ``ep`` and ``grouped`` the grouped matmul (:func:`zjax.experts.expert_mlp`; both by platform by default).
@@ -59,6 +80,12 @@ class MoE:
     load_balance_weight: float = 0.01
     z_loss_weight: float = 0.0
     balance_loss: str = "per-layer"
+    scoring: str = "softmax"
+    routed_scale: float = 1.0
+    groups: int = 1
+    top_groups: int | None = None
+    shared_gate: bool = True
+    bias_update_rate: float | None = None
     exchange: str | None = None
     grouped: str | None = None
 
@@ -86,10 +113,37 @@ class MoE:
                 f"MoE: balance_loss={self.balance_loss!r}; use one of {list(BALANCE_LOSSES)} (how the layers' "
                 "load-balancing losses combine)."
             )
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"MoE: scoring={self.scoring!r}; use one of {list(SCORINGS)}.")
+        if not self.routed_scale > 0:
+            raise ValueError(f"MoE: routed_scale={self.routed_scale} must be > 0 (it multiplies the gates).")
+        if not isinstance(self.groups, int) or self.groups < 1 or self.experts % self.groups:
+            raise ValueError(
+                f"MoE: groups={self.groups!r} must be a positive int dividing experts={self.experts} (the experts "
+                "form equal groups of consecutive experts)."
+            )
+        top_groups = self.routed_groups
+        if not 1 <= top_groups <= self.groups:
+            raise ValueError(f"MoE: top_groups={self.top_groups} must be in 1..groups={self.groups}, or None (all).")
+        if self.top_k > top_groups * (self.experts // self.groups):
+            raise ValueError(
+                f"MoE: top_k={self.top_k} experts cannot come from top_groups={top_groups} groups of "
+                f"{self.experts // self.groups}; raise top_groups or lower top_k."
+            )
+        if self.bias_update_rate is not None and not self.bias_update_rate >= 0:
+            raise ValueError(
+                f"MoE: bias_update_rate={self.bias_update_rate} must be >= 0 (0: a bias kept as loaded), or None "
+                "(no selection bias)."
+            )
         if self.exchange is not None and self.exchange not in EXCHANGES:
             raise ValueError(f"MoE: exchange={self.exchange!r}; use one of {list(EXCHANGES)} or None (by platform).")
         if self.grouped is not None and self.grouped not in GROUPED:
             raise ValueError(f"MoE: grouped={self.grouped!r}; use one of {list(GROUPED)} or None (by platform).")
+
+    @property
+    def routed_groups(self) -> int:
+        """The groups a token's experts come from (``top_groups``, all ``groups`` by default)."""
+        return self.groups if self.top_groups is None else self.top_groups
 
     def expert_mlp(self, dense_mlp: int) -> int:
         return dense_mlp if self.mlp is None else self.mlp
@@ -98,7 +152,7 @@ class MoE:
         """``(expert, dense)`` parameters of one layer's MoE: the experts' matrices, and the router and shared
         expert (held like any dense parameter)."""
         experts = self.experts * 3 * embed * self.expert_mlp(dense_mlp)
-        shared = (3 * embed * self.shared_mlp + embed) if self.shared_mlp else 0
+        shared = (3 * embed * self.shared_mlp + embed * self.shared_gate) if self.shared_mlp else 0
         return experts, embed * self.experts + shared
 
     def active_per_layer(self, embed: int, dense_mlp: int) -> int:
@@ -109,7 +163,8 @@ class MoE:
     def aux_losses(self, stats: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         """``(load_balance, z_loss)``, scalars, from the routers' sums (:class:`MoELayer`'s ``stats``, stacked per
         layer) over the ``N_l`` tokens each layer counted: the load-balancing loss as :attr:`balance_loss` combines
-        the layers (:data:`BALANCE_LOSSES`, with ``f_le = tokens_le / N_l`` and ``P_le = probs_le / N_l``) and
+        the layers (:data:`BALANCE_LOSSES`, with ``f_le = tokens_le / N_l`` and ``P_le = probs_le / N_l``; per
+        sequence, the rows' sums of ``f_lbe P_lbe`` over the rows that counted a token) and
         the mean over layers of ``z_l / N_l``. Computed from sums, they are the same however the tokens were split
         on the way (microbatches of a pipeline, data-parallel ranks); a layer that counted no token adds 0."""
         count = stats["count"]
@@ -118,6 +173,9 @@ class MoE:
             total = jnp.maximum(jnp.sum(count), 1.0)
             share, prob = jnp.sum(stats["tokens"], axis=0) / total, jnp.sum(stats["probs"], axis=0) / total
             balance = self.experts * jnp.sum(share * prob)
+        elif self.balance_loss == "per-sequence":
+            rows = stats["rows"]
+            balance = jnp.mean(self.experts * stats["row_balance"] / jnp.where(rows > 0, rows, 1.0))
         else:
             balance = jnp.mean(self.experts * jnp.sum(stats["tokens"] * stats["probs"], axis=-1) / (safe * safe))
         return balance, jnp.mean(stats["z"] / safe)
@@ -149,9 +207,22 @@ class MoELayer(nn.Module):
         f = m.expert_mlp(self.dense_mlp)
         router = param(self, "router", (e, m.experts), ("embed", None))
         logits = h.astype(F32) @ router.astype(F32)  # [batch, seq, experts]
-        probs = jax.nn.softmax(logits, axis=-1)
-        top, ids = jax.lax.top_k(probs, m.top_k)
-        gates = top / jnp.sum(top, axis=-1, keepdims=True) if m.normalize_top_k else top
+        if m.scoring == "sigmoid":
+            scores = jax.nn.sigmoid(logits)
+            probs = scores / jnp.sum(scores, axis=-1, keepdims=True)  # the balance loss's P
+        else:
+            scores = probs = jax.nn.softmax(logits, axis=-1)
+        choice = scores
+        if m.bias_update_rate is not None:  # selection only: the gates read the scores
+            bias = self.variable(ROUTER_STATE, "bias", jnp.zeros, (m.experts,), F32).value
+            choice = choice + jax.lax.stop_gradient(bias.astype(F32))
+        if m.groups > 1:
+            choice = _within_top_groups(choice, m.groups, m.routed_groups)
+        _, ids = jax.lax.top_k(choice, m.top_k)
+        top = jnp.take_along_axis(scores, ids, axis=-1)
+        if m.normalize_top_k:
+            top = top / (jnp.sum(top, axis=-1, keepdims=True) + (1e-20 if m.scoring == "sigmoid" else 0.0))
+        gates = top * m.routed_scale if m.routed_scale != 1.0 else top
         held = experts_held(m.experts)  # in a pipeline's stage over ep: its rank's experts
         w_gate = param(self, "w_gate", (held, e, f), ("expert", "embed", "mlp"))
         w_up = param(self, "w_up", (held, e, f), ("expert", "embed", "mlp"))
@@ -168,15 +239,43 @@ class MoELayer(nn.Module):
                 param(self, "shared_up", (e, s), ("embed", "mlp")),
                 param(self, "shared_down", (s, e), ("mlp", "embed")),
             )
-            weight = jax.nn.sigmoid(h.astype(F32) @ param(self, "shared_router", (e, 1), ("embed", None)).astype(F32))
-            out = out + (weight * shared.astype(F32)).astype(out.dtype)
+            if m.shared_gate:
+                gate = param(self, "shared_router", (e, 1), ("embed", None)).astype(F32)
+                shared = jax.nn.sigmoid(h.astype(F32) @ gate) * shared.astype(F32)
+            out = out + shared.astype(out.dtype)
         # sums over the tokens (MoE.aux_losses turns them into the losses), so that parts of a batch add up
         w = jnp.ones(ids.shape[:2], F32) if mask is None else mask.astype(F32)
+        row_tokens = jnp.einsum("bs,bske->be", w, jax.nn.one_hot(ids, m.experts, dtype=F32))
+        row_probs = jnp.einsum("bs,bse->be", w, probs)
+        row_count = jnp.sum(w, axis=1)
+        row_balance = jnp.sum(row_tokens * row_probs, axis=-1) / jnp.where(row_count > 0, row_count, 1.0) ** 2
         stats = {
-            "tokens": jnp.einsum("bs,bske->e", w, jax.nn.one_hot(ids, m.experts, dtype=F32)),
-            "probs": jnp.einsum("bs,bse->e", w, probs),
+            "tokens": jnp.sum(row_tokens, axis=0),
+            "probs": jnp.sum(row_probs, axis=0),
             "z": jnp.sum(w * jax.nn.logsumexp(logits, axis=-1) ** 2),
-            "count": jnp.sum(w),
+            "count": jnp.sum(row_count),
+            "row_balance": jnp.sum(row_balance),  # per-sequence loss: sum over rows of sum_e f_be P_be
+            "rows": jnp.sum((row_count > 0).astype(F32)),
             "dropped": dropped,
         }
         return out, stats
+
+
+def _within_top_groups(choice: jax.Array, groups: int, top_groups: int) -> jax.Array:
+    """``choice [..., experts]`` with the experts outside each token's ``top_groups`` best groups at ``-inf``;
+    a group's score is the sum of its two best choices (its best alone for groups of one expert)."""
+    per = choice.shape[-1] // groups
+    grouped = choice.reshape(*choice.shape[:-1], groups, per)
+    score = jnp.sum(jax.lax.top_k(grouped, min(2, per))[0], axis=-1)  # [..., groups]
+    _, best = jax.lax.top_k(score, top_groups)
+    keep = jnp.any(best[..., :, None] == jnp.arange(groups), axis=-2)  # [..., groups]
+    return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(choice.shape)
+
+
+def moved_bias(moe: MoE, bias: jax.Array, tokens: jax.Array) -> jax.Array:
+    """DeepSeek-V3's auxiliary-loss-free update of the routers' selection ``bias [..., experts]`` from the rows
+    each expert was chosen for (``tokens``, the same shape): ``bias + rate x sign(mean_e(tokens) - tokens)``,
+    so an overloaded expert is chosen less next time and an idle one more."""
+    rate = moe.bias_update_rate or 0.0
+    load = tokens.astype(F32)
+    return bias + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)

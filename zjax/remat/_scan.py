@@ -44,7 +44,7 @@ def linen_scan(
     cls = nn.remat(block, policy=policy.jax_policy(), prevent_cse=False) if policy.remat else block
     return nn.scan(
         cls,
-        variable_axes={"params": 0},
+        variable_axes={True: 0},  # parameters and any state a layer keeps (a router's bias), one per layer
         split_rngs={"params": True, "dropout": True},
         in_axes=nn.broadcast if broadcast else 0,
         length=length,

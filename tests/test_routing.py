@@ -1,0 +1,184 @@
+"""DeepSeek-V3's routing: sigmoid scores, group-limited top-k, the routed scaling factor, shared experts without a
+gate, the per-sequence balance loss, and auxiliary-loss-free balancing by selection biases kept as model state."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zjax
+from zjax.models import ROUTER_STATE, Decoder, DecoderConfig, MoE, MoELayer, lm_loss
+
+E, D, F, S = 8, 16, 24, 12
+DEEPSEEK = MoE(
+    experts=E, top_k=2, scoring="sigmoid", groups=4, top_groups=2, routed_scale=2.5, shared_mlp=20,
+    shared_gate=False, bias_update_rate=0.01, load_balance_weight=0.0,
+)  # fmt: skip
+
+
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def _deepseek_reference(h, p, bias, moe):
+    """DeepSeek-V3's MoE in NumPy (float64): sigmoid scores, the bias added for the choice, groups scored by
+    their two best biased scores, the ``top_groups`` best kept (the others at -inf, as DeepSeek's reference code
+    masks them), top-k among those, gates the unbiased scores normalized and scaled, the shared expert added."""
+    x = h.reshape(-1, h.shape[-1]).astype(np.float64)
+    scores = 1 / (1 + np.exp(-(x @ p["router"])))
+    choice = scores + bias
+    per = E // moe.groups
+    grouped = choice.reshape(-1, moe.groups, per)
+    group_score = np.sort(grouped, axis=-1)[..., -2:].sum(-1)
+    keep = np.argsort(-group_score, axis=-1)[:, : moe.top_groups]
+    masked = np.full_like(grouped, -np.inf)
+    for t in range(x.shape[0]):
+        masked[t, keep[t]] = grouped[t, keep[t]]
+    ids = np.argsort(-masked.reshape(-1, E), axis=-1)[:, : moe.top_k]
+    gates = np.take_along_axis(scores, ids, -1)
+    gates = gates / gates.sum(-1, keepdims=True) * moe.routed_scale
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j, g in zip(ids[t], gates[t], strict=True):
+            out[t] += g * ((_silu(x[t] @ p["w_gate"][j]) * (x[t] @ p["w_up"][j])) @ p["w_down"][j])
+    out += (_silu(x @ p["shared_gate"]) * (x @ p["shared_up"])) @ p["shared_down"]
+    return out.reshape(h.shape), ids
+
+
+def test_deepseek_routing_equals_a_numpy_reference_and_keeps_each_token_within_its_groups():
+    layer = MoELayer(DEEPSEEK, D, F)
+    h = jax.random.normal(jax.random.key(0), (3, S, D))
+    variables = layer.init(jax.random.key(1), h)
+    assert jax.tree.map(jnp.shape, variables[ROUTER_STATE]) == {"bias": (E,)}
+    bias = np.asarray(jax.random.normal(jax.random.key(2), (E,))) * 0.05
+    variables = {"params": variables["params"], ROUTER_STATE: {"bias": jnp.asarray(bias)}}
+    out, stats = jax.jit(layer.apply)(variables, h)
+    params = {k: np.asarray(v, np.float64) for k, v in nn.unbox(variables["params"]).items()}
+    want, ids = _deepseek_reference(np.asarray(h), params, bias, DEEPSEEK)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-5)
+    assert (np.asarray(stats["tokens"]) == np.bincount(ids.ravel(), minlength=E)).all()
+    assert max(len(set(row // (E // DEEPSEEK.groups))) for row in ids) <= DEEPSEEK.top_groups
+    # the groups bind: some token's plain top-2 of the biased scores spans groups outside its best two
+    free = MoELayer(dataclasses.replace(DEEPSEEK, groups=1, top_groups=None), D, F)
+    _, free_stats = jax.jit(free.apply)(variables, h)
+    assert not np.array_equal(np.asarray(free_stats["tokens"]), np.asarray(stats["tokens"]))
+
+
+def test_the_per_sequence_balance_loss_averages_each_rows_own_loss():
+    moe = MoE(experts=E, top_k=2, scoring="sigmoid", balance_loss="per-sequence")
+    layer = MoELayer(moe, D, F)
+    h = jax.random.normal(jax.random.key(3), (2, 4, S, D))  # two layers' inputs
+    mask = (np.arange(S)[None] < np.array([S, 5, 0, 9])[:, None]).astype(np.float32)  # row 2: no token counts
+    want = []
+    stats = []
+    for i in range(2):
+        params = layer.init(jax.random.key(i), h[i])["params"]
+        _, st = layer.apply({"params": params}, h[i], jnp.asarray(mask))
+        stats.append(st)
+        scores = 1 / (1 + np.exp(-np.asarray(h[i] @ nn.unbox(params)["router"], np.float64)))
+        probs = scores / scores.sum(-1, keepdims=True)
+        picks = np.eye(E)[np.argsort(-scores, -1)[..., :2]].sum(-2)  # [rows, seq, E]
+        for b in range(4):
+            n = mask[b].sum()
+            if n:
+                f = (mask[b][:, None] * picks[b]).sum(0) / n
+                p = (mask[b][:, None] * probs[b]).sum(0) / n
+                want.append(E * np.sum(f * p))
+    balance, _ = moe.aux_losses(jax.tree.map(lambda *a: jnp.stack(a), *stats))
+    assert float(balance) == pytest.approx(np.mean(want), rel=1e-5)
+
+
+# -- auxiliary-loss-free balancing ----------------------------------------------------------------------------
+
+
+def _skewed_routing(rate: float, steps: int = 200, tokens: int = 4096) -> np.ndarray:
+    """A synthetic routing task: each step's token states are ``N(0, I) + u`` and the router's columns for experts
+    0 and 1 lean along ``u``, so those two take most rows. Each step routes fresh tokens and moves the biases by
+    the step's loads (:func:`zjax.models.moved_bias`). Returns each step's busiest load over the mean load."""
+    moe = MoE(experts=E, top_k=2, scoring="sigmoid", bias_update_rate=rate, load_balance_weight=0.0)
+    layer = MoELayer(moe, 32, 16)
+    u = np.array(jax.random.normal(jax.random.key(5), (32,)))
+    u /= np.linalg.norm(u)
+    params = nn.unbox(layer.init(jax.random.key(0), jnp.zeros((1, 1, 32)))["params"])
+    params["router"] = params["router"].at[:, :2].add(2.0 * jnp.asarray(u)[:, None])
+
+    def one(bias, key):
+        h = jax.random.normal(key, (1, tokens, 32)) + jnp.asarray(u)
+        _, stats = layer.apply({"params": params, ROUTER_STATE: {"bias": bias}}, h)
+        return zjax.models.moved_bias(moe, bias, stats["tokens"]), stats["tokens"].max() / stats["tokens"].mean()
+
+    run = jax.jit(lambda key: jax.lax.scan(one, jnp.zeros(E), jax.random.split(key, steps))[1])
+    return np.asarray(run(jax.random.key(1)))
+
+
+def test_selection_biases_even_out_a_skewed_router_without_an_auxiliary_loss():
+    """DeepSeek-V3's loss-free balancing on a router that sends most rows to two of eight experts: with the biases
+    moved by rate x sign(mean load - load) after each step, within 200 steps the busiest expert carries less than
+    1.2x the mean load (no auxiliary loss), and keeps there; with the update off (rate 0) it stays above 2x."""
+    on, off = _skewed_routing(0.003), _skewed_routing(0.0)
+    assert on[0] > 2.5 and off[0] > 2.5  # the skew
+    assert on[-50:].max() < 1.2, on[-50:]
+    assert off.min() > 2, off.min()
+
+
+SKEWED = DecoderConfig(
+    vocab=64, embed=32, layers=2, heads=2, head_dim=16, mlp=64, max_len=16,
+    moe=MoE(experts=E, top_k=2, scoring="sigmoid", load_balance_weight=0.0, bias_update_rate=0.01),
+)  # fmt: skip
+
+
+def _variables(cfg):
+    model = Decoder(cfg)
+    return model, zjax.Variables.linen(model.init(jax.random.key(0), jnp.zeros((1, cfg.max_len), jnp.int32)))
+
+
+def test_a_train_step_moves_the_biases_by_its_whole_batchs_loads_and_a_restore_on_another_mesh_keeps_them(tmp_path):
+    """The biases are model state: a stage-1 step on dp=2 x ep=4 moves each layer's by the loads of the whole
+    global batch (the step's ``expert_tokens``), and a checkpoint restores them bitwise on dp=8 at stage 3."""
+    model, variables = _variables(SKEWED)
+    tx = optax.adamw(1e-3)
+    plan = zjax.Plan(zjax.make_mesh(dp=2, ep=4), stage=1, precision="fp32")
+    state = plan.init(lambda r: variables, tx, jax.random.key(0))
+    step = plan.train_step(lambda p, b, model_state: lm_loss(model, p, b, model_state))
+    data = np.random.RandomState(0).randint(0, SKEWED.vocab, (3, 16, SKEWED.max_len + 1)).astype(np.int32)
+    want = jnp.zeros((SKEWED.layers, E))
+    for tokens in data:
+        state, metrics = step(state, plan.shard_batch(tokens))
+        assert float(np.sum(metrics["aux"]["expert_tokens"])) == SKEWED.layers * 16 * SKEWED.max_len * 2
+        want = zjax.models.moved_bias(SKEWED.moe, want, metrics["aux"]["expert_tokens"])
+    bias = jax.device_get(state.model_state)[ROUTER_STATE]["layers"]["moe"]["bias"]
+    np.testing.assert_array_equal(bias, want)
+    assert np.abs(bias).max() > 0
+    with zjax.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(state, plan, {"data_position": 3})
+    other = zjax.Plan(zjax.make_mesh(dp=8), stage=3, precision="fp32")
+    with zjax.Checkpointer(tmp_path) as ckpt:
+        back, _ = ckpt.restore(other, lambda r: variables, tx, jax.random.key(0))
+    np.testing.assert_array_equal(jax.device_get(back.model_state)[ROUTER_STATE]["layers"]["moe"]["bias"], bias)
+
+
+def test_bad_routing_configurations_say_what_works():
+    for bad, match in [
+        (dict(groups=3), "dividing experts=8"),
+        (dict(groups=4, top_groups=5), "top_groups=5 must be in 1..groups=4"),
+        (dict(groups=4, top_groups=1, top_k=3), "top_k=3 experts cannot come from top_groups=1 groups of 2"),
+        (dict(scoring="tanh"), "scoring='tanh'; use one of"),
+        (dict(routed_scale=0.0), "routed_scale=0.0 must be > 0"),
+        (dict(bias_update_rate=-1.0), "bias_update_rate=-1.0 must be >= 0"),
+        (dict(balance_loss="mean"), "balance_loss='mean'; use one of"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            MoE(experts=8, **bad)
+    model, variables = _variables(SKEWED)
+    tokens = jnp.zeros((2, 17), jnp.int32)
+    with pytest.raises(ValueError, match="selection biases .* model state"):
+        lm_loss(model, variables.params, tokens)
+    nested = Decoder(dataclasses.replace(SKEWED, remat="nested"))
+    with pytest.raises(ValueError, match="bias_update_rate=.* not supported under remat='nested'"):
+        lm_loss(nested, variables.params, tokens, variables.model_state)
