@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -17,7 +18,7 @@ import optax
 import pytest
 
 import zjax
-from zjax.models import DecoderConfig, RopeScaling, config_from_hf, from_hf_config, lm_loss
+from zjax.models import DecoderConfig, RopeScaling, YarnScaling, config_from_hf, from_hf_config, lm_loss
 
 from ._hf_models import flax_model, read_checkpoint, torch_layout, write_checkpoint
 
@@ -99,6 +100,40 @@ def test_rope_frequencies_worked_out_independently():
     assert (wl < 2048).any() and (wl > 8192).any() and ((wl >= 2048) & (wl <= 8192)).any()
     plain = DecoderConfig(head_dim=8, rope_theta=10000.0).rope_frequencies()
     np.testing.assert_allclose(plain, [1.0, 0.1, 0.01, 0.001], rtol=1e-6)
+
+
+def test_yarn_frequencies_and_attention_factor_worked_out_independently():
+    # DeepSeek-V3's YaRN (rotary dim 64, base 10000, factor 40, original context 4096, beta 32 and 1): the
+    # dimension index fitting r rotations in 4096 positions is 64 ln(4096 / (2 pi r)) / (2 ln 10000): 10.47 for
+    # r = 32 (rounded down: 10), 22.51 for r = 1 (rounded up: 23). Below 10 kept, from 23 on divided by 40, a
+    # linear ramp (i - 10) / 13 between. mscale = mscale_all_dim: cos and sin unscaled.
+    yarn = YarnScaling(factor=40.0, original_max_len=4096, mscale=1.0, mscale_all_dim=1.0)
+    got = DecoderConfig(head_dim=64, rope_theta=10000.0, rope_scaling=yarn).rope_frequencies()
+    for i in (0, 9, 10, 16, 22, 23, 31):
+        f = 10000.0 ** (-(2 * i) / 64)
+        ramp = min(max((i - 10) / 13, 0.0), 1.0)
+        assert got[i] == pytest.approx(f / 40 * ramp + f * (1 - ramp), rel=1e-6), i
+    assert yarn.attention_factor == 1.0
+    # Qwen3's long-context YaRN (factor 4, no mscale): 0.1 ln 4 + 1; DeepSeek-style with mscale_all_dim 0.5
+    assert YarnScaling(factor=4.0).attention_factor == pytest.approx(1.1386294361, rel=1e-9)
+    assert YarnScaling(factor=40.0, mscale=1.0, mscale_all_dim=0.5).attention_factor == pytest.approx(
+        (0.1 * math.log(40) + 1) / (0.05 * math.log(40) + 1), rel=1e-9
+    )
+
+
+def test_yarns_attention_factor_scales_the_rotated_queries_and_keys():
+    # factor 1 leaves the frequencies; an attention factor a on cos and sin is the same model as wq and wk times a
+    plain = DecoderConfig(vocab=64, embed=32, layers=1, heads=2, head_dim=16, mlp=64, max_len=16)
+    scaled = dataclasses.replace(plain, rope_scaling=YarnScaling(factor=1.0, given_attention_factor=1.7))
+    np.testing.assert_array_equal(scaled.rope_frequencies(), plain.rope_frequencies())
+    tokens = _tokens(seq=16, vocab=64)
+    params = flax.linen.unbox(zjax.models.Decoder(plain).init(jax.random.key(0), tokens)["params"])
+    layers = {**params["layers"], "wq": params["layers"]["wq"] * 1.7, "wk": params["layers"]["wk"] * 1.7}
+    want = zjax.models.Decoder(plain).apply({"params": {**params, "layers": layers}}, tokens)
+    got = zjax.models.Decoder(scaled).apply({"params": params}, tokens)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    hf = zjax.models.config_to_hf(scaled)
+    assert hf["rope_scaling"]["rope_type"] == "yarn" and config_from_hf(hf) == scaled
 
 
 def test_config_mapping_and_presets(tmp_path):

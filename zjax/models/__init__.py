@@ -3,6 +3,7 @@ its presets."""
 
 from ._config import DecoderConfig as DecoderConfig
 from ._config import RopeScaling as RopeScaling
+from ._config import YarnScaling as YarnScaling
 from ._decoder import Decoder as Decoder
 from ._hf_config import SUPPORTED_MODEL_TYPES as SUPPORTED_MODEL_TYPES
 from ._hf_config import config_from_hf as config_from_hf

@@ -26,6 +26,71 @@ class RopeScaling:
     high_freq_factor: float = 4.0
     original_max_len: int = 8192
 
+    attention_factor = 1.0  # cos and sin as they are
+
+    def frequencies(self, inv: np.ndarray, theta: float) -> np.ndarray:
+        """The scaled inverse frequencies of the unscaled ``inv`` (float64)."""
+        wavelen = 2 * math.pi / inv
+        low, high = self.original_max_len / self.low_freq_factor, self.original_max_len / self.high_freq_factor
+        smooth = (self.original_max_len / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        mid = (1 - smooth) * inv / self.factor + smooth * inv
+        return np.where(wavelen > low, inv / self.factor, np.where(wavelen < high, inv, mid))
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnScaling:
+    """YaRN's RoPE scaling (Peng et al. 2023; ``rope_scaling`` with ``rope_type: yarn``: DeepSeek-V3, Qwen3's long
+    context): the frequencies whose wavelengths fit ``original_max_len`` more than ``beta_fast`` times are kept,
+    those fitting fewer than ``beta_slow`` times divided by ``factor``, a linear ramp between (over the dimension
+    indices, rounded out when ``truncate``); cos and sin are multiplied by :attr:`attention_factor` (given, or
+    ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both are set, else ``0.1 ln(factor) + 1``),
+    as Hugging Face's ``_compute_yarn_parameters`` computes them."""
+
+    factor: float = 4.0
+    original_max_len: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    given_attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.factor > 0 or self.original_max_len < 1 or not self.beta_fast > self.beta_slow > 0:
+            raise ValueError(
+                f"YarnScaling: factor={self.factor}, original_max_len={self.original_max_len}, beta_fast="
+                f"{self.beta_fast}, beta_slow={self.beta_slow}: need factor > 0, original_max_len >= 1 and "
+                "beta_fast > beta_slow > 0."
+            )
+
+    @property
+    def attention_factor(self) -> float:
+        if self.given_attention_factor is not None:
+            return self.given_attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return _yarn_mscale(self.factor, self.mscale) / _yarn_mscale(self.factor, self.mscale_all_dim)
+        return _yarn_mscale(self.factor)
+
+    def frequencies(self, inv: np.ndarray, theta: float) -> np.ndarray:
+        """The scaled inverse frequencies of the unscaled ``inv`` ``[dim / 2]`` (float64)."""
+        dim = 2 * inv.shape[0]
+
+        def at(rotations: float) -> float:  # the dimension index whose wavelength fits that many rotations
+            return dim * math.log(self.original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = at(self.beta_fast), at(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        ramp = np.clip((np.arange(dim // 2) - low) / ((high - low) or 0.001), 0, 1)
+        return inv / self.factor * ramp + inv * (1 - ramp)
+
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
@@ -52,7 +117,7 @@ class DecoderConfig:
     remat: str = "full"
     kv_heads: int | None = None
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     qkv_bias: bool = False
@@ -118,13 +183,13 @@ class DecoderConfig:
         return sum(self.moe.params_per_layer(self.embed, self.mlp))
 
     def rope_frequencies(self) -> np.ndarray:
-        """The rotary inverse frequencies ``[head_dim / 2]`` (fp32), Llama-3.1 scaling applied."""
+        """The rotary inverse frequencies ``[head_dim / 2]`` (fp32), Llama-3.1's or YaRN's scaling applied."""
         inv = 1.0 / (self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
-        s = self.rope_scaling
-        if s is not None:
-            wavelen = 2 * math.pi / inv
-            low, high = s.original_max_len / s.low_freq_factor, s.original_max_len / s.high_freq_factor
-            smooth = (s.original_max_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-            mid = (1 - smooth) * inv / s.factor + smooth * inv
-            inv = np.where(wavelen > low, inv / s.factor, np.where(wavelen < high, inv, mid))
+        if self.rope_scaling is not None:
+            inv = self.rope_scaling.frequencies(inv, self.rope_theta)
         return inv.astype(np.float32)
+
+    @property
+    def rope_attention_factor(self) -> float:
+        """What the rotated queries and keys are multiplied by (YaRN's attention factor; 1 otherwise)."""
+        return 1.0 if self.rope_scaling is None else float(self.rope_scaling.attention_factor)

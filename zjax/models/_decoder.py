@@ -99,11 +99,14 @@ def _heads(x: jax.Array, heads: str) -> jax.Array:
     return nn.with_logical_constraint(x, ("batch", "seq", heads, "head_dim"))
 
 
-def _rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+def _rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, factor: float = 1.0) -> jax.Array:
     """Rotary position embedding of ``x [batch, seq, heads, head_dim]`` at ``positions [batch|1, seq]``
-    (the halves convention of Hugging Face's Llama checkpoints), in fp32."""
+    (the halves convention of Hugging Face's Llama checkpoints), in fp32; cos and sin times ``factor`` (YaRN's
+    attention factor)."""
     angle = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
+    if factor != 1.0:
+        sin, cos = sin * factor, cos * factor
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -146,8 +149,9 @@ class Block(nn.Module):
         inv_freq = c.rope_frequencies()
         # heads split over tp, the sequence over cp: pinned (cotangents too) so that GSPMD never reshards
         # between the sequence-split residual stream and the head-split attention by all-to-alls
-        q = _heads(_rope(checkpoint_name(q, "qkv_proj"), positions, inv_freq), "heads")
-        k = _heads(_rope(checkpoint_name(k, "qkv_proj"), positions, inv_freq), "kv_heads")
+        factor = c.rope_attention_factor
+        q = _heads(_rope(checkpoint_name(q, "qkv_proj"), positions, inv_freq, factor), "heads")
+        k = _heads(_rope(checkpoint_name(k, "qkv_proj"), positions, inv_freq, factor), "kv_heads")
         v = _heads(checkpoint_name(v, "qkv_proj"), "kv_heads")
         attn = attention(
             q, k, v, segment_ids=segment_ids, window=c.sliding_window, load_balanced=self.load_balanced,

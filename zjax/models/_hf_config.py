@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any
 
-from ._config import DecoderConfig, RopeScaling
+from ._config import DecoderConfig, RopeScaling, YarnScaling
 from ._decoder import Decoder
 from ._hf_moe import MOE_MODEL_TYPES, moe_from_hf, moe_to_hf
 from ._hf_moe import unsupported as _unsupported
@@ -86,7 +86,7 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json", **overrides:
     if family.window == "qwen" and hf.get("use_sliding_window"):
         raise _unsupported(source, "use_sliding_window=true (Qwen's per-layer windows)")
     scaling = hf.get("rope_scaling")
-    rope_scaling = None
+    rope_scaling: RopeScaling | YarnScaling | None = None
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind == "default":
@@ -98,8 +98,24 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json", **overrides:
                 high_freq_factor=float(scaling["high_freq_factor"]),
                 original_max_len=int(scaling["original_max_position_embeddings"]),
             )
+        elif kind == "yarn":
+            optional = {
+                "mscale": "mscale",
+                "mscale_all_dim": "mscale_all_dim",
+                "attention_factor": "given_attention_factor",
+            }
+            rope_scaling = YarnScaling(
+                factor=float(scaling["factor"]),
+                original_max_len=int(scaling.get("original_max_position_embeddings") or hf["max_position_embeddings"]),
+                beta_fast=float(scaling.get("beta_fast") or 32.0),
+                beta_slow=float(scaling.get("beta_slow") or 1.0),
+                truncate=bool(scaling.get("truncate", True)),
+                **{
+                    ours: float(scaling[theirs]) for theirs, ours in optional.items() if scaling.get(theirs) is not None
+                },
+            )
         else:
-            raise _unsupported(source, f"rope_scaling of type {kind!r} (supported: 'llama3')")
+            raise _unsupported(source, f"rope_scaling of type {kind!r} (supported: 'llama3', 'yarn')")
     heads = int(hf["num_attention_heads"])
     try:
         fields: dict[str, Any] = dict(
@@ -193,15 +209,7 @@ def config_to_hf(cfg: DecoderConfig, dtype: str = "bfloat16", model_type: str | 
         "max_position_embeddings": cfg.max_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None
-        if s is None
-        else {
-            "rope_type": "llama3",
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_len,
-        },
+        "rope_scaling": _rope_scaling_to_hf(s),
         "tie_word_embeddings": cfg.tie_embeddings,
         "torch_dtype": dtype,
     }
@@ -224,3 +232,27 @@ def from_hf_config(path: str | os.PathLike, **overrides: Any) -> Decoder:
     ``overrides`` set zjax's own fields, e.g. ``from_hf_config(dir, remat="dots")``.
     """
     return Decoder(config_from_hf(read_hf_config(path), config_path(path), **overrides))
+
+
+def _rope_scaling_to_hf(s: RopeScaling | YarnScaling | None) -> dict[str, Any] | None:
+    """A Hugging Face config's ``rope_scaling`` entry of ``s``."""
+    if s is None:
+        return None
+    if isinstance(s, YarnScaling):
+        out: dict[str, Any] = {
+            "rope_type": "yarn",
+            "factor": s.factor,
+            "original_max_position_embeddings": s.original_max_len,
+            "beta_fast": s.beta_fast,
+            "beta_slow": s.beta_slow,
+            "truncate": s.truncate,
+        }
+        given = {"mscale": s.mscale, "mscale_all_dim": s.mscale_all_dim, "attention_factor": s.given_attention_factor}
+        return {**out, **{k: v for k, v in given.items() if v is not None}}
+    return {
+        "rope_type": "llama3",
+        "factor": s.factor,
+        "low_freq_factor": s.low_freq_factor,
+        "high_freq_factor": s.high_freq_factor,
+        "original_max_position_embeddings": s.original_max_len,
+    }
