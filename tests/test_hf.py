@@ -322,8 +322,8 @@ def test_errors(bf16_ckpt, tmp_path):
     with pytest.raises(ValueError, match=r"num_kv_heads: model 4, checkpoint 2"):
         zjax.hf.load(bf16_ckpt, plan, other, TX)
 
-    with pytest.raises(ValueError, match="rope_scaling of type 'yarn'"):
-        config_from_hf({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match=r"rope_scaling of type 'dynamic' \(supported: 'llama3', 'yarn'\)"):
+        config_from_hf({**hf, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
 
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "config.json").write_text(json.dumps(hf))

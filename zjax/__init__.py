@@ -11,6 +11,7 @@ from . import core as core
 from . import data as data
 from . import distributed as distributed
 from . import experts as experts
+from . import fp8 as fp8
 from . import hf as hf
 from . import metrics as metrics
 from . import models as models
@@ -56,6 +57,7 @@ __all__ = [
     "data",
     "distributed",
     "experts",
+    "fp8",
     "hf",
     "make_mesh",
     "metrics",

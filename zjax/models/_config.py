@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from ..context import CONTEXT_MODES
+from ..fp8 import MATMULS
 from ._moe import MoE
 
 
@@ -103,7 +104,9 @@ class DecoderConfig:
     of other ``cp`` ranks (``"all-gather"`` or ``"ring"``, :func:`zjax.context.attention`). ``scan`` stacks
     layers with ``nn.scan``; ``remat`` names the checkpointing policy of each layer (:data:`zjax.remat.POLICIES`).
     ``qk_norm`` RMS-normalizes each query and key head before RoPE (Qwen3). ``moe`` (:class:`MoE`) makes every
-    layer's feed-forward block a mixture of experts.
+    layer's feed-forward block a mixture of experts. ``matmul="fp8-current"`` runs the attention and dense MLP
+    projections as fp8 products with current scaling (:func:`zjax.fp8.matmul`; the embedding, the head, the
+    router and the experts stay in the compute dtype).
     """
 
     vocab: int = 256
@@ -125,6 +128,7 @@ class DecoderConfig:
     context_mode: str = "all-gather"
     qk_norm: bool = False
     moe: MoE | None = None
+    matmul: str = "default"
 
     def __post_init__(self) -> None:
         for name in ("vocab", "embed", "layers", "heads", "head_dim", "mlp", "max_len"):
@@ -145,6 +149,10 @@ class DecoderConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"DecoderConfig: sliding_window={self.sliding_window} must be >= 1 or None.")
+        if self.matmul not in MATMULS:
+            raise ValueError(
+                f"DecoderConfig: matmul={self.matmul!r}; use one of {list(MATMULS)} (the projections' matrix products)."
+            )
         if self.moe is not None and not isinstance(self.moe, MoE):
             raise TypeError(f"DecoderConfig: moe={self.moe!r} must be a zjax.models.MoE or None (a dense decoder).")
 

@@ -26,11 +26,12 @@ from jax.sharding import PartitionSpec
 from .. import comm, pipeline
 from ..context import attention, check_sequence, context_size, load_balance
 from ..experts._dispatch import local_experts
+from ..fp8 import matmul as fp8_matmul
 from ..remat import RematPolicy, gather_checkpoint, linen_scan, nested_scan, partition_checkpoint
-from ..sharding._axes import DP, EP
+from ..sharding._axes import EP
 from ..sharding._rules import RESIDUAL_SEQ
 from ._config import DecoderConfig
-from ._moe import MoELayer
+from ._moe import ROUTER_MASK_UNDER_PIPELINE, MoELayer, check_experts_in_pipeline
 from ._params import param
 
 
@@ -135,9 +136,10 @@ class Block(nn.Module):
         wv = param(self, "wv", kv_shape, ("embed", "kv_heads", "head_dim"))
         wo = param(self, "wo", (c.heads, c.head_dim, c.embed), ("heads", "head_dim", "embed"))
         h = _region(RMSNorm(c.embed, c.norm_eps, name="attn_norm")(x))
-        q = jnp.einsum("bse,ehd->bshd", h, wq)
-        k = jnp.einsum("bse,ehd->bshd", h, wk)
-        v = jnp.einsum("bse,ehd->bshd", h, wv)
+        fp8 = c.matmul == "fp8-current"  # the projections' products in fp8 (zjax.fp8.matmul)
+        q = fp8_matmul(h, wq) if fp8 else jnp.einsum("bse,ehd->bshd", h, wq)
+        k = fp8_matmul(h, wk) if fp8 else jnp.einsum("bse,ehd->bshd", h, wk)
+        v = fp8_matmul(h, wv) if fp8 else jnp.einsum("bse,ehd->bshd", h, wv)
         if c.qkv_bias:
             zeros = nn.initializers.zeros
             q = q + param(self, "bq", q_shape[1:], ("heads", "head_dim"), zeros).astype(q.dtype)
@@ -158,7 +160,8 @@ class Block(nn.Module):
             context_mode=c.context_mode,  # type: ignore[arg-type]  # validated in DecoderConfig
         )  # fmt: skip
         attn = _heads(attn, "heads")
-        x = _constrain(x + checkpoint_name(_leave(jnp.einsum("bshd,hde->bse", attn, wo)), "out_proj"))
+        out = fp8_matmul(attn, wo, contract=2) if fp8 else jnp.einsum("bshd,hde->bse", attn, wo)
+        x = _constrain(x + checkpoint_name(_leave(out), "out_proj"))
 
         h = _region(RMSNorm(c.embed, c.norm_eps, name="mlp_norm")(x))
         stats = None
@@ -167,9 +170,10 @@ class Block(nn.Module):
             w_up = param(self, "w_up", (c.embed, c.mlp), ("embed", "mlp"))
             w_down = param(self, "w_down", (c.mlp, c.embed), ("mlp", "embed"))
             mlp = ("batch", "seq", "mlp")
-            gate = nn.with_logical_constraint(checkpoint_name(h @ w_gate, "mlp_in"), mlp)
-            up = nn.with_logical_constraint(checkpoint_name(h @ w_up, "mlp_in"), mlp)
-            y = _leave((jax.nn.silu(gate) * up) @ w_down)
+            dot = fp8_matmul if fp8 else jnp.matmul
+            gate = nn.with_logical_constraint(checkpoint_name(dot(h, w_gate), "mlp_in"), mlp)
+            up = nn.with_logical_constraint(checkpoint_name(dot(h, w_up), "mlp_in"), mlp)
+            y = _leave(dot(jax.nn.silu(gate) * up, w_down))
         else:
             y, stats = MoELayer(c.moe, c.embed, c.mlp, name="moe")(h, router_mask)
         x = x + checkpoint_name(y, "mlp_out")
@@ -314,13 +318,6 @@ PACKED_UNDER_PIPELINE = (
 )
 
 
-ROUTER_MASK_UNDER_PIPELINE = (
-    "Decoder: a loss_mask with a mixture of experts under pipeline parallelism is not supported yet: the routers' "
-    "statistics leave out the masked tokens, and the mask does not travel through the pipeline's stages. Train "
-    "with pp=1, or without a loss_mask (every token then counts in the load-balancing loss)."
-)
-
-
 def pipeline_stage_fn(
     c: DecoderConfig, *, packed: bool = False, load_balanced: bool = False, at: tuple[str, ...] = ("layers",)
 ) -> Callable[[Any, jax.Array], Any]:
@@ -339,7 +336,7 @@ def pipeline_stage_fn(
     if not c.scan:
         raise ValueError("Decoder: pipeline parallelism needs scan=True (layers stacked on one axis).")
     if c.moe is not None:
-        _check_experts_in_pipeline(schedule)
+        check_experts_in_pipeline(schedule)
     if packed:
         raise ValueError(PACKED_UNDER_PIPELINE)
     if policy.partition:
@@ -364,34 +361,6 @@ def pipeline_stage_fn(
         return h if c.moe is None else (h, stats)
 
     return pipeline.scan_layers(layer, policy, outputs=c.moe is not None)
-
-
-def _check_experts_in_pipeline(schedule: Any) -> None:
-    """A mixture of experts runs in GPipe and the circular schedule.
-
-    Its load-balancing loss multiplies each expert's token share by its mean probability over the whole batch,
-    so the gradient of any microbatch's router needs every microbatch's routing: GPipe's backward starts after
-    the last forward and gets it exactly (the stages carry the routers' sums); a table schedule runs some
-    backward passes first.
-    """
-    if schedule is None:
-        return
-    if schedule.tabled:
-        raise ValueError(
-            f"Decoder: a mixture-of-experts model under the table schedule {schedule.schedule!r} is not supported: "
-            "its load-balancing loss couples every microbatch's routing, which a schedule that starts backward "
-            "passes before the last forward cannot see. Use schedule='gpipe' (or the circular gpipe, repeats > 1)."
-        )
-    sizes = jax.sharding.get_abstract_mesh().shape
-    if int(sizes.get(EP, 1)) > 1 and int(sizes.get(DP, 1)) > 1 and schedule.zero3_gather == "layer":
-        # measured, jax 0.10.2: experts split over a manual ep and a GSPMD dp inside the stage abort XLA's SPMD
-        # partitioner (a failed check in spmd_partitioner_util.cc, the process killed)
-        raise ValueError(
-            f"Decoder: a mixture-of-experts model with {EP}={sizes[EP]} under pipeline parallelism needs "
-            f"Pipeline(zero3_gather='step') (the stage's weights gathered over {DP} once per step); "
-            "zero3_gather='layer' (the default at stages 2 and 3) keeps them split over dp inside the stage, "
-            "which XLA's partitioner cannot combine with the experts' ep split."
-        )
 
 
 def output_head(cfg: DecoderConfig, params) -> jax.Array:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from ..experts import EXCHANGES, GROUPED, expert_mlp
 from ..experts._dispatch import experts_held
+from ..sharding._axes import DP, EP
 from ._params import param
 
 F32 = jnp.float32
@@ -279,3 +280,38 @@ def moved_bias(moe: MoE, bias: jax.Array, tokens: jax.Array) -> jax.Array:
     rate = moe.bias_update_rate or 0.0
     load = tokens.astype(F32)
     return bias + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+
+
+ROUTER_MASK_UNDER_PIPELINE = (
+    "Decoder: a loss_mask with a mixture of experts under pipeline parallelism is not supported yet: the routers' "
+    "statistics leave out the masked tokens, and the mask does not travel through the pipeline's stages. Train "
+    "with pp=1, or without a loss_mask (every token then counts in the load-balancing loss)."
+)
+
+
+def check_experts_in_pipeline(schedule: Any) -> None:
+    """A mixture of experts runs in GPipe and the circular schedule.
+
+    Its load-balancing loss multiplies each expert's token share by its mean probability over the whole batch,
+    so the gradient of any microbatch's router needs every microbatch's routing: GPipe's backward starts after
+    the last forward and gets it exactly (the stages carry the routers' sums); a table schedule runs some
+    backward passes first.
+    """
+    if schedule is None:
+        return
+    if schedule.tabled:
+        raise ValueError(
+            f"Decoder: a mixture-of-experts model under the table schedule {schedule.schedule!r} is not supported: "
+            "its load-balancing loss couples every microbatch's routing, which a schedule that starts backward "
+            "passes before the last forward cannot see. Use schedule='gpipe' (or the circular gpipe, repeats > 1)."
+        )
+    sizes = jax.sharding.get_abstract_mesh().shape
+    if int(sizes.get(EP, 1)) > 1 and int(sizes.get(DP, 1)) > 1 and schedule.zero3_gather == "layer":
+        # measured, jax 0.10.2: experts split over a manual ep and a GSPMD dp inside the stage abort XLA's SPMD
+        # partitioner (a failed check in spmd_partitioner_util.cc, the process killed)
+        raise ValueError(
+            f"Decoder: a mixture-of-experts model with {EP}={sizes[EP]} under pipeline parallelism needs "
+            f"Pipeline(zero3_gather='step') (the stage's weights gathered over {DP} once per step); "
+            "zero3_gather='layer' (the default at stages 2 and 3) keeps them split over dp inside the stage, "
+            "which XLA's partitioner cannot combine with the experts' ep split."
+        )

@@ -8,6 +8,7 @@ from ._fit import Candidate as Candidate
 from ._fit import Fit as Fit
 from ._fit import describe_skipped as describe_skipped
 from ._fit import fit as fit
+from ._gemms import count_gemms as count_gemms
 from ._hlo import Communication as Communication
 from ._hlo import count_collectives as count_collectives
 from ._models import resolve_model as resolve_model
