@@ -277,7 +277,7 @@ def _typed(value: Any, hint: Any, dotted: str, base: Path, where: str) -> Any:
         return str(value)
     if kind is Path and isinstance(value, str | Path):
         return Path(value) if Path(value).is_absolute() else base / value
-    if origin is tuple and isinstance(value, list) and len(value) == len(typing.get_args(kind)):
+    if origin is tuple and isinstance(value, list | tuple) and len(value) == len(typing.get_args(kind)):
         return tuple(value)
     name = getattr(kind, "__name__", str(kind)).replace("Path", "path (text)")
     raise ValueError(f"{where}{dotted} = {value!r}: expected {name}{' or nothing' if optional else ''}.")

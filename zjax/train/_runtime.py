@@ -69,8 +69,6 @@ def runtime(config: LoopConfig, argv: Sequence[str] | None = None) -> Iterator[d
         )
     else:
         simulate_cpu_devices(config.cpu_devices)  # before the backend starts; threads for its collectives
-        with filtered_stderr():  # the CUDA plugin's driver probe, on a machine without a GPU
-            jax.devices()
     if config.compilation_cache is not None:  # a resumed job reuses its compiled steps
         jax.config.update("jax_compilation_cache_dir", str(config.compilation_cache))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every step, however fast it compiled
@@ -78,6 +76,8 @@ def runtime(config: LoopConfig, argv: Sequence[str] | None = None) -> Iterator[d
         port = distributed.free_port()  # the coordinator of a one-process job
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0)
+    with filtered_stderr():  # the backend starts here (after any initialize), without the CUDA plugin's driver probe
+        jax.devices()
     yield cluster
     if jax.distributed.is_initialized():
         jax.distributed.shutdown()
