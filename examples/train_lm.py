@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seq-len", type=int, default=128)
     add("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
     add("--remat", default="full", help="activation checkpointing policy (zjax.remat.POLICIES)")
+    add("--matmul", default="default", help="the projections' products: default or fp8-current (zjax.fp8.MATMULS)")
     add("--accum", type=int, default=1, help="gradient-accumulation microbatches per step")
     add("--offload", choices=("none", "optimizer", "optimizer+params"), default="none", help="ZeRO-Offload")
     add("--quantize-comm", default="none", help="ZeRO++: none, weights, grads, weights+grads (':int4', '@B' on a part)")
@@ -75,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 SECTIONS = {  # the example's flags -> zjax train's settings
-    "model": {"preset": "preset", "seq_len": "seq_len", "remat": "remat", "hf": "hf"},
+    "model": {"preset": "preset", "seq_len": "seq_len", "remat": "remat", "matmul": "matmul", "hf": "hf"},
     "data": {"data": "path", "tokenizer": "tokenizer", "batch_size": "batch_size", "eval_fraction": "eval_fraction",
              "seed": "seed"},
     "plan": {"stage": "stage", "precision": "precision", "accum": "accum", "offload": "offload",

@@ -66,6 +66,7 @@ def test_print_config_writes_the_settings_a_run_file_reads_back_from_any_directo
         (["data.path=missing.txt"], "missing.txt'?: no such file"),
         (["plan.mesh=dp=2,pp=4", "pipeline.microbatches=2"], "Use at least 4 microbatches"),
         (["loop.steps=many"], "loop.steps = 'many': expected int"),
+        (["model.matmul=fp4"], "model.matmul = 'fp4': use one of default, fp8-current"),
         (["missing.toml"], "config file missing.toml: no such file"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     ],
@@ -75,6 +76,13 @@ def test_a_mistake_is_one_line_and_status_2_before_anything_starts(argv, message
     assert code == 2
     assert len(out.splitlines()) <= 2, out
     assert any(m in out for m in (message, message.replace("'?", "'"))), out
+
+
+def test_the_model_sections_matmul_reaches_the_decoder():
+    from zjax.train._lm import build_model
+
+    cfg = zjax.train.RunConfig().override(["model.matmul=fp8-current", "model.preset=tiny"])
+    assert build_model(cfg, zjax.data.load_tokenizer(None)).matmul == "fp8-current"
 
 
 def test_a_missing_extra_names_its_pip_command_before_anything_starts(monkeypatch, capsys, tmp_path):

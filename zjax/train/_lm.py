@@ -144,10 +144,11 @@ def build_data(cfg: RunConfig, model_cfg: Any, tok: Any, pipelined: bool, log: C
 
 def build_model(cfg: RunConfig, tok: Any) -> Any:
     """The model's config: a preset sized to the tokenizer and ``model.seq_len``, or a Hugging Face checkpoint's."""
-    if cfg.model.hf is not None:
-        return from_hf_config(cfg.model.hf, remat=cfg.model.remat).cfg
+    m = cfg.model
+    if m.hf is not None:
+        return dataclasses.replace(from_hf_config(m.hf, remat=m.remat).cfg, matmul=m.matmul)
     vocab = -(-tok.vocab_size // 128) * 128  # padded to a multiple of 128 (it splits over tp)
-    return dataclasses.replace(PRESETS[cfg.model.preset], max_len=cfg.model.seq_len, remat=cfg.model.remat, vocab=vocab)
+    return dataclasses.replace(PRESETS[m.preset], max_len=m.seq_len, remat=m.remat, vocab=vocab, matmul=m.matmul)
 
 
 def run_lm(cfg: RunConfig, argv: Sequence[str] | None = None, log: Callable[..., None] | None = None) -> dict[str, Any]:

@@ -56,19 +56,23 @@ def _at_least(name: str, value: int, low: int) -> None:
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
     """``[model]``: ``preset`` (tiny, small, medium, moe-small), ``seq_len`` (tokens per row), ``remat`` (a policy of
-    ``zjax.remat.POLICIES``), ``hf`` (continue this Hugging Face checkpoint directory instead of a preset)."""
+    ``zjax.remat.POLICIES``), ``matmul`` (the projections' products, ``zjax.fp8.MATMULS``), ``hf`` (continue this
+    Hugging Face checkpoint directory instead of a preset)."""
 
     preset: str = "small"
     seq_len: int = 128
     remat: str = "full"
+    matmul: str = "default"
     hf: Path | None = None
 
     def __post_init__(self) -> None:
+        from ..fp8 import MATMULS
         from ..models import PRESETS
         from ..remat import POLICIES
 
         _one_of("model.preset", self.preset, PRESETS)
         _one_of("model.remat", self.remat, POLICIES)
+        _one_of("model.matmul", self.matmul, MATMULS)
         _at_least("model.seq_len", self.seq_len, 1)
 
 
