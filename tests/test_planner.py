@@ -199,6 +199,8 @@ def test_cli_errors():
     assert proc.returncode == 2 and "the following arguments are required: --model" in proc.stderr
     proc = zjax_plan("--model", "tiny", "--mesh", "dp=8", "--timeline")  # a roofline walk needs a GPU's schedule
     assert proc.returncode == 2 and "--timeline walks a GPU's schedule: give --target" in proc.stderr
+    proc = zjax_plan("--model", "tiny", "--mesh", "dp=8", "--matmul", "fp4")  # the model's own check
+    assert proc.returncode == 2 and "matmul='fp4'; use one of ['default', 'fp8-current']" in proc.stderr
 
 
 @pytest.mark.slow  # three compiles in a subprocess; the argument error below runs in the fast suite

@@ -105,6 +105,7 @@ def plan_parser(sub) -> None:
     p.add_argument("--stages", type=parse_ints, default=[0, 1, 2, 3])
     p.add_argument("--remat", default="full", help="remat policy (zjax.remat.POLICIES); comma list with --budget")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--matmul", default=None, help="the projections' products: default, fp8-current (zjax.fp8.MATMULS)")
     p.add_argument(
         "--batch-size",
         type=int,
@@ -304,6 +305,7 @@ def run_plan(args: argparse.Namespace) -> int:
                     stages=stages,
                     remat=remats[0],
                     precision=args.precision,
+                    matmul=args.matmul,
                     batch_size=batch,
                     seq_len=args.seq_len,
                     accum=accum,
@@ -337,7 +339,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 precision=args.precision, batch_size=batch, seq_len=args.seq_len, target=args.target,
                 offloads=offloads, pipeline=pipeline, schedules=names if pipeline is not None else (),
                 eps=args.ep or (), cps=args.cp or (), quantized=quantized, reduce_dtype=args.reduce_dtype,
-                compute_copy=copies[0] == "keep", hpz=hpzs[0] == "yes",
+                compute_copy=copies[0] == "keep", hpz=hpzs[0] == "yes", matmul=args.matmul,
             )  # fmt: skip
             est = type(tried[0])(**{**tried[0].__dict__, "rows": tuple(r for e in tried for r in e.rows)})
             est = dataclasses.replace(est, show_timeline=args.timeline)

@@ -241,15 +241,17 @@ def estimate(
     reduce_dtype: str | None = None,
     compute_copy: bool = True,
     hpz: bool = False,
+    matmul: str | None = None,
 ) -> Estimate:
-    """Estimate a decoder preset (``zjax.models.PRESETS``, e.g. ``"llama2-7b"``) or a ``DecoderConfig``.
+    """Estimate a decoder preset (``zjax.models.PRESETS``, e.g. ``"llama2-7b"``) or a ``DecoderConfig``
+    (``matmul``: the projections' products, :data:`zjax.fp8.MATMULS`; default the model's).
 
     Example:
       >>> est = zjax.planner.estimate("llama2-7b", mesh={"dp": 64}, batch_size=64, seq_len=2048)
       >>> print(est)
     """
     name, cfg = resolve_model(model)
-    cfg = dataclasses.replace(cfg, remat=remat, max_len=seq_len or cfg.max_len)
+    cfg = dataclasses.replace(cfg, remat=remat, max_len=seq_len or cfg.max_len, matmul=matmul or cfg.matmul)
     net = Decoder(cfg)
     dummy = jnp.zeros((1, cfg.max_len), jnp.int32)
     batch = jax.ShapeDtypeStruct((batch_size, cfg.max_len + 1), jnp.int32)

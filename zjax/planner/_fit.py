@@ -177,6 +177,7 @@ def fit(
     reduce_dtype: str | None = None,
     compute_copy: bool = True,
     hpz: bool = False,
+    matmul: str | None = None,
 ) -> Fit:
     """The cheapest (stage, ep, cp, remat, schedule, microbatches, offload) whose compiled per-device total fits
     in ``budget``.
@@ -244,6 +245,7 @@ def fit(
                     batch_size=batch_size, seq_len=seq_len, accum=c.accum, target=target, offload=c.offload,
                     pipeline=_schedule(base, c, mesh), quantized_comm=q, reduce_dtype=reduce_dtype,
                     compute_copy=compute_copy or c.offload != "none", hpz=hpz and c.offload == "none",
+                    matmul=matmul,
                 )  # fmt: skip
             except ValueError as e:
                 if q is None:
