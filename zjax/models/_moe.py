@@ -219,8 +219,9 @@ class MoELayer(nn.Module):
             choice = choice + jax.lax.stop_gradient(bias.astype(F32))
         if m.groups > 1:
             choice = _within_top_groups(choice, m.groups, m.routed_groups)
-        _, ids = jax.lax.top_k(choice, m.top_k)
-        top = jnp.take_along_axis(scores, ids, axis=-1)
+        top, ids = jax.lax.top_k(choice, m.top_k)
+        if choice is not scores:  # the gates read the unbiased scores
+            top = jnp.take_along_axis(scores, ids, axis=-1)
         if m.normalize_top_k:
             top = top / (jnp.sum(top, axis=-1, keepdims=True) + (1e-20 if m.scoring == "sigmoid" else 0.0))
         gates = top * m.routed_scale if m.routed_scale != 1.0 else top
@@ -245,21 +246,36 @@ class MoELayer(nn.Module):
                 shared = jax.nn.sigmoid(h.astype(F32) @ gate) * shared.astype(F32)
             out = out + shared.astype(out.dtype)
         # sums over the tokens (MoE.aux_losses turns them into the losses), so that parts of a batch add up
-        w = jnp.ones(ids.shape[:2], F32) if mask is None else mask.astype(F32)
-        row_tokens = jnp.einsum("bs,bske->be", w, jax.nn.one_hot(ids, m.experts, dtype=F32))
-        row_probs = jnp.einsum("bs,bse->be", w, probs)
-        row_count = jnp.sum(w, axis=1)
-        row_balance = jnp.sum(row_tokens * row_probs, axis=-1) / jnp.where(row_count > 0, row_count, 1.0) ** 2
+        return out, _router_sums(m, ids, probs, logits, mask, dropped)
+
+
+def _router_sums(m: MoE, ids, probs, logits, mask, dropped) -> dict[str, jax.Array]:
+    """:class:`MoELayer`'s statistics: sums over the tokens ``mask`` counts (all without one); the per-row terms of
+    the per-sequence loss only when it is the loss (they are ``[batch, experts]`` arrays the others never read)."""
+    picks = jax.nn.one_hot(ids, m.experts, dtype=F32)  # [batch, seq, top_k, experts]
+    if mask is None:
         stats = {
-            "tokens": jnp.sum(row_tokens, axis=0),
-            "probs": jnp.sum(row_probs, axis=0),
-            "z": jnp.sum(w * jax.nn.logsumexp(logits, axis=-1) ** 2),
-            "count": jnp.sum(row_count),
-            "row_balance": jnp.sum(row_balance),  # per-sequence loss: sum over rows of sum_e f_be P_be
-            "rows": jnp.sum((row_count > 0).astype(F32)),
-            "dropped": dropped,
+            "tokens": jnp.sum(picks, axis=(0, 1, 2)),
+            "probs": jnp.sum(probs, axis=(0, 1)),
+            "z": jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
+            "count": jnp.asarray(ids.shape[0] * ids.shape[1], F32),
         }
-        return out, stats
+    else:
+        w = mask.astype(F32)
+        stats = {
+            "tokens": jnp.einsum("bs,bske->e", w, picks),
+            "probs": jnp.einsum("bs,bse->e", w, probs),
+            "z": jnp.sum(w * jax.nn.logsumexp(logits, axis=-1) ** 2),
+            "count": jnp.sum(w),
+        }
+    if m.balance_loss == "per-sequence":
+        w = jnp.ones(ids.shape[:2], F32) if mask is None else mask.astype(F32)
+        row_tokens = jnp.einsum("bs,bske->be", w, picks)
+        row_count = jnp.sum(w, axis=1)
+        row_f_p = jnp.sum(row_tokens * jnp.einsum("bs,bse->be", w, probs), axis=-1)
+        stats["row_balance"] = jnp.sum(row_f_p / jnp.where(row_count > 0, row_count, 1.0) ** 2)
+        stats["rows"] = jnp.sum((row_count > 0).astype(F32))
+    return {**stats, "dropped": dropped}
 
 
 def _within_top_groups(choice: jax.Array, groups: int, top_groups: int) -> jax.Array:
