@@ -16,6 +16,7 @@ pattern-match): XLA's excess-precision simplification removes such pairs before 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -84,8 +85,6 @@ def matmul(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
             f"{tuple(w.shape)}'s first {contract}; they differ."
         )
     out = w.shape[contract:]
-    k = 1
-    for d in inner:
-        k *= d
+    k = math.prod(inner)
     y = _matmul2d(x.reshape(-1, k), w.reshape(k, -1))
     return y.reshape(*lead, *out)

@@ -28,7 +28,7 @@ from ..context import attention, check_sequence, context_size, load_balance
 from ..experts._dispatch import local_experts
 from ..fp8 import matmul as fp8_matmul
 from ..remat import RematPolicy, gather_checkpoint, linen_scan, nested_scan, partition_checkpoint
-from ..sharding._axes import EP
+from ..sharding import EP
 from ..sharding._rules import RESIDUAL_SEQ
 from ._config import DecoderConfig
 from ._moe import ROUTER_MASK_UNDER_PIPELINE, MoELayer, check_experts_in_pipeline

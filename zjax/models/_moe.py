@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from ..experts import EXCHANGES, GROUPED, expert_mlp
 from ..experts._dispatch import experts_held
-from ..sharding._axes import DP, EP
+from ..sharding import DP, EP
 from ._params import param
 
 F32 = jnp.float32

@@ -33,4 +33,5 @@ from ._rules import DEFAULT_ACTIVATION_RULES as DEFAULT_ACTIVATION_RULES
 from ._rules import DEFAULT_LOGICAL_RULES as DEFAULT_LOGICAL_RULES
 from ._rules import RESIDUAL_SEQ as RESIDUAL_SEQ
 from ._rules import Rules as Rules
+from ._simulate import nvidia_gpu_visible as nvidia_gpu_visible
 from ._simulate import simulate_cpu_devices as simulate_cpu_devices

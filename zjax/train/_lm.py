@@ -30,8 +30,7 @@ from .._jsonfile import write_json_atomic
 from ..core import Plan
 from ..models import PRESETS, Decoder, from_hf_config, lm_loss
 from ..pipeline import Pipeline
-from ..sharding import make_mesh
-from ..sharding._simulate import nvidia_gpu_visible
+from ..sharding import make_mesh, nvidia_gpu_visible
 from ._loop import fit, init_or_restore
 from ._run import MESH_AXES, RunConfig, mesh_sizes
 from ._runtime import runtime
