@@ -43,7 +43,7 @@ def make_checkpoint(directory: Path, layers: int) -> dict:
     rng = np.random.default_rng(0)
     out = {}
     for t in tensors(cfg):
-        for name in t.names(cfg.layers):
+        for name in t.names():
             out[name] = (rng.standard_normal(t.hf_shape, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
     from safetensors.numpy import save_file
 

@@ -68,16 +68,25 @@ def attention_implementation(
     return "blocked" if packed or length > blocks.k else "xla"
 
 
-def _dense(q, k, v, segment_ids, window, implementation: Literal["cudnn", "xla"]) -> jax.Array:
+def _dense(
+    q, k, v, segment_ids, window, implementation: Literal["cudnn", "xla"], scale: float | None = None
+) -> jax.Array:
     mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
     local = None if window is None else (window, 0)
     if implementation == "xla" and q.dtype == jnp.float16 and mesh_platform() == "cpu":
         # XLA's attention asks for fp16 x fp16 -> fp32 products, which XLA:CPU's dot does not implement
         q32, k32, v32 = (x.astype(F32) for x in (q, k, v))
-        out = jax.nn.dot_product_attention(q32, k32, v32, mask=mask, is_causal=True, local_window_size=local)
+        out = jax.nn.dot_product_attention(
+            q32, k32, v32, mask=mask, scale=scale, is_causal=True, local_window_size=local
+        )
         return out.astype(q.dtype)
     attend = functools.partial(
-        jax.nn.dot_product_attention, mask=mask, is_causal=True, local_window_size=local, implementation=implementation
+        jax.nn.dot_product_attention,
+        mask=mask,
+        scale=scale,
+        is_causal=True,
+        local_window_size=local,
+        implementation=implementation,
     )
     if implementation == "cudnn" and in_manual_data_axes() and _rest_is_one_device():
         # a region manual over the data axes whose other axes are one device each: cuDNN's custom partitioner
@@ -197,10 +206,13 @@ def _entry(spec: Any, dim: int) -> Any:
     return spec[dim] if spec is not None and dim < len(spec) else None
 
 
-def _manual_specs(segments: bool, seq: tuple[str, ...] | None = (CP,)) -> tuple[tuple[P, ...], P, set[str]]:
+def _manual_specs(
+    segments: bool, seq: tuple[str, ...] | None = (CP,), copies: bool = False
+) -> tuple[tuple[P, ...], P, set[str]]:
     """The ``shard_map`` specs of ``(q5, k, v[, segment_ids])`` and of the output, over every mesh axis that
     is not manual already, read from the activation rules the model is traced under (batch over the data
-    axes, the sequence over ``seq``, heads over tp): inside, every collective is one of ours."""
+    axes, the sequence over ``seq``, heads over tp): inside, every collective is one of ours. ``copies``: K/V
+    are ``[cp, batch, seq, heads, head_dim]``, one whole-sequence copy per ``cp`` rank."""
     mesh = jax.sharding.get_abstract_mesh()
     free = {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t != jax.sharding.AxisType.Manual}
     try:
@@ -216,17 +228,20 @@ def _manual_specs(segments: bool, seq: tuple[str, ...] | None = (CP,)) -> tuple[
             f"{kv_heads}; map the logical names 'heads' and 'kv_heads' to the same mesh axes in Rules.activations."
         )
     q5 = P(batch, seq, heads, None, None)
-    kv_spec = P(batch, seq, heads, None)
+    kv_spec = P(seq, batch, None, heads, None) if copies else P(batch, seq, heads, None)
     specs = (q5, kv_spec, kv_spec) + ((P(batch, seq),) if segments else ())
     return specs, q5, free
 
 
-def _context_parallel(q5, k, v, segment_ids, *, window, scale, blocks, balanced: bool, mode: ContextMode):
+def _context_parallel(
+    q5, k, v, segment_ids, *, window, scale, blocks, balanced: bool, mode: ContextMode, copies: bool = False
+):
     """The attention with the sequence split over ``cp``: a ``shard_map`` manual over every free mesh axis
     (the batch, sequence and heads splits read from the activation rules), so that the only collectives
     inside are the K/V gathers (or the ring's permutes) over ``cp`` and their transposes. (Manual over ``cp``
     alone, jax 0.10.2 lowers the reduce-scatter's reducer with a sharding constraint inside, which XLA:CPU's
-    bf16 all-reduce promotion cannot clone: a crash.)"""
+    bf16 all-reduce promotion cannot clone: a crash.) With ``copies`` each rank reads its own copy of the whole
+    K/V (:func:`attention`'s ``kv_copies``): nothing is gathered, and their cotangents stay on their ranks."""
     cp, length = context_size(), q5.shape[1]
     table = original_index(length, cp, balanced)  # [cp, length / cp]: each slot's original index
 
@@ -236,11 +251,12 @@ def _context_parallel(q5, k, v, segment_ids, *, window, scale, blocks, balanced:
         if mode == "ring":
             return _ring(q5, qi, qs, Chunk(k, v, qi, qs), jnp.asarray(table), window, scale, blocks, cp)
         gather = lambda x: jax.lax.all_gather(x, CP, axis=1, tiled=True)  # noqa: E731
-        chunk = Chunk(gather(k), gather(v), jnp.asarray(table.reshape(-1)), None if qs is None else gather(qs))
+        whole_k, whole_v = (k[0], v[0]) if copies else (gather(k), gather(v))
+        chunk = Chunk(whole_k, whole_v, jnp.asarray(table.reshape(-1)), None if qs is None else gather(qs))
         return _whole(q5, qi, qs, chunk, window, scale, blocks)
 
     args = (q5, k, v) + (() if segment_ids is None else (segment_ids,))
-    in_specs, out_spec, free = _manual_specs(segment_ids is not None)
+    in_specs, out_spec, free = _manual_specs(segment_ids is not None, copies=copies)
     return jax.shard_map(
         local,
         mesh=jax.sharding.get_abstract_mesh(),
@@ -286,6 +302,8 @@ def attention(
     context_mode: ContextMode = "all-gather",
     implementation: Implementation | None = None,
     blocks: Blocks = DEFAULT_BLOCKS,
+    scale: float | None = None,
+    kv_copies: bool = False,
 ) -> jax.Array:
     """Causal attention of ``q [batch, seq, heads, head_dim]`` over ``k, v [batch, seq, kv_heads, head_dim]``
     (grouped-query when ``kv_heads < heads``), logits and softmax in fp32, for any ``cp``.
@@ -304,6 +322,12 @@ def attention(
         or ``"blocked"`` when ``cp`` is 1 (default: chosen for the devices, see
         :func:`attention_implementation`); with ``cp > 1`` the blocked attention runs.
       blocks: the blocked attention's query and key block sizes.
+      scale: what the logits are multiplied by before the softmax (default ``1 / sqrt(head_dim)``).
+      kv_copies: with ``cp > 1`` in the all-gather mode, ``k`` and ``v`` are ``[cp, batch, seq, kv_heads,
+        head_dim]``: each ``cp`` rank's own copy of the whole sequence's keys and values (laid over ``cp`` on
+        the first axis), which the caller computed from something smaller it gathered (multi-head latent
+        attention's latent). Nothing is gathered here, and each rank's K/V cotangent stays its own (the
+        caller's projections reduce theirs), where a replicated K/V would be all-reduced over ``cp``.
 
     Raises:
       ValueError: if the sequence does not split over ``cp`` (``2 x cp`` chunks when load balanced), or for
@@ -315,11 +339,17 @@ def attention(
     if context_mode not in CONTEXT_MODES:
         raise ValueError(f"attention: context_mode={context_mode!r}; valid modes are {list(CONTEXT_MODES)}.")
     b, length, heads, head_dim = q.shape
-    kv_heads = k.shape[2]
+    if kv_copies and (context_size() == 1 or context_mode != "all-gather" or k.ndim != 5 or v.ndim != 5):
+        raise ValueError(
+            f"attention: kv_copies=True takes K/V of shape [cp, batch, seq, kv_heads, head_dim] (got {k.shape}) "
+            f"with cp > 1 (cp={context_size()}) in the 'all-gather' mode (got {context_mode!r}); pass K/V as "
+            "[batch, seq, kv_heads, head_dim] otherwise."
+        )
+    kv_heads = k.shape[-2]
     if heads % kv_heads:
         raise ValueError(f"attention: {heads} query heads are not a multiple of {kv_heads} key/value heads.")
     cp = context_size()
-    scale = 1.0 / math.sqrt(head_dim)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     q5 = q.reshape(b, length, kv_heads, heads // kv_heads, head_dim)
     cpu_half = q.dtype == jnp.float16 and mesh_platform() == "cpu"  # XLA:CPU has no fp16 x fp16 -> fp32 dot
     if cp > 1:
@@ -327,7 +357,16 @@ def attention(
         if cpu_half:
             q5, k, v = (x.astype(F32) for x in (q5, k, v))
         out = _context_parallel(
-            q5, k, v, segment_ids, window=window, scale=scale, blocks=blocks, balanced=load_balanced, mode=context_mode
+            q5,
+            k,
+            v,
+            segment_ids,
+            window=window,
+            scale=scale,
+            blocks=blocks,
+            balanced=load_balanced,
+            mode=context_mode,
+            copies=kv_copies,
         )
         return out.reshape(q.shape).astype(q.dtype)
     chosen = implementation or attention_implementation(
@@ -343,7 +382,7 @@ def attention(
             )
         return _flash_sharded(q5, k, v, segment_ids, scale).reshape(q.shape)
     if chosen == "cudnn" or chosen == "xla":
-        return _dense(q, k, v, segment_ids, window, chosen)
+        return _dense(q, k, v, segment_ids, window, chosen, scale)
     if cpu_half:
         q5, k, v = (x.astype(F32) for x in (q5, k, v))
     index = jnp.arange(length, dtype=jnp.int32)

@@ -20,13 +20,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._extras import require
-from ..core import Plan, TrainState
+from ..core import Plan, TrainState, Variables
 from ..models import Decoder, DecoderConfig, config_from_hf
 from ..models._hf_config import config_path, read_hf_config
 from ._files import checkpoint_dir, weight_map
 from ._names import IGNORED_SUFFIXES, Tensor, tensors
 
-_COMPARED = ("vocab", "embed", "layers", "heads", "num_kv_heads", "head_dim", "tie_embeddings", "qkv_bias", "qk_norm")
+_COMPARED = (
+    "vocab", "embed", "layers", "heads", "num_kv_heads", "head_dim", "tie_embeddings", "qkv_bias", "qk_norm", "mla",
+    "dense_layers",
+)  # fmt: skip
 
 
 def _weight_fields(cfg: DecoderConfig) -> dict[str, Any]:
@@ -53,8 +56,8 @@ def _check_config(path: str, model: Decoder) -> None:
         )
 
 
-def _check_names(directory: str, files: dict[str, str], specs: list[Tensor], layers: int, tied: bool) -> None:
-    expected = {n for t in specs for n in t.names(layers)}
+def _check_names(directory: str, files: dict[str, str], specs: list[Tensor], tied: bool) -> None:
+    expected = {n for t in specs for n in t.names()}
     present = {n for n in files if not n.endswith(IGNORED_SUFFIXES) and not (tied and n == "lm_head.weight")}
     missing, unexpected = sorted(expected - present), sorted(present - expected)
     if missing or unexpected:
@@ -165,10 +168,13 @@ def load(
     cfg = model.cfg
     files = weight_map(directory)
     specs = list(tensors(cfg))
-    _check_names(directory, files, specs, cfg.layers, cfg.tie_embeddings)
+    _check_names(directory, files, specs, cfg.tie_embeddings)
+
+    stored_state = any(t.collection != "params" for t in specs)
 
     def init_fn(r):
-        return model.init(r, jnp.zeros((1, min(8, cfg.max_len)), jnp.int32))["params"]
+        variables = model.init(r, jnp.zeros((1, min(8, cfg.max_len)), jnp.int32))
+        return Variables.linen(variables) if stored_state else variables["params"]
 
     abstract = plan.abstract_state(init_fn, tx, rng)
     target = abstract.params if abstract.opt_state.master is None else abstract.opt_state.master
@@ -181,4 +187,7 @@ def load(
             return _leaf(reader, by_path[keys], tuple(leaf.shape), leaf.sharding)
 
         master = jax.tree_util.tree_map_with_path(make, target)
-    return plan._init(init_fn, tx, rng, master, donate=True)
+        # the routers' selection biases (DeepSeek's e_score_correction_bias), in the state's layout
+        model_state = jax.tree_util.tree_map_with_path(make, abstract.model_state) if stored_state else None
+    state = plan._init(init_fn, tx, rng, master, donate=True)
+    return state if model_state is None else state.replace(model_state=model_state)

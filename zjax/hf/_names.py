@@ -17,7 +17,7 @@ import itertools
 import math
 from collections.abc import Iterator
 
-from ..models import DecoderConfig
+from ..models import ROUTER_STATE, DecoderConfig
 from ..models._hf_config import model_type_of
 
 Layout = tuple[tuple[int, ...], ...]
@@ -58,55 +58,92 @@ _SHARED = (
     (("moe", "shared_router"), "mlp.shared_expert_gate.weight", _LINEAR),
 )
 
+# multi-head latent attention (DeepSeek): the query through its latent (or directly), the keys and values' latent
+_NORMS = _ATTENTION[:1] + _ATTENTION[-1:]
+_LATENT_Q = (
+    (("wq_a",), "self_attn.q_a_proj.weight", _LINEAR),
+    (("q_latent_norm", "scale"), "self_attn.q_a_layernorm.weight", ((0,),)),
+    (("wq_b",), "self_attn.q_b_proj.weight", ((1, 2), (0,))),
+)
+_DIRECT_Q = ((("wq",), "self_attn.q_proj.weight", ((1, 2), (0,))),)
+_LATENT_KV = (
+    (("wkv_a",), "self_attn.kv_a_proj_with_mqa.weight", _LINEAR),
+    (("kv_latent_norm", "scale"), "self_attn.kv_a_layernorm.weight", ((0,),)),
+    (("wkv_b",), "self_attn.kv_b_proj.weight", ((1, 2), (0,))),
+    (("wo",), "self_attn.o_proj.weight", ((2,), (0, 1))),
+)
+_DEEPSEEK_SHARED = (
+    (("moe", "shared_gate"), "mlp.shared_experts.gate_proj.weight", _LINEAR),
+    (("moe", "shared_up"), "mlp.shared_experts.up_proj.weight", _LINEAR),
+    (("moe", "shared_down"), "mlp.shared_experts.down_proj.weight", _LINEAR),
+)
+
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 """Buffers some checkpoints carry that are not parameters (recomputed from the config)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Tensor:
-    """One parameter: its path in the params tree, its Hugging Face name(s) and how its dims map.
+    """One parameter (or model state): its path in the state's tree, its Hugging Face name(s) and how its dims map.
 
-    ``stacked``: the leaf has a leading ``layers`` axis and ``name`` holds ``{i}`` for the layer index.
-    ``experts > 0``: the leaf has an ``experts`` axis of that size (after ``layers`` when stacked) and
-    ``name`` holds ``{j}`` for the expert index: one Hugging Face tensor per expert.
-    ``shape``: the zjax shape of one stored tensor (per layer and per expert).
+    ``layers > 0``: the leaf stacks that many layers on a leading axis, the first being Hugging Face's layer
+    ``first_layer``, and ``name`` holds ``{i}`` for the layer index. ``experts > 0``: the leaf has an ``experts``
+    axis of that size (after the layers' when stacked) and ``name`` holds ``{j}`` for the expert index: one Hugging
+    Face tensor per expert. ``shape``: the zjax shape of one stored tensor (per layer and per expert).
+    ``collection``: ``"params"``, or the model state's collection the leaf lives in (``path`` starts with it);
+    model state is stored in fp32 whatever the weights' dtype.
     """
 
     path: tuple[str, ...]
     name: str
     hf_dims: Layout
     shape: tuple[int, ...]
-    stacked: bool = False
+    layers: int = 0
     experts: int = 0
+    first_layer: int = 0
+    collection: str = "params"
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
         return tuple(math.prod(self.shape[d] for d in group) for group in self.hf_dims)
 
-    def leading(self, layers: int) -> tuple[int, ...]:
-        """The sizes of the leaf's axes that index stored tensors: ``layers`` when stacked, ``experts``."""
-        return ((layers,) if self.stacked else ()) + ((self.experts,) if self.experts else ())
+    @property
+    def leading(self) -> tuple[int, ...]:
+        """The sizes of the leaf's axes that index stored tensors: the stacked layers, the experts."""
+        return ((self.layers,) if self.layers else ()) + ((self.experts,) if self.experts else ())
 
     def name_at(self, index: tuple[int, ...]) -> str:
-        """The Hugging Face name of the tensor at ``index`` over the :meth:`leading` axes."""
+        """The Hugging Face name of the tensor at ``index`` over the :attr:`leading` axes."""
         if not index:
             return self.name
-        i = index[0] if self.stacked else None
+        i = index[0] + self.first_layer if self.layers else None
         j = index[-1] if self.experts else None
         return self.name.format(i=i, j=j)
 
-    def indices(self, layers: int) -> list[tuple[int, ...]]:
-        """Every index over the :meth:`leading` axes, in file order (layer-major)."""
-        return list(itertools.product(*(range(n) for n in self.leading(layers))))
+    def indices(self) -> list[tuple[int, ...]]:
+        """Every index over the :attr:`leading` axes, in file order (layer-major)."""
+        return list(itertools.product(*(range(n) for n in self.leading)))
 
-    def names(self, layers: int) -> list[str]:
-        return [self.name_at(index) for index in self.indices(layers)]
+    def names(self) -> list[str]:
+        return [self.name_at(index) for index in self.indices()]
 
 
 def _layer_shapes(cfg: DecoderConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
     e, h, kv, d, m = cfg.embed, cfg.heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp
     f = cfg.moe.expert_mlp(m) if cfg.moe is not None else m
     s = cfg.moe.shared_mlp if cfg.moe is not None else 0
+    a = cfg.mla
+    latent = {}
+    if a is not None:
+        latent = {
+            ("wq_a",): (e, a.q_lora_rank or 0),
+            ("q_latent_norm", "scale"): (a.q_lora_rank or 0,),
+            ("wq_b",): (a.q_lora_rank or 0, h, a.qk_head_dim),
+            ("wkv_a",): (e, a.kv_lora_rank + a.qk_rope_head_dim),
+            ("kv_latent_norm", "scale"): (a.kv_lora_rank,),
+            ("wkv_b",): (a.kv_lora_rank, h, a.qk_nope_head_dim + a.v_head_dim),
+            ("wo",): (h, a.v_head_dim, e),
+        }
     return {
         ("attn_norm", "scale"): (e,),
         ("mlp_norm", "scale"): (e,),
@@ -130,39 +167,65 @@ def _layer_shapes(cfg: DecoderConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
         ("moe", "shared_up"): (e, s),
         ("moe", "shared_down"): (s, e),
         ("moe", "shared_router"): (e, 1),
+        (ROUTER_STATE, "moe", "bias"): (cfg.moe.experts if cfg.moe is not None else 0,),
+        **latent,
     }
 
 
-def _per_layer(cfg: DecoderConfig) -> Iterator[tuple[tuple[str, ...], str, Layout, int]]:
-    """``(path within the layer, Hugging Face name within the layer, hf_dims, experts)`` of each parameter."""
-    for sub, name, dims in _ATTENTION + (_BIASES if cfg.qkv_bias else ()) + (_QK_NORMS if cfg.qk_norm else ()):
+def _per_layer(cfg: DecoderConfig, dense: bool) -> Iterator[tuple[tuple[str, ...], str, Layout, int]]:
+    """``(path within the layer, Hugging Face name within the layer, hf_dims, experts)`` of each parameter of a
+    layer (``dense``: one of the first dense layers of a mixture of experts); a router's selection bias (model
+    state) has a path that starts with its collection."""
+    if cfg.mla is None:
+        attention = _ATTENTION + (_BIASES if cfg.qkv_bias else ()) + (_QK_NORMS if cfg.qk_norm else ())
+    else:
+        attention = _NORMS[:1] + (_LATENT_Q if cfg.mla.q_lora_rank else _DIRECT_Q) + _LATENT_KV + _NORMS[1:]
+    for sub, name, dims in attention:
         yield sub, name, dims, 0
-    if cfg.moe is None:
+    if cfg.moe is None or dense:
         for sub, name, dims in _DENSE_MLP:
             yield sub, name, dims, 0
         return
-    router, experts = _MIXTRAL if model_type_of(cfg) == "mixtral" else _QWEN_MOE
+    kind = model_type_of(cfg)
+    router, experts = _MIXTRAL if kind == "mixtral" else _QWEN_MOE
     yield ("moe", "router"), router, _LINEAR, 0
+    if cfg.moe.bias_update_rate is not None and kind == "deepseek_v3":
+        yield (ROUTER_STATE, "moe", "bias"), "mlp.gate.e_score_correction_bias", ((0,),), 0
     for leaf, name in zip(("w_gate", "w_up", "w_down"), experts, strict=True):
         yield ("moe", leaf), name, _LINEAR, cfg.moe.experts
     if cfg.moe.shared_mlp:
-        for sub, name, dims in _SHARED:
+        for sub, name, dims in _DEEPSEEK_SHARED if kind == "deepseek_v3" else _SHARED:
             yield sub, name, dims, 0
 
 
+def _at(stack: str, sub: tuple[str, ...]) -> tuple[str, ...]:
+    """The path of a layer's leaf ``sub`` in the stack (or layer) ``stack``: model state's under its collection."""
+    return (sub[0], stack, *sub[1:]) if sub[0] == ROUTER_STATE else (stack, *sub)
+
+
 def tensors(cfg: DecoderConfig) -> Iterator[Tensor]:
-    """Every parameter of a :class:`~zjax.models.Decoder` of ``cfg``, in Hugging Face's file order."""
+    """Every parameter (and stored model state) of a :class:`~zjax.models.Decoder` of ``cfg``, in Hugging Face's
+    file order."""
     yield Tensor(("embedding",), "model.embed_tokens.weight", ((0,), (1,)), (cfg.vocab, cfg.embed))
     shapes = _layer_shapes(cfg)
-    per_layer = list(_per_layer(cfg))
-    if cfg.scan:
-        for sub, name, dims, experts in per_layer:
-            yield Tensor(("layers", *sub), "model.layers.{i}." + name, dims, shapes[sub], True, experts)
-    else:
-        for i in range(cfg.layers):
-            for sub, name, dims, experts in per_layer:
-                # the layer index is fixed; an expert's {j} stays for name_at
-                yield Tensor((f"layer_{i}", *sub), f"model.layers.{i}." + name, dims, shapes[sub], False, experts)
+    k = cfg.dense_layers
+    stacks = (
+        (("dense_layers", 0, k, True), ("layers", k, cfg.layers - k, False))
+        if k
+        else (("layers", 0, cfg.layers, False),)
+    )
+    for stack, first, count, dense in stacks:
+        for sub, name, dims, experts in _per_layer(cfg, dense):
+            where = sub[0] if sub[0] == ROUTER_STATE else "params"
+            if cfg.scan:
+                yield Tensor(
+                    _at(stack, sub), "model.layers.{i}." + name, dims, shapes[sub], count, experts, first, where
+                )
+                continue
+            for i in range(first, first + count):  # the layer index is fixed; an expert's {j} stays for name_at
+                yield Tensor(
+                    _at(f"layer_{i}", sub), f"model.layers.{i}." + name, dims, shapes[sub], 0, experts, 0, where
+                )
     yield Tensor(("final_norm", "scale"), "model.norm.weight", ((0,),), (cfg.embed,))
     if not cfg.tie_embeddings:
         yield Tensor(("head",), "lm_head.weight", ((1,), (0,)), (cfg.embed, cfg.vocab))

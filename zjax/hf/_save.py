@@ -126,20 +126,22 @@ def save(
         )
     cfg = model.cfg
     values = state.params if state.opt_state.master is None else state.opt_state.master
-    leaves = {
-        tuple(str(getattr(k, "key", k)) for k in p): x for p, x in jax.tree_util.tree_flatten_with_path(values)[0]
+    leaves = {  # the parameters', and the model state's under its collection's name (the routers' biases)
+        tuple(str(getattr(k, "key", k)) for k in p): x
+        for tree in (values, state.model_state or {})
+        for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
     }
     entries: list[tuple[Tensor, str, tuple[int, ...]]] = []
     for t in tensors(cfg):
         if t.path not in leaves:
             raise ValueError(f"zjax.hf.save: the state has no parameter {'/'.join(t.path)}; is it this model's state?")
-        expect = t.leading(cfg.layers) + t.shape
+        expect = t.leading + t.shape
         if tuple(leaves[t.path].shape) != expect:
             raise ValueError(
                 f"zjax.hf.save: parameter {'/'.join(t.path)} has shape {tuple(leaves[t.path].shape)}; the model "
                 f"makes it {expect}. Pass the model this state trains."
             )
-        entries += [(t, t.name_at(at), at) for at in t.indices(cfg.layers)]
+        entries += [(t, t.name_at(at), at) for at in t.indices()]
     groups = _file_plan(entries, np_dtype.itemsize, limit)
     names = (
         [SINGLE]
@@ -158,7 +160,7 @@ def save(
             tensors_out = {}
             for i in group:
                 t, name, at = entries[i]
-                x = _to_hf(t, _host_tensor(leaves[t.path], at), np_dtype)
+                x = _to_hf(t, _host_tensor(leaves[t.path], at), np_dtype if t.collection == "params" else np.float32)
                 tensors_out[name] = x
                 weight_map[name] = file
                 total += x.nbytes

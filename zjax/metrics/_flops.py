@@ -11,19 +11,26 @@ def matmul_params(cfg: DecoderConfig) -> int:
     (the embedding lookup is a gather; norms and biases are negligible and left out). A mixture of experts counts
     the experts a token passes through (``top_k``), the router and shared experts: its active parameters."""
     kv = cfg.num_kv_heads * cfg.head_dim
-    ff = 3 * cfg.embed * cfg.mlp if cfg.moe is None else cfg.moe.active_per_layer(cfg.embed, cfg.mlp)
-    per_layer = 2 * cfg.embed * cfg.heads * cfg.head_dim + 2 * cfg.embed * kv + ff
-    return cfg.layers * per_layer + cfg.embed * cfg.vocab
+    if cfg.mla is None:
+        attn = 2 * cfg.embed * cfg.heads * cfg.head_dim + 2 * cfg.embed * kv
+    else:  # the latents' norms are in the count (negligible)
+        attn = cfg.mla.params_per_layer(cfg.embed, cfg.heads)
+    dense = 3 * cfg.embed * cfg.mlp
+    ff = dense if cfg.moe is None else cfg.moe.active_per_layer(cfg.embed, cfg.mlp)
+    moe_layers = cfg.layers - cfg.dense_layers if cfg.moe is not None else 0
+    return cfg.layers * attn + (cfg.layers - moe_layers) * dense + moe_layers * ff + cfg.embed * cfg.vocab
 
 
 def flops_per_token(cfg: DecoderConfig, seq_len: int) -> float:
-    """Training FLOPs per token: ``6 * matmul_params + 12 * layers * heads * head_dim * seq_len``.
+    """Training FLOPs per token: ``6 * matmul_params + 6 * layers * heads * (head_dim + v_dim) * seq_len``.
 
     Forward 2 FLOPs per matmul parameter, backward twice that; attention's two ``[S, S]`` products count
-    ``4 * heads * head_dim * S`` per token forward (the full square, as PaLM's MFU does, not the causal half).
-    Rematerialization is not counted: MFU measures the model's work, not the recomputation.
+    ``2 * heads * (head_dim + v_dim) * S`` per token forward (``v_dim``: ``head_dim``, or MLA's ``v_head_dim``;
+    the full square, as PaLM's MFU does, not the causal half). Rematerialization is not counted: MFU measures
+    the model's work, not the recomputation.
     """
-    return 6.0 * matmul_params(cfg) + 12.0 * cfg.layers * cfg.heads * cfg.head_dim * seq_len
+    v_dim = cfg.head_dim if cfg.mla is None else cfg.mla.v_head_dim
+    return 6.0 * matmul_params(cfg) + 6.0 * cfg.layers * cfg.heads * (cfg.head_dim + v_dim) * seq_len
 
 
 def mfu(tokens_per_second: float, cfg: DecoderConfig, seq_len: int, device_kind: str, devices: int) -> float | None:

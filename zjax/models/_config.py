@@ -13,6 +13,7 @@ import numpy as np
 
 from ..context import CONTEXT_MODES
 from ..fp8 import MATMULS
+from ._mla import MLA
 from ._moe import MoE
 
 
@@ -104,9 +105,12 @@ class DecoderConfig:
     of other ``cp`` ranks (``"all-gather"`` or ``"ring"``, :func:`zjax.context.attention`). ``scan`` stacks
     layers with ``nn.scan``; ``remat`` names the checkpointing policy of each layer (:data:`zjax.remat.POLICIES`).
     ``qk_norm`` RMS-normalizes each query and key head before RoPE (Qwen3). ``moe`` (:class:`MoE`) makes every
-    layer's feed-forward block a mixture of experts. ``matmul="fp8-current"`` runs the attention and dense MLP
-    projections as fp8 products with current scaling (:func:`zjax.fp8.matmul`; the embedding, the head, the
-    router and the experts stay in the compute dtype).
+    layer's feed-forward block a mixture of experts, but for the first ``dense_layers`` layers (dense SwiGLU MLPs of
+    size ``mlp``: DeepSeek's ``first_k_dense_replace``). ``mla`` (:class:`MLA`) makes the attention multi-head
+    latent attention (DeepSeek-V2/V3; ``head_dim`` is then its query/key head width, ``qk_nope_head_dim +
+    qk_rope_head_dim``, and RoPE rotates ``qk_rope_head_dim`` values). ``matmul="fp8-current"`` runs the
+    attention and dense MLP projections as fp8 products with current scaling (:func:`zjax.fp8.matmul`; the
+    embedding, the head, the router and the experts stay in the compute dtype).
     """
 
     vocab: int = 256
@@ -129,6 +133,8 @@ class DecoderConfig:
     qk_norm: bool = False
     moe: MoE | None = None
     matmul: str = "default"
+    mla: MLA | None = None
+    dense_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab", "embed", "layers", "heads", "head_dim", "mlp", "max_len"):
@@ -155,6 +161,41 @@ class DecoderConfig:
             )
         if self.moe is not None and not isinstance(self.moe, MoE):
             raise TypeError(f"DecoderConfig: moe={self.moe!r} must be a zjax.models.MoE or None (a dense decoder).")
+        if not isinstance(self.dense_layers, int) or not 0 <= self.dense_layers < self.layers:
+            raise ValueError(
+                f"DecoderConfig: dense_layers={self.dense_layers!r} must be an int in 0..layers-1={self.layers - 1} "
+                "(the first layers with a dense MLP; at least one mixture-of-experts layer follows)."
+            )
+        if self.dense_layers and self.moe is None:
+            raise ValueError(
+                f"DecoderConfig: dense_layers={self.dense_layers} with moe=None: every layer of a dense decoder is "
+                "dense already; set moe=zjax.models.MoE(...) or dense_layers=0."
+            )
+        if self.mla is not None:
+            self._check_mla()
+
+    def _check_mla(self) -> None:
+        m = self.mla
+        if not isinstance(m, MLA):
+            raise TypeError(f"DecoderConfig: mla={m!r} must be a zjax.models.MLA or None (grouped-query attention).")
+        clashes = {
+            "kv_heads": self.kv_heads not in (None, self.heads),
+            "qkv_bias": self.qkv_bias,
+            "qk_norm": self.qk_norm,
+        }
+        for name, clash in clashes.items():
+            if clash:
+                raise ValueError(
+                    f"DecoderConfig: {name}={getattr(self, name)!r} with mla=MLA(...): multi-head latent attention "
+                    f"has per-head keys and values from its latent, no q/k/v biases and no q/k norms; leave {name} "
+                    "at its default."
+                )
+        if self.head_dim != m.qk_head_dim:
+            raise ValueError(
+                f"DecoderConfig: head_dim={self.head_dim} with mla=MLA(qk_nope_head_dim={m.qk_nope_head_dim}, "
+                f"qk_rope_head_dim={m.qk_rope_head_dim}): head_dim is the query/key head width, set "
+                f"head_dim={m.qk_head_dim}."
+            )
 
     @property
     def num_kv_heads(self) -> int:
@@ -162,24 +203,38 @@ class DecoderConfig:
 
     @property
     def num_params(self) -> int:
-        return self._tables() + self.layers * (self._attention() + self._feed_forward() + 2 * self.embed) + self.embed
+        dense = self.dense_layers * (3 * self.embed * self.mlp - self._feed_forward())
+        return (
+            self._tables()
+            + self.layers * (self._attention() + self._feed_forward() + 2 * self.embed)
+            + dense
+            + self.embed
+        )
+
+    @property
+    def moe_layers(self) -> int:
+        """The layers whose feed-forward block is a mixture of experts (0 for a dense decoder)."""
+        return 0 if self.moe is None else self.layers - self.dense_layers
 
     @property
     def num_expert_params(self) -> int:
         """The experts' parameters (split over ``ep``); 0 for a dense decoder."""
-        return 0 if self.moe is None else self.layers * self.moe.params_per_layer(self.embed, self.mlp)[0]
+        return 0 if self.moe is None else self.moe_layers * self.moe.params_per_layer(self.embed, self.mlp)[0]
 
     @property
     def num_active_params(self) -> int:
         """Parameters one token passes through: :attr:`num_params` with ``top_k`` experts of each layer."""
         if self.moe is None:
             return self.num_params
-        return self.num_params - self.layers * (self._feed_forward() - self.moe.active_per_layer(self.embed, self.mlp))
+        inactive = self._feed_forward() - self.moe.active_per_layer(self.embed, self.mlp)
+        return self.num_params - self.moe_layers * inactive
 
     def _tables(self) -> int:
         return (1 if self.tie_embeddings else 2) * self.vocab * self.embed
 
     def _attention(self) -> int:
+        if self.mla is not None:
+            return self.mla.params_per_layer(self.embed, self.heads)
         kv = self.num_kv_heads * self.head_dim
         bias = (self.heads * self.head_dim + 2 * kv) if self.qkv_bias else 0
         norms = 2 * self.head_dim if self.qk_norm else 0
@@ -190,9 +245,15 @@ class DecoderConfig:
             return 3 * self.embed * self.mlp
         return sum(self.moe.params_per_layer(self.embed, self.mlp))
 
+    @property
+    def rope_dim(self) -> int:
+        """How many values of a query or key head RoPE rotates: ``head_dim``, or MLA's ``qk_rope_head_dim``."""
+        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
+
     def rope_frequencies(self) -> np.ndarray:
-        """The rotary inverse frequencies ``[head_dim / 2]`` (fp32), Llama-3.1's or YaRN's scaling applied."""
-        inv = 1.0 / (self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
+        """The rotary inverse frequencies ``[rope_dim / 2]`` (fp32), Llama-3.1's or YaRN's scaling applied."""
+        d = self.rope_dim
+        inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
         if self.rope_scaling is not None:
             inv = self.rope_scaling.frequencies(inv, self.rope_theta)
         return inv.astype(np.float32)
@@ -201,3 +262,13 @@ class DecoderConfig:
     def rope_attention_factor(self) -> float:
         """What the rotated queries and keys are multiplied by (YaRN's attention factor; 1 otherwise)."""
         return 1.0 if self.rope_scaling is None else float(self.rope_scaling.attention_factor)
+
+    @property
+    def softmax_scale(self) -> float:
+        """What the attention logits are multiplied by: ``1 / sqrt(head_dim)``; with MLA and YaRN scaling that
+        has an ``mscale_all_dim``, times ``mscale(factor, mscale_all_dim)`` squared (DeepSeek's attention)."""
+        scale = 1.0 / math.sqrt(self.head_dim)
+        s = self.rope_scaling
+        if self.mla is not None and isinstance(s, YarnScaling) and s.mscale_all_dim:
+            scale *= _yarn_mscale(s.factor, s.mscale_all_dim) ** 2
+        return scale

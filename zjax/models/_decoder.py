@@ -12,6 +12,7 @@ ZeRO-3 gathers one layer at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
@@ -31,20 +31,10 @@ from ..remat import RematPolicy, gather_checkpoint, linen_scan, nested_scan, par
 from ..sharding import EP
 from ..sharding._rules import RESIDUAL_SEQ
 from ._config import DecoderConfig
+from ._layers import RMSNorm, heads_constraint, rope
+from ._mla import mla_attention
 from ._moe import ROUTER_MASK_UNDER_PIPELINE, MoELayer, check_experts_in_pipeline
 from ._params import param
-
-
-class RMSNorm(nn.Module):
-    dim: int
-    eps: float = 1e-6
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        scale = param(self, "scale", (self.dim,), ("norm",), nn.initializers.ones)
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 def _constrain(x: jax.Array) -> jax.Array:
@@ -96,22 +86,6 @@ def _region_bwd(there: PartitionSpec, back: PartitionSpec, _, g: jax.Array) -> t
 _region_vjp.defvjp(_region_fwd, _region_bwd)
 
 
-def _heads(x: jax.Array, heads: str) -> jax.Array:
-    return nn.with_logical_constraint(x, ("batch", "seq", heads, "head_dim"))
-
-
-def _rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, factor: float = 1.0) -> jax.Array:
-    """Rotary position embedding of ``x [batch, seq, heads, head_dim]`` at ``positions [batch|1, seq]``
-    (the halves convention of Hugging Face's Llama checkpoints), in fp32; cos and sin times ``factor`` (YaRN's
-    attention factor)."""
-    angle = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-    sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
-    if factor != 1.0:
-        sin, cos = sin * factor, cos * factor
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
 class Block(nn.Module):
     cfg: DecoderConfig
     load_balanced: bool = False  # the sequence is in zjax.context.load_balance's layout
@@ -130,6 +104,34 @@ class Block(nn.Module):
             x = gather_checkpoint(x, axis=1)  # the saved input arrives split over tp along seq
         if positions is None:
             positions = jnp.arange(x.shape[1])[None]
+        if c.mla is None:
+            out = self._grouped_query(x, positions, segment_ids)
+        else:
+            h = _region(RMSNorm(c.embed, c.norm_eps, name="attn_norm")(x))
+            out = mla_attention(c, h, positions, segment_ids, self.load_balanced, self)
+        x = _constrain(x + checkpoint_name(_leave(out), "out_proj"))
+
+        h = _region(RMSNorm(c.embed, c.norm_eps, name="mlp_norm")(x))
+        stats = None
+        if c.moe is None:
+            w_gate = param(self, "w_gate", (c.embed, c.mlp), ("embed", "mlp"))
+            w_up = param(self, "w_up", (c.embed, c.mlp), ("embed", "mlp"))
+            w_down = param(self, "w_down", (c.mlp, c.embed), ("mlp", "embed"))
+            mlp = ("batch", "seq", "mlp")
+            dot = fp8_matmul if c.matmul == "fp8-current" else jnp.matmul
+            gate = nn.with_logical_constraint(checkpoint_name(dot(h, w_gate), "mlp_in"), mlp)
+            up = nn.with_logical_constraint(checkpoint_name(dot(h, w_up), "mlp_in"), mlp)
+            y = _leave(dot(jax.nn.silu(gate) * up, w_down))
+        else:
+            y, stats = MoELayer(c.moe, c.embed, c.mlp, name="moe")(h, router_mask)
+        x = x + checkpoint_name(y, "mlp_out")
+        if partitioned:
+            return partition_checkpoint(_constrain(x), axis=1), stats
+        return _constrain(x), stats
+
+    def _grouped_query(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+        """Grouped-query attention's output projection (partial sums over tp) of the block's input ``x``."""
+        c = self.cfg
         q_shape, kv_shape = (c.embed, c.heads, c.head_dim), (c.embed, c.num_kv_heads, c.head_dim)
         wq = param(self, "wq", q_shape, ("embed", "heads", "head_dim"))
         wk = param(self, "wk", kv_shape, ("embed", "kv_heads", "head_dim"))
@@ -152,34 +154,15 @@ class Block(nn.Module):
         # heads split over tp, the sequence over cp: pinned (cotangents too) so that GSPMD never reshards
         # between the sequence-split residual stream and the head-split attention by all-to-alls
         factor = c.rope_attention_factor
-        q = _heads(_rope(checkpoint_name(q, "qkv_proj"), positions, inv_freq, factor), "heads")
-        k = _heads(_rope(checkpoint_name(k, "qkv_proj"), positions, inv_freq, factor), "kv_heads")
-        v = _heads(checkpoint_name(v, "qkv_proj"), "kv_heads")
+        q = heads_constraint(rope(checkpoint_name(q, "qkv_proj"), positions, inv_freq, factor), "heads")
+        k = heads_constraint(rope(checkpoint_name(k, "qkv_proj"), positions, inv_freq, factor), "kv_heads")
+        v = heads_constraint(checkpoint_name(v, "qkv_proj"), "kv_heads")
         attn = attention(
             q, k, v, segment_ids=segment_ids, window=c.sliding_window, load_balanced=self.load_balanced,
             context_mode=c.context_mode,  # type: ignore[arg-type]  # validated in DecoderConfig
         )  # fmt: skip
-        attn = _heads(attn, "heads")
-        out = fp8_matmul(attn, wo, contract=2) if fp8 else jnp.einsum("bshd,hde->bse", attn, wo)
-        x = _constrain(x + checkpoint_name(_leave(out), "out_proj"))
-
-        h = _region(RMSNorm(c.embed, c.norm_eps, name="mlp_norm")(x))
-        stats = None
-        if c.moe is None:
-            w_gate = param(self, "w_gate", (c.embed, c.mlp), ("embed", "mlp"))
-            w_up = param(self, "w_up", (c.embed, c.mlp), ("embed", "mlp"))
-            w_down = param(self, "w_down", (c.mlp, c.embed), ("mlp", "embed"))
-            mlp = ("batch", "seq", "mlp")
-            dot = fp8_matmul if fp8 else jnp.matmul
-            gate = nn.with_logical_constraint(checkpoint_name(dot(h, w_gate), "mlp_in"), mlp)
-            up = nn.with_logical_constraint(checkpoint_name(dot(h, w_up), "mlp_in"), mlp)
-            y = _leave(dot(jax.nn.silu(gate) * up, w_down))
-        else:
-            y, stats = MoELayer(c.moe, c.embed, c.mlp, name="moe")(h, router_mask)
-        x = x + checkpoint_name(y, "mlp_out")
-        if partitioned:
-            return partition_checkpoint(_constrain(x), axis=1), stats
-        return _constrain(x), stats
+        attn = heads_constraint(attn, "heads")
+        return fp8_matmul(attn, wo, contract=2) if fp8 else jnp.einsum("bshd,hde->bse", attn, wo)
 
 
 EXPERT_KEYS = ("['w_gate']", "['w_up']", "['w_down']")
@@ -252,6 +235,8 @@ class Decoder(nn.Module):
                 "biases would have to travel with each stage's or group's parameters. Use bias_update_rate=None "
                 "(an auxiliary load-balancing loss), or pp=1 and a non-nested remat policy."
             )
+        if c.dense_layers:  # DeepSeek's first dense layers, one scan of their own before the experts' layers
+            x = self._dense_layers(x, positions, segment_ids, load_balanced, policy)
         if schedule is not None and not self.is_initializing():
             if router_mask is not None and c.moe is not None:
                 raise ValueError(ROUTER_MASK_UNDER_PIPELINE)
@@ -279,12 +264,12 @@ class Decoder(nn.Module):
             x, stats = nested_scan(layer, self.variables["params"]["layers"], x, policy, outputs=True)
         elif c.scan:
             made = "full" if policy.kind == "nested" else policy  # init: the same stacked parameters
-            stack = linen_scan(Block, c.layers, made, broadcast=True)(c, load_balanced, name="layers")
+            stack = linen_scan(Block, c.layers - c.dense_layers, made, broadcast=True)(c, load_balanced, name="layers")
             x, stats = stack(x, positions, segment_ids, router_mask)
         else:
             block = nn.remat(Block, policy=policy.jax_policy()) if policy.remat else Block
             per_layer = []
-            for i in range(c.layers):
+            for i in range(c.dense_layers, c.layers):
                 x, layer_stats = block(c, load_balanced, name=f"layer_{i}")(x, positions, segment_ids, router_mask)
                 per_layer.append(layer_stats)
             stats = None if c.moe is None else jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
@@ -304,6 +289,31 @@ class Decoder(nn.Module):
         else:
             head = param(self, "head", (c.embed, c.vocab), ("embed", "vocab"))
         return nn.with_logical_constraint(x @ head.astype(x.dtype), ("batch", "seq", "vocab"))
+
+    def _dense_layers(
+        self,
+        x: jax.Array,
+        positions: jax.Array | None,
+        segment_ids: jax.Array | None,
+        load_balanced: bool,
+        policy: RematPolicy,
+    ) -> jax.Array:
+        """The first ``dense_layers`` layers (dense MLPs): ``dense_layers`` stacked (``scan``) or ``layer_{i}``."""
+        c = self.cfg
+        if pipeline.current() is not None and not self.is_initializing():
+            raise ValueError(
+                f"Decoder: dense_layers={c.dense_layers} under pipeline parallelism is not supported yet: a "
+                "pipeline's stages split one stack of identical layers. Train with pp=1, or dense_layers=0."
+            )
+        dense = dataclasses.replace(c, moe=None, layers=c.dense_layers, dense_layers=0)
+        if c.scan:  # a nested policy's groups are the experts' layers'; these run whole-layer remat
+            made = "full" if policy.kind == "nested" else policy
+            stack = linen_scan(Block, c.dense_layers, made, broadcast=True)(dense, load_balanced, name="dense_layers")
+            return stack(x, positions, segment_ids, None)[0]
+        block = nn.remat(Block, policy=policy.jax_policy()) if policy.remat else Block
+        for i in range(c.dense_layers):
+            x = block(dense, load_balanced, name=f"layer_{i}")(x, positions, segment_ids)[0]
+        return x
 
 
 def _overlaps_reductions(c: DecoderConfig, policy: RematPolicy) -> bool:

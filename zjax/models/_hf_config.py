@@ -11,6 +11,7 @@ from ._config import DecoderConfig, RopeScaling, YarnScaling
 from ._decoder import Decoder
 from ._hf_moe import MOE_MODEL_TYPES, moe_from_hf, moe_to_hf
 from ._hf_moe import unsupported as _unsupported
+from ._mla import MLA
 
 _DENSE = ("llama", "mistral", "qwen2")
 SUPPORTED_MODEL_TYPES = (*_DENSE, "qwen3", *MOE_MODEL_TYPES)
@@ -26,6 +27,7 @@ class _Family:
     qk_norm: bool = False
     moe: bool = False
     window: str | None = None
+    mla: bool = False
 
 
 _FAMILIES = {
@@ -36,6 +38,7 @@ _FAMILIES = {
     "mixtral": _Family("MixtralForCausalLM", moe=True, window="mistral"),
     "qwen2_moe": _Family("Qwen2MoeForCausalLM", qkv_bias=True, moe=True, window="qwen"),
     "qwen3_moe": _Family("Qwen3MoeForCausalLM", qk_norm=True, moe=True, window="qwen"),
+    "deepseek_v3": _Family("DeepseekV3ForCausalLM", moe=True, mla=True),
 }
 _DEFAULTS = {"mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5}}  # where transformers' defaults differ
 
@@ -73,7 +76,7 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json", **overrides:
         raise ValueError(
             f"zjax.models: {source} has model_type {model_type!r}; supported model types are {list(_DENSE)} "
             f"(Llama-2/3/3.1, Mistral, Qwen2), ['qwen3'] (Qwen3) and the mixtures of experts "
-            f"{list(MOE_MODEL_TYPES)} (Mixtral, Qwen2-MoE, Qwen3-MoE)."
+            f"{list(MOE_MODEL_TYPES)} (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3)."
         )
     family = _FAMILIES[model_type]
     hf = {**_DEFAULTS.get(model_type, {}), **hf}
@@ -139,14 +142,53 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json", **overrides:
         )
         if family.moe:
             fields["moe"] = moe_from_hf(hf, model_type, source, fields["mlp"])
+        if family.mla:
+            fields.update(_mla_from_hf(hf, source))
     except KeyError as e:
         raise ValueError(f"zjax.models: {source} has no {e.args[0]!r}, which a {model_type} config needs.") from None
     return dataclasses.replace(DecoderConfig(**fields), **overrides)
 
 
+def _mla_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """The fields of a DeepSeek config's multi-head latent attention and first dense layers."""
+    if int(hf.get("num_key_value_heads") or hf["num_attention_heads"]) != int(hf["num_attention_heads"]):
+        raise _unsupported(source, f"num_key_value_heads={hf['num_key_value_heads']} (MLA has one key per head)")
+    try:
+        mla = MLA(
+            kv_lora_rank=int(hf["kv_lora_rank"]),
+            q_lora_rank=int(hf["q_lora_rank"]) if hf.get("q_lora_rank") else None,
+            qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
+            v_head_dim=int(hf["v_head_dim"]),
+            rope_interleave=bool(hf.get("rope_interleave", True)),
+        )
+    except ValueError as e:
+        raise ValueError(f"zjax.models: {source}: {e}") from None
+    dense = int(hf.get("first_k_dense_replace") or 0)
+    return {"mla": mla, "head_dim": mla.qk_head_dim, "kv_heads": None, "dense_layers": dense}
+
+
+def _mla_to_hf(cfg: DecoderConfig) -> dict[str, Any]:
+    m = cfg.mla
+    assert m is not None  # the caller's family check
+    return {
+        "kv_lora_rank": m.kv_lora_rank,
+        "q_lora_rank": m.q_lora_rank,
+        "qk_nope_head_dim": m.qk_nope_head_dim,
+        "qk_rope_head_dim": m.qk_rope_head_dim,
+        "v_head_dim": m.v_head_dim,
+        "head_dim": m.qk_rope_head_dim,  # transformers' DeepseekV3Config: the rotary part's width
+        "rope_interleave": m.rope_interleave,
+        "first_k_dense_replace": cfg.dense_layers,
+        "attention_bias": False,
+    }
+
+
 def model_type_of(cfg: DecoderConfig) -> str:
     """The Hugging Face ``model_type`` a config exports as: q/k norms make a Qwen3, q/k biases (or a shared
     expert) a Qwen2, experts otherwise a Mixtral, a sliding window otherwise a Mistral."""
+    if cfg.mla is not None:
+        return "deepseek_v3"
     if cfg.moe is not None:
         if cfg.qk_norm:
             return "qwen3_moe"
@@ -164,9 +206,10 @@ def _check_family(cfg: DecoderConfig, model_type: str) -> _Family:
         ("qkv_bias", cfg.qkv_bias, family.qkv_bias),
         ("qk_norm", cfg.qk_norm, family.qk_norm),
         ("moe", cfg.moe is not None, family.moe),
+        ("mla", cfg.mla is not None, family.mla),
     ):
         if has != wants:
-            value = getattr(cfg, name) if name != "moe" else cfg.moe
+            value = getattr(cfg, name)
             raise ValueError(
                 f"zjax.models: {name}={value} cannot be written as model_type {model_type!r} (which has "
                 f"{'' if wants else 'no '}{name}); leave model_type out to pick it from the config."
@@ -223,6 +266,13 @@ def config_to_hf(cfg: DecoderConfig, dtype: str = "bfloat16", model_type: str | 
         hf.update(use_sliding_window=False, sliding_window=None)
     if cfg.moe is not None:
         hf.update(moe_to_hf(cfg.moe, model_type, cfg.mlp))
+    if cfg.mla is not None:
+        hf.update(_mla_to_hf(cfg))
+    elif cfg.dense_layers:
+        raise ValueError(
+            f"zjax.models: dense_layers={cfg.dense_layers} cannot be written as model_type {model_type!r} (its "
+            "layers are all mixtures of experts); DeepSeek-V3's first_k_dense_replace has them."
+        )
     return hf
 
 

@@ -1,9 +1,16 @@
-"""The mixture-of-experts fields of Hugging Face configs (Mixtral, Qwen2-MoE, Qwen3-MoE) <-> :class:`MoE`.
+"""The mixture-of-experts fields of Hugging Face configs (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3) <-> :class:`MoE`.
 
 Mixtral's experts have the size ``intermediate_size``; the Qwen MoEs' ``moe_intermediate_size`` (their
 ``intermediate_size`` is a dense MLP's, used by no layer here: :class:`~zjax.models.DecoderConfig`'s
 ``mlp``, with ``MoE.mlp`` set when the two differ). ``router_aux_loss_coef`` is the load-balancing loss
 weight (``MoE.load_balance_weight``; Hugging Face adds that loss only with ``output_router_logits``).
+
+DeepSeek-V3 (``deepseek_v3``): ``n_routed_experts`` experts of ``moe_intermediate_size`` with sigmoid scores,
+group-limited (``n_group``, ``topk_group``), scaled by ``routed_scaling_factor``, ``n_shared_experts`` shared ones
+added ungated (one shared SwiGLU of ``n_shared_experts x moe_intermediate_size``), the selection bias
+(``e_score_correction_bias``) moved by :data:`DEEPSEEK_BIAS_RATE` per step; the sequence-wise loss of weight
+``aux_loss_alpha`` (:data:`DEEPSEEK_AUX_ALPHA` when absent), divided by ``top_k`` because zjax's per-sequence loss is
+DeepSeek's times ``top_k``. The first ``first_k_dense_replace`` layers are dense (``DecoderConfig.dense_layers``).
 """
 
 from __future__ import annotations
@@ -12,8 +19,12 @@ from typing import Any
 
 from ._moe import MoE
 
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 _AUX_DEFAULT = 0.001  # router_aux_loss_coef's default in transformers' three configs
+DEEPSEEK_BIAS_RATE = 1e-3
+"""The selection biases' update rate of an imported DeepSeek-V3 (the paper's gamma for most of pre-training)."""
+DEEPSEEK_AUX_ALPHA = 1e-4
+"""The sequence-wise balance loss's weight alpha of DeepSeek-V3's paper (its config may say ``aux_loss_alpha``)."""
 
 
 def unsupported(file: str, what: str) -> ValueError:
@@ -29,6 +40,8 @@ def moe_from_hf(hf: dict[str, Any], model_type: str, source: str, mlp: int) -> M
       ValueError: settings the decoder does not have (dense layers among the sparse ones, router jitter),
         or a missing field (``KeyError`` is the caller's to report).
     """
+    if model_type == "deepseek_v3":
+        return _deepseek_from_hf(hf, source, mlp)
     aux = float(hf.get("router_aux_loss_coef", _AUX_DEFAULT))
     if model_type == "mixtral":
         jitter = hf.get("router_jitter_noise") or 0.0
@@ -71,6 +84,59 @@ def moe_from_hf(hf: dict[str, Any], model_type: str, source: str, mlp: int) -> M
         raise ValueError(f"zjax.models: {source}: {e}") from None
 
 
+def _deepseek_from_hf(hf: dict[str, Any], source: str, mlp: int) -> MoE:
+    for name, value, want in (
+        ("moe_layer_freq", hf.get("moe_layer_freq", 1), 1),
+        ("topk_method", hf.get("topk_method", "noaux_tc"), "noaux_tc"),
+        ("scoring_func", hf.get("scoring_func", "sigmoid"), "sigmoid"),
+    ):
+        if value != want:
+            raise unsupported(source, f"{name}={value!r} (DeepSeek-V3's decoder has {name}={want!r})")
+    size, top_k = int(hf["moe_intermediate_size"]), int(hf["num_experts_per_tok"])
+    try:
+        return MoE(
+            experts=int(hf["n_routed_experts"]),
+            top_k=top_k,
+            mlp=None if size == mlp else size,
+            normalize_top_k=bool(hf.get("norm_topk_prob", True)),
+            shared_mlp=int(hf.get("n_shared_experts") or 0) * size,
+            shared_gate=False,
+            scoring="sigmoid",
+            routed_scale=float(hf.get("routed_scaling_factor", 1.0)),
+            groups=int(hf.get("n_group") or 1),
+            top_groups=int(hf["topk_group"]) if hf.get("topk_group") else None,
+            bias_update_rate=DEEPSEEK_BIAS_RATE,
+            balance_loss="per-sequence",
+            load_balance_weight=float(hf.get("aux_loss_alpha", DEEPSEEK_AUX_ALPHA)) / top_k,
+        )
+    except ValueError as e:
+        raise ValueError(f"zjax.models: {source}: {e}") from None
+
+
+def _deepseek_to_hf(moe: MoE, mlp: int, refuse: Any) -> dict[str, Any]:
+    size = moe.expert_mlp(mlp)
+    if moe.scoring != "sigmoid" or moe.shared_gate and moe.shared_mlp or moe.shared_mlp % size:
+        raise refuse(
+            f"scoring={moe.scoring!r}, shared_gate={moe.shared_gate}, shared_mlp={moe.shared_mlp}: DeepSeek-V3 scores "
+            f"by sigmoid and adds its shared experts ungated, each of the routed experts' size ({size})"
+        )
+    return {
+        "moe_intermediate_size": size,
+        "n_routed_experts": moe.experts,
+        "n_shared_experts": moe.shared_mlp // size,
+        "num_experts_per_tok": moe.top_k,
+        "norm_topk_prob": moe.normalize_top_k,
+        "routed_scaling_factor": moe.routed_scale,
+        "n_group": moe.groups,
+        "topk_group": moe.routed_groups,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "moe_layer_freq": 1,
+        "aux_loss_alpha": moe.load_balance_weight * moe.top_k,
+        "seq_aux": moe.balance_loss == "per-sequence",
+    }
+
+
 def moe_to_hf(moe: MoE, model_type: str, mlp: int) -> dict[str, Any]:
     """The Hugging Face config fields of ``moe`` in a ``model_type`` config whose decoder's ``mlp`` is ``mlp``
     (the inverse of :func:`moe_from_hf`; Mixtral's ``intermediate_size`` is the experts' size).
@@ -82,6 +148,8 @@ def moe_to_hf(moe: MoE, model_type: str, mlp: int) -> dict[str, Any]:
     def refuse(what: str) -> ValueError:
         return ValueError(f"zjax.models: MoE({what}) cannot be written as model_type {model_type!r}.")
 
+    if model_type == "deepseek_v3":
+        return _deepseek_to_hf(moe, mlp, refuse)
     common = {
         "num_experts_per_tok": moe.top_k,
         "router_aux_loss_coef": moe.load_balance_weight,

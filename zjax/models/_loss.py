@@ -26,7 +26,8 @@ from ..core import LossSum
 from ..sharding._axes import DATA_AXES, PP
 from ..sharding._mesh import in_manual_data_axes
 from ._config import DecoderConfig
-from ._decoder import MOE_STATS, PACKED_UNDER_PIPELINE, RMSNorm, pipeline_stage_fn
+from ._decoder import MOE_STATS, PACKED_UNDER_PIPELINE, pipeline_stage_fn
+from ._layers import RMSNorm
 from ._moe import ROUTER_STATE, moved_bias
 
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
@@ -236,9 +237,9 @@ def _with_moved_biases(cfg: DecoderConfig, model_state: Any, tokens: jax.Array) 
         bias = biases["layers"]["moe"]["bias"]
         biases["layers"] = {**biases["layers"], "moe": {"bias": moved_bias(moe, bias, tokens)}}
     else:
-        for i in range(cfg.layers):
-            bias = biases[f"layer_{i}"]["moe"]["bias"]
-            biases[f"layer_{i}"] = {**biases[f"layer_{i}"], "moe": {"bias": moved_bias(moe, bias, tokens[i])}}
+        for i in range(cfg.dense_layers, cfg.layers):  # tokens: the experts' layers only
+            bias, load = biases[f"layer_{i}"]["moe"]["bias"], tokens[i - cfg.dense_layers]
+            biases[f"layer_{i}"] = {**biases[f"layer_{i}"], "moe": {"bias": moved_bias(moe, bias, load)}}
     return {**model_state, ROUTER_STATE: biases}
 
 

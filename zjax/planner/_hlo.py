@@ -234,6 +234,8 @@ def collectives(hlo_text: str) -> list[Collective]:
             size = _bytes(instr.type_text) if size is None else size
             groups = replica_groups(instr.rest, devices)
             n = max((len(g) for g in groups), default=1)
+            if n == 1 and groups:  # every group one device (a shard_map's sum over axes of size 1): nothing moves
+                continue
             if kind == "all-reduce" and users[instr.name] and all(u == "dynamic-slice" for u in users[instr.name]):
                 kind = "reduce-scatter"  # what the GPU compiler makes of all-reduce + dynamic-slice
                 vol = size

@@ -30,6 +30,7 @@ DEFAULT_LOGICAL_RULES: tuple[tuple[str, AxisTarget], ...] = (
     ("embed", None),
     ("head_dim", None),
     ("norm", None),
+    ("latent", None),  # multi-head latent attention's compressed width (zjax.models.MLA)
     ("layers", PP),  # stacked layers: split into pipeline stages (nothing when pp=1)
 )
 

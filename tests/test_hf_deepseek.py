@@ -1,0 +1,245 @@
+"""DeepSeek-V3 checkpoints: the config (671.0B parameters from the published ``config.json``), the names and layouts
+of multi-head latent attention, the first dense layers, sigmoid group-limited routing with its selection bias and the
+shared experts, in and out, against a NumPy transcription of Hugging Face's ``modeling_deepseek_v3`` run on the
+tensors of the file itself (transformers' DeepSeek-V3 is PyTorch-only)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import zjax
+from zjax.models import config_from_hf, config_to_hf, from_hf_config, lm_loss
+
+from ._hf_models import read_checkpoint, write_checkpoint
+
+# DeepSeek-V3's published config.json (the fields that shape the model)
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": False,
+    "aux_loss_alpha": 0.001, "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+    "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                            "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "v_head_dim": 128, "vocab_size": 129280,
+}  # fmt: skip
+QWEN3_235B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 4096,
+    "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 94, "num_attention_heads": 64,
+    "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936, "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+    "router_aux_loss_coef": 0.001,
+}  # fmt: skip
+
+TINY = {
+    **{k: v for k, v in DEEPSEEK_V3.items() if k not in ("quantization_config",)},
+    "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16, "num_hidden_layers": 3,
+    "first_k_dense_replace": 1, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 24,
+    "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 8,
+    "n_group": 4, "topk_group": 2, "num_experts_per_tok": 2, "vocab_size": 96, "max_position_embeddings": 64,
+    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+}  # fmt: skip
+
+
+def test_published_configs_build_the_published_parameter_counts():
+    """DeepSeek-V3: 671.0B (MTP aside, as DeepSeek counts it), 37.6B active; Qwen3-235B-A22B: 235.1B, 22.2B
+    active. Both round-trip through config_to_hf."""
+    v3, qwen = config_from_hf(DEEPSEEK_V3), config_from_hf(QWEN3_235B)
+    assert round(v3.num_params / 1e9, 1) == 671.0 and round(v3.num_active_params / 1e9, 1) == 37.6
+    assert round(qwen.num_params / 1e9, 1) == 235.1 and round(qwen.num_active_params / 1e9, 1) == 22.2
+    assert v3.dense_layers == 3 and v3.mla.q_lora_rank == 1536 and v3.head_dim == 192
+    assert v3.softmax_scale == pytest.approx((0.1 * math.log(40) + 1) ** 2 / math.sqrt(192))
+    moe = v3.moe
+    assert (moe.experts, moe.top_k, moe.groups, moe.routed_groups, moe.shared_mlp) == (256, 8, 8, 4, 2048)
+    assert moe.scoring == "sigmoid" and not moe.shared_gate and moe.routed_scale == 2.5
+    assert moe.load_balance_weight == pytest.approx(0.001 / 8)  # zjax's per-sequence loss is DeepSeek's x top_k
+    for cfg in (v3, qwen):
+        assert config_from_hf(config_to_hf(cfg)) == cfg
+
+
+def hf_tensors(hf: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random weights under DeepSeek-V3's names and ``[out, in]`` layouts (bf16; the selection biases fp32)."""
+    rng = np.random.default_rng(seed)
+    e, v, h = hf["hidden_size"], hf["vocab_size"], hf["num_attention_heads"]
+    qk, nope_v = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"], hf["qk_nope_head_dim"] + hf["v_head_dim"]
+    f, experts = hf["moe_intermediate_size"], hf["n_routed_experts"]
+
+    def w(*shape, scale=0.2):
+        return (rng.normal(size=shape) * scale).astype(ml_dtypes.bfloat16)
+
+    def norm(n):
+        return (1.0 + rng.normal(size=n) * 0.1).astype(ml_dtypes.bfloat16)
+
+    out = {"model.embed_tokens.weight": w(v, e, scale=1.0), "model.norm.weight": norm(e), "lm_head.weight": w(v, e)}
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out |= {
+            p + "input_layernorm.weight": norm(e),
+            p + "post_attention_layernorm.weight": norm(e),
+            p + "self_attn.q_a_proj.weight": w(hf["q_lora_rank"], e),
+            p + "self_attn.q_a_layernorm.weight": norm(hf["q_lora_rank"]),
+            p + "self_attn.q_b_proj.weight": w(h * qk, hf["q_lora_rank"]),
+            p + "self_attn.kv_a_proj_with_mqa.weight": w(hf["kv_lora_rank"] + hf["qk_rope_head_dim"], e),
+            p + "self_attn.kv_a_layernorm.weight": norm(hf["kv_lora_rank"]),
+            p + "self_attn.kv_b_proj.weight": w(h * nope_v, hf["kv_lora_rank"]),
+            p + "self_attn.o_proj.weight": w(e, h * hf["v_head_dim"]),
+        }
+        if i < hf["first_k_dense_replace"]:
+            m = hf["intermediate_size"]
+            out |= {p + "mlp.gate_proj.weight": w(m, e), p + "mlp.up_proj.weight": w(m, e)}
+            out[p + "mlp.down_proj.weight"] = w(e, m)
+            continue
+        out[p + "mlp.gate.weight"] = w(experts, e, scale=1.0)
+        out[p + "mlp.gate.e_score_correction_bias"] = (rng.normal(size=experts) * 0.3).astype(np.float32)
+        shared = hf["n_shared_experts"] * f
+        for name, size in [(f"mlp.experts.{j}.", f) for j in range(experts)] + [("mlp.shared_experts.", shared)]:
+            out |= {p + name + "gate_proj.weight": w(size, e), p + name + "up_proj.weight": w(size, e)}
+            out[p + name + "down_proj.weight"] = w(e, size)
+    return out
+
+
+def _rms(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * w
+
+
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def _rotate_interleaved(x, positions, inv_freq, factor):
+    """``apply_rotary_pos_emb_interleave``: the pairs ``(x[2i], x[2i+1])`` rotated by ``positions x inv_freq``."""
+    angle = positions[:, None] * inv_freq[None]  # [s, d/2]
+    cos, sin = np.cos(angle)[None, :, None] * factor, np.sin(angle)[None, :, None] * factor
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2], out[..., 1::2] = a * cos - b * sin, a * sin + b * cos
+    return out
+
+
+def numpy_loss(hf: dict, t: dict[str, np.ndarray], tokens: np.ndarray, inv_freq, factor: float) -> float:
+    """Hugging Face's DeepseekV3ForCausalLM forward and mean next-token loss, in float64 (RoPE's inverse
+    frequencies and YaRN's attention factor given: YaRN's own test is in tests/test_hf.py)."""
+    t = {k: np.asarray(v, np.float64) for k, v in t.items()}
+    eps, h = hf["rms_norm_eps"], hf["num_attention_heads"]
+    nope, rope, vd = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"]
+    s = tokens.shape[1] - 1
+    x = t["model.embed_tokens.weight"][tokens[:, :-1]]
+    positions = np.arange(s, dtype=np.float64)
+    scale = (nope + rope) ** -0.5 * (0.1 * hf["rope_scaling"]["mscale_all_dim"] * math.log(4.0) + 1) ** 2
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        y = _rms(x, t[p + "input_layernorm.weight"], eps)
+        q_latent = _rms(y @ t[p + "self_attn.q_a_proj.weight"].T, t[p + "self_attn.q_a_layernorm.weight"], eps)
+        q = (q_latent @ t[p + "self_attn.q_b_proj.weight"].T).reshape(*y.shape[:2], h, nope + rope)
+        kv_a = y @ t[p + "self_attn.kv_a_proj_with_mqa.weight"].T
+        latent = _rms(kv_a[..., : hf["kv_lora_rank"]], t[p + "self_attn.kv_a_layernorm.weight"], eps)
+        kv = (latent @ t[p + "self_attn.kv_b_proj.weight"].T).reshape(*y.shape[:2], h, nope + vd)
+        q_rot = _rotate_interleaved(q[..., nope:], positions, inv_freq, factor)
+        k_rot = _rotate_interleaved(kv_a[..., None, hf["kv_lora_rank"] :], positions, inv_freq, factor)
+        query = np.concatenate([q[..., :nope], q_rot], -1)
+        key = np.concatenate([kv[..., :nope], np.broadcast_to(k_rot, (*kv.shape[:3], rope))], -1)
+        logits = np.einsum("bqhd,bkhd->bhqk", query, key) * scale
+        logits = np.where(np.tril(np.ones((s, s), bool)), logits, -np.inf)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        attn = np.einsum("bhqk,bkhd->bqhd", probs, kv[..., nope:]).reshape(*y.shape[:2], h * vd)
+        x = x + attn @ t[p + "self_attn.o_proj.weight"].T
+        y = _rms(x, t[p + "post_attention_layernorm.weight"], eps)
+
+        def mlp(z, prefix):
+            return (_silu(z @ t[prefix + "gate_proj.weight"].T) * (z @ t[prefix + "up_proj.weight"].T)) @ t[
+                prefix + "down_proj.weight"
+            ].T
+
+        if i < hf["first_k_dense_replace"]:
+            x = x + mlp(y, p + "mlp.")
+            continue
+        flat = y.reshape(-1, y.shape[-1])
+        scores = 1 / (1 + np.exp(-(flat @ t[p + "mlp.gate.weight"].T)))
+        choice = scores + t[p + "mlp.gate.e_score_correction_bias"]
+        groups = choice.reshape(len(flat), hf["n_group"], -1)
+        group_score = np.sort(groups, -1)[..., -2:].sum(-1)
+        kept = np.argsort(-group_score, -1)[:, : hf["topk_group"]]
+        allowed = np.zeros_like(group_score, bool)
+        np.put_along_axis(allowed, kept, True, -1)
+        choice = np.where(np.repeat(allowed, groups.shape[-1], -1), choice, -np.inf)
+        top = np.argsort(-choice, -1)[:, : hf["num_experts_per_tok"]]
+        weights = np.take_along_axis(scores, top, -1)
+        weights = weights / weights.sum(-1, keepdims=True) * hf["routed_scaling_factor"]
+        routed = np.zeros_like(flat)
+        for r in range(len(flat)):
+            for k, j in enumerate(top[r]):
+                routed[r] += weights[r, k] * mlp(flat[r], p + f"mlp.experts.{j}.")
+        x = x + routed.reshape(y.shape) + mlp(y, p + "mlp.shared_experts.")
+    logits = _rms(x, t["model.norm.weight"], eps) @ t["lm_head.weight"].T
+    logits = logits - logits.max(-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    return float(-np.mean(np.take_along_axis(logp, tokens[:, 1:, None], -1)))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("deepseek")
+    return write_checkpoint(str(directory / "v3"), TINY, hf_tensors(TINY), files=3)
+
+
+@pytest.mark.parametrize(
+    "mesh", [{"dp": 2, "ep": 4}, pytest.param({"dp": 2, "ep": 2, "tp": 2}, marks=pytest.mark.slow)]
+)
+def test_loss_equals_hugging_faces_deepseek_v3_on_the_files_tensors(checkpoint, mesh):
+    """Stage 3, fp32, experts split over ep (and heads over tp): the loaded model's cross-entropy is the NumPy
+    transcription's on the same tensors (the selection bias moves which experts a token reaches)."""
+    model = from_hf_config(checkpoint)
+    plan = zjax.Plan(zjax.make_mesh(**mesh), stage=3, precision="fp32")
+    state = zjax.hf.load(checkpoint, plan, model, optax.sgd(0.0))
+    tokens = np.random.default_rng(1).integers(0, TINY["vocab_size"], (8, 17)).astype(np.int32)
+    step = plan.train_step(lambda p, b, model_state: lm_loss(model, p, b, model_state))
+    _, metrics = step(state, plan.shard_batch(tokens))
+    cfg = model.cfg
+    want = numpy_loss(TINY, read_checkpoint(checkpoint), tokens, cfg.rope_frequencies(), cfg.rope_attention_factor)
+    assert abs(float(metrics["aux"]["ce"]) - want) <= 1e-4 * want, (float(metrics["aux"]["ce"]), want)
+
+
+def test_export_is_bitwise_the_import(checkpoint, tmp_path):
+    """bf16 weights and the fp32 selection biases written back bit for bit, the config round-tripped."""
+    model = from_hf_config(checkpoint)
+    plan = zjax.Plan(zjax.make_mesh(dp=2, ep=4), stage=3, precision="bf16")
+    state = zjax.hf.load(checkpoint, plan, model, optax.sgd(0.0))
+    bias = state.model_state["router"]["layers"]["moe"]["bias"]
+    assert bias.shape == (2, 8)
+    out = zjax.hf.save(tmp_path / "out", model, state, max_shard_size=20_000)
+    want, got = read_checkpoint(checkpoint), read_checkpoint(out)
+    assert sorted(got) == sorted(want)
+    for name, x in want.items():
+        assert got[name].dtype == x.dtype and np.array_equal(got[name], x), name
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config_from_hf(saved) == model.cfg
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("topk_method", "greedy", "topk_method='greedy'"),
+        ("scoring_func", "softmax", "scoring_func='softmax'"),
+        ("moe_layer_freq", 2, "moe_layer_freq=2"),
+        ("num_key_value_heads", 2, "num_key_value_heads=2"),
+        ("topk_group", 5, "top_groups=5"),
+    ],
+)
+def test_unsupported_deepseek_settings_are_named(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        config_from_hf({**TINY, field: value})
