@@ -243,3 +243,20 @@ def test_export_is_bitwise_the_import(checkpoint, tmp_path):
 def test_unsupported_deepseek_settings_are_named(field, value, match):
     with pytest.raises(ValueError, match=match):
         config_from_hf({**TINY, field: value})
+
+
+def test_the_multi_token_prediction_layer_in_the_files_is_skipped_as_hugging_face_skips_it(checkpoint, tmp_path):
+    """DeepSeek-V3's files hold its MTP module as layer num_hidden_layers (here 3): a model without MTP loads the
+    rest; one with MTP is told that the modules are not read from Hugging Face files yet; a layer past the MTP
+    ones is still an unexpected tensor."""
+    tensors = read_checkpoint(checkpoint)
+    extra = {"model.layers.3.enorm.weight": np.ones(32, np.float32), "model.layers.3.eh_proj.weight": np.ones((32, 64))}
+    src = write_checkpoint(str(tmp_path / "mtp"), TINY, {**tensors, **extra})
+    plan = zjax.Plan(zjax.make_mesh(dp=8), stage=1, precision="fp32")
+    state = zjax.hf.load(src, plan, from_hf_config(src), optax.sgd(0.0))
+    assert state.params["layers"]["wkv_b"].shape == (2, 16, 4, 20)
+    with pytest.raises(ValueError, match="mtp_layers=1.*not read"):
+        zjax.hf.load(src, plan, from_hf_config(src, mtp_layers=1), optax.sgd(0.0))
+    beyond = write_checkpoint(str(tmp_path / "beyond"), TINY, {**tensors, "model.layers.4.enorm.weight": np.ones(32)})
+    with pytest.raises(ValueError, match=r"1 unexpected \['model.layers.4.enorm.weight'\]"):
+        zjax.hf.load(beyond, plan, from_hf_config(beyond), optax.sgd(0.0))

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DeepSeek-V2/V3) and the first dense layers of a mixture of experts.
+"""Multi-head latent attention (DeepSeek-V2/V3) and multi-token prediction (DeepSeek-V3's MTP).
 
 The decoder's MLA is checked against a NumPy transcription of DeepSeek's formulation (the rotary parts as complex
 pairs of adjacent values, keys and values up-projected per head from the normalised latent, the value heads
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import zjax
-from zjax.models import MLA, Decoder, DecoderConfig, YarnScaling
+from zjax.models import MLA, Decoder, DecoderConfig, YarnScaling, lm_loss
 
 from ._objective import applied, initial, reference, relative, uneven_batch
 
@@ -32,43 +32,56 @@ def _rms(x, w, eps):
 def _rotate(x, positions, inv_freq, factor):
     """DeepSeek's rotary embedding: adjacent pairs ``(x[2i], x[2i+1])`` as complex numbers times ``e^{i p f_i}``."""
     pairs = x[..., 0::2] + 1j * x[..., 1::2]  # [batch, seq, heads, d / 2]
-    turned = pairs * (factor * np.exp(1j * positions[:, None, None] * inv_freq))[None]
+    angle = positions[..., None, None] * inv_freq  # positions [seq] or [batch, seq]
+    turned = pairs * factor * np.exp(1j * (angle if angle.ndim == 4 else angle[None]))
     out = np.empty_like(x)
     out[..., 0::2], out[..., 1::2] = turned.real, turned.imag
     return out
 
 
+def _numpy_layer(cfg: DecoderConfig, w, x: np.ndarray, positions=None, segments=None) -> np.ndarray:
+    """One decoder layer with multi-head latent attention, written from DeepSeek's definition (float64); packed rows
+    attend within their ``segments [batch, seq]`` at their ``positions [seq]`` (default ``0..seq-1``)."""
+    m, eps = cfg.mla, cfg.norm_eps
+    s = x.shape[1]
+    positions = np.arange(s, dtype=np.float64) if positions is None else positions
+    inv_freq = cfg.rope_frequencies().astype(np.float64)
+    h = _rms(x, w["attn_norm"]["scale"], eps)
+    q_latent = _rms(h @ w["wq_a"], w["q_latent_norm"]["scale"], eps)
+    q = np.einsum("bsr,rhd->bshd", q_latent, w["wq_b"])
+    q_nope, q_rope = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim :]
+    kv_a = h @ w["wkv_a"]
+    latent, k_rope = kv_a[..., : m.kv_lora_rank], kv_a[..., m.kv_lora_rank :]
+    kv = np.einsum("bsr,rhd->bshd", _rms(latent, w["kv_latent_norm"]["scale"], eps), w["wkv_b"])
+    k_nope, v = kv[..., : m.qk_nope_head_dim], kv[..., m.qk_nope_head_dim :]
+    factor = cfg.rope_attention_factor
+    q_rope = _rotate(q_rope, positions, inv_freq, factor)
+    k_rope = _rotate(k_rope[:, :, None, :], positions, inv_freq, factor)
+    scores = np.einsum("bqhd,bkhd->bhqk", q_nope, k_nope) + np.einsum("bqhd,bkxd->bhqk", q_rope, k_rope)
+    allowed = np.tril(np.ones((s, s), bool))[None, None]
+    if segments is not None:
+        allowed = allowed & (segments[:, None, :, None] == segments[:, None, None, :])
+    scores = np.where(allowed, scores * cfg.softmax_scale, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    x = x + np.einsum("bhqk,bkhd,hde->bqe", probs, v, w["wo"])
+    h = _rms(x, w["mlp_norm"]["scale"], eps)
+    gate = h @ w["w_gate"]
+    return x + (gate / (1 + np.exp(-gate)) * (h @ w["w_up"])) @ w["w_down"]
+
+
+def _numpy_last(cfg: DecoderConfig, p, tokens: np.ndarray, positions=None, segments=None) -> np.ndarray:
+    """The last layer's output (before the final norm)."""
+    x = p["embedding"][tokens]
+    for i in range(cfg.layers):
+        x = _numpy_layer(cfg, jax.tree.map(lambda a, i=i: a[i], p["layers"]), x, positions, segments)
+    return x
+
+
 def _numpy_logits(cfg: DecoderConfig, params, tokens: np.ndarray) -> np.ndarray:
     """The decoder's logits, written from DeepSeek's definition of MLA (float64)."""
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
-    m, eps = cfg.mla, cfg.norm_eps
-    b, s = tokens.shape
-    x = p["embedding"][tokens]
-    positions = np.arange(s, dtype=np.float64)
-    inv_freq = cfg.rope_frequencies().astype(np.float64)
-    causal = np.tril(np.ones((s, s), bool))
-    for i in range(cfg.layers):
-        w = jax.tree.map(lambda a, i=i: a[i], p["layers"])
-        h = _rms(x, w["attn_norm"]["scale"], eps)
-        q_latent = _rms(h @ w["wq_a"], w["q_latent_norm"]["scale"], eps)
-        q = np.einsum("bsr,rhd->bshd", q_latent, w["wq_b"])
-        q_nope, q_rope = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim :]
-        kv_a = h @ w["wkv_a"]
-        latent, k_rope = kv_a[..., : m.kv_lora_rank], kv_a[..., m.kv_lora_rank :]
-        kv = np.einsum("bsr,rhd->bshd", _rms(latent, w["kv_latent_norm"]["scale"], eps), w["wkv_b"])
-        k_nope, v = kv[..., : m.qk_nope_head_dim], kv[..., m.qk_nope_head_dim :]
-        factor = cfg.rope_attention_factor
-        q_rope = _rotate(q_rope, positions, inv_freq, factor)
-        k_rope = _rotate(k_rope[:, :, None, :], positions, inv_freq, factor)
-        scores = np.einsum("bqhd,bkhd->bhqk", q_nope, k_nope) + np.einsum("bqhd,bkxd->bhqk", q_rope, k_rope)
-        scores = np.where(causal, scores * cfg.softmax_scale, -np.inf)
-        probs = np.exp(scores - scores.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        x = x + np.einsum("bhqk,bkhd,hde->bqe", probs, v, w["wo"])
-        h = _rms(x, w["mlp_norm"]["scale"], eps)
-        gate = h @ w["w_gate"]
-        x = x + (gate / (1 + np.exp(-gate)) * (h @ w["w_up"])) @ w["w_down"]
-    return _rms(x, p["final_norm"]["scale"], eps) @ p["head"]
+    return _rms(_numpy_last(cfg, p, tokens), p["final_norm"]["scale"], cfg.norm_eps) @ p["head"]
 
 
 @pytest.mark.parametrize("scaling", [None, YarnScaling(factor=4.0, original_max_len=4, mscale=1.0, mscale_all_dim=1.0)])
@@ -129,3 +142,68 @@ def test_under_cp_the_ranks_gather_the_latent_not_the_keys_and_values():
     keys_values = _attention_cp_volume(dataclasses.replace(cfg, mla=None))
     assert keys_values["all-gather"] == 2 * 16 * 16 * (24 + 24) * 4, keys_values
     assert sum(latent.values()) * 20 <= sum(keys_values.values()), (latent, keys_values)
+
+
+def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    logits = logits - logits.max(-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    return -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
+
+
+def _numpy_mtp_loss(cfg: DecoderConfig, params, batch) -> float:
+    """The next-token loss plus ``mtp_weight / mtp_layers`` times each module's, over the next-token count, written
+    from DeepSeek-V3's MTP (module k: ``[norm(emb(t_{i+k})); norm(h_i)] @ proj``, one layer, the shared head
+    predicting ``t_{i+k+1}``), float64."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    tokens, mask, seg = batch["tokens"], batch["loss_mask"], batch["segment_ids"]
+    eps, s = cfg.norm_eps, tokens.shape[1] - 1
+
+    def weights(k: int) -> np.ndarray:  # targets k + 1 ahead of the inputs: in the row, the document, the mask
+        w = np.zeros((len(tokens), s))
+        for i in range(s - k):
+            w[:, i] = mask[:, i + k + 1] * (seg[:, i + k + 1] == seg[:, i])
+        return w
+
+    rows = (batch["positions"][:, :-1].astype(np.float64), seg[:, :-1])
+    prev = _numpy_last(cfg, p, tokens[:, :-1], *rows)
+    main = _nll(_rms(prev, p["final_norm"]["scale"], eps) @ p["head"], tokens[:, 1:])
+    total, count = np.sum(main * weights(0)), np.sum(weights(0))
+    for k in range(1, cfg.mtp_layers + 1):
+        m = p[f"mtp_{k - 1}"]
+        ahead = np.concatenate([tokens[:, k:], np.zeros((len(tokens), k - 1), np.int64)], 1)[:, :s]
+        emb = _rms(p["embedding"][ahead], m["embed_norm"]["scale"], eps)
+        joined = np.concatenate([emb, _rms(prev, m["hidden_norm"]["scale"], eps)], -1) @ m["w_proj"]
+        prev = _numpy_layer(cfg, m["layer"], joined, *rows)
+        target = np.concatenate([tokens[:, k + 1 :], np.zeros((len(tokens), k), np.int64)], 1)[:, :s]
+        nll = _nll(_rms(prev, m["norm"]["scale"], eps) @ p["head"], target)
+        total += cfg.mtp_weight / cfg.mtp_layers * np.sum(nll * weights(k))
+    return float(total / count)
+
+
+TINY_MTP = dataclasses.replace(TINY_MLA, mtp_layers=2, mtp_weight=0.5)
+
+
+def test_multi_token_prediction_equals_deepseeks_definition():
+    """Two modules on packed rows with uneven masks: the loss (and, by it, what the modules learn from) is the NumPy
+    transcription's; the parameter count is the model's."""
+    batch = uneven_batch(4, TINY_MTP)
+    params = initial(TINY_MTP)
+    assert sum(x.size for x in jax.tree.leaves(params)) == TINY_MTP.num_params
+    got = jax.jit(lambda p, b: lm_loss(Decoder(TINY_MTP), p, b).mean)(params, batch)
+    want = _numpy_mtp_loss(TINY_MTP, params, batch)
+    assert abs(float(got) - want) <= 1e-5 * want, (float(got), want)
+    plain = jax.jit(lambda p, b: lm_loss(Decoder(TINY_MLA), p, b).mean)(
+        {k: v for k, v in params.items() if not k.startswith("mtp_")}, batch
+    )
+    assert float(got) > float(plain) * 1.2  # the modules' terms are there
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2, "cp": 4}, pytest.param({"dp": 4, "tp": 2}, marks=pytest.mark.slow)])
+def test_multi_token_prediction_computes_the_one_device_objective(mesh):
+    """Under cp (the shifted tokens, targets and weights in the load-balanced layout with the rest) and tp, stage
+    3, packed rows and uneven masks: the one-device gradient."""
+    batch = uneven_batch(16, TINY_MTP)
+    loss, grads = reference(TINY_MTP, batch)
+    got, metrics = applied(zjax.Plan(zjax.make_mesh(**mesh), precision="fp32", stage=3), TINY_MTP, batch)
+    assert relative(got, grads) <= 3e-5, relative(got, grads)
+    assert abs(float(metrics["loss"]) - loss) <= 3e-5 * loss

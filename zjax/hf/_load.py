@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import math
 import os
+import re
 from typing import Any
 
 import jax
@@ -56,9 +57,16 @@ def _check_config(path: str, model: Decoder) -> None:
         )
 
 
-def _check_names(directory: str, files: dict[str, str], specs: list[Tensor], tied: bool) -> None:
+def _check_names(directory: str, files: dict[str, str], specs: list[Tensor], cfg: DecoderConfig) -> None:
     expected = {n for t in specs for n in t.names()}
-    present = {n for n in files if not n.endswith(IGNORED_SUFFIXES) and not (tied and n == "lm_head.weight")}
+    # DeepSeek-V3's multi-token prediction modules are the num_nextn_predict_layers layers past num_hidden_layers,
+    # which Hugging Face's model skips too (zjax's MTP does not read them yet)
+    mtp = int(read_hf_config(directory).get("num_nextn_predict_layers") or 0)
+    later = re.compile(r"model\.layers\.(\d+)\.")
+    beyond = {n for n in files if (m := later.match(n)) and cfg.layers <= int(m.group(1)) < cfg.layers + mtp}
+    present = {
+        n for n in files if not n.endswith(IGNORED_SUFFIXES) and not (cfg.tie_embeddings and n == "lm_head.weight")
+    } - beyond
     missing, unexpected = sorted(expected - present), sorted(present - expected)
     if missing or unexpected:
         raise ValueError(
@@ -168,7 +176,13 @@ def load(
     cfg = model.cfg
     files = weight_map(directory)
     specs = list(tensors(cfg))
-    _check_names(directory, files, specs, cfg.tie_embeddings)
+    if cfg.mtp_layers:
+        raise ValueError(
+            f"zjax.hf.load: the model has mtp_layers={cfg.mtp_layers}; multi-token prediction modules are not read "
+            "from Hugging Face files yet. Load without them (zjax.models.from_hf_config(path)) and add MTP for "
+            "training from scratch, or train without MTP."
+        )
+    _check_names(directory, files, specs, cfg)
 
     stored_state = any(t.collection != "params" for t in specs)
 

@@ -108,9 +108,10 @@ class DecoderConfig:
     layer's feed-forward block a mixture of experts, but for the first ``dense_layers`` layers (dense SwiGLU MLPs of
     size ``mlp``: DeepSeek's ``first_k_dense_replace``). ``mla`` (:class:`MLA`) makes the attention multi-head
     latent attention (DeepSeek-V2/V3; ``head_dim`` is then its query/key head width, ``qk_nope_head_dim +
-    qk_rope_head_dim``, and RoPE rotates ``qk_rope_head_dim`` values). ``matmul="fp8-current"`` runs the
-    attention and dense MLP projections as fp8 products with current scaling (:func:`zjax.fp8.matmul`; the
-    embedding, the head, the router and the experts stay in the compute dtype).
+    qk_rope_head_dim``, and RoPE rotates ``qk_rope_head_dim`` values). ``mtp_layers`` adds DeepSeek-V3's
+    multi-token prediction modules (:mod:`zjax.models._mtp`), their loss weighted by ``mtp_weight``.
+    ``matmul="fp8-current"`` runs the attention and dense MLP projections as fp8 products with current scaling
+    (:func:`zjax.fp8.matmul`; the embedding, the head, the router and the experts stay in the compute dtype).
     """
 
     vocab: int = 256
@@ -135,6 +136,8 @@ class DecoderConfig:
     matmul: str = "default"
     mla: MLA | None = None
     dense_layers: int = 0
+    mtp_layers: int = 0
+    mtp_weight: float = 0.3
 
     def __post_init__(self) -> None:
         for name in ("vocab", "embed", "layers", "heads", "head_dim", "mlp", "max_len"):
@@ -173,6 +176,11 @@ class DecoderConfig:
             )
         if self.mla is not None:
             self._check_mla()
+        if not isinstance(self.mtp_layers, int) or self.mtp_layers < 0 or not self.mtp_weight >= 0:
+            raise ValueError(
+                f"DecoderConfig: mtp_layers={self.mtp_layers!r}, mtp_weight={self.mtp_weight!r}: mtp_layers is an int "
+                ">= 0 (multi-token prediction modules; 0: none) and mtp_weight >= 0 (their loss's weight)."
+            )
 
     def _check_mla(self) -> None:
         m = self.mla
@@ -204,12 +212,9 @@ class DecoderConfig:
     @property
     def num_params(self) -> int:
         dense = self.dense_layers * (3 * self.embed * self.mlp - self._feed_forward())
-        return (
-            self._tables()
-            + self.layers * (self._attention() + self._feed_forward() + 2 * self.embed)
-            + dense
-            + self.embed
-        )
+        layer = self._attention() + self._feed_forward() + 2 * self.embed
+        mtp = self.mtp_layers * (layer + 2 * self.embed * self.embed + 3 * self.embed)  # + norms and projection
+        return self._tables() + self.layers * layer + dense + mtp + self.embed
 
     @property
     def moe_layers(self) -> int:

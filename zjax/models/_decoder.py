@@ -13,157 +13,24 @@ ZeRO-3 gathers one layer at a time.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec
 
 from .. import comm, pipeline
-from ..context import attention, check_sequence, context_size, load_balance
+from ..context import check_sequence, context_size, load_balance
 from ..experts._dispatch import local_experts
-from ..fp8 import matmul as fp8_matmul
-from ..remat import RematPolicy, gather_checkpoint, linen_scan, nested_scan, partition_checkpoint
+from ..remat import RematPolicy, linen_scan, nested_scan
 from ..sharding import EP
-from ..sharding._rules import RESIDUAL_SEQ
+from ._block import Block, _constrain, _region
 from ._config import DecoderConfig
-from ._layers import RMSNorm, heads_constraint, rope
-from ._mla import mla_attention
-from ._moe import ROUTER_MASK_UNDER_PIPELINE, MoELayer, check_experts_in_pipeline
+from ._layers import RMSNorm
+from ._moe import ROUTER_MASK_UNDER_PIPELINE, check_experts_in_pipeline
+from ._mtp import MTP
 from ._params import param
-
-
-def _constrain(x: jax.Array) -> jax.Array:
-    """Keep the residual stream split over the batch (without it, GSPMD may copy the parameters' ZeRO-3
-    sharding onto activations and compute the whole batch on every device) and along the sequence over cp,
-    and over tp too with sequence parallelism (``residual_seq``, :class:`zjax.Rules`)."""
-    return nn.with_logical_constraint(x, ("batch", RESIDUAL_SEQ, "embed"))
-
-
-def _region(x: jax.Array) -> jax.Array:
-    """The input of a tensor-parallel region: the sequence whole on every tp rank (an all-gather over tp
-    under sequence parallelism), still split over cp. Its cotangent, partial sums over tp, goes straight
-    back to the residual stream's layout (a reduce-scatter, Megatron's backward of the all-gather): a plain
-    constraint would make GSPMD all-reduce it to the region's layout first. Both layouts are resolved here,
-    under the rules the forward pass sees (none inside a pipeline stage), never inside the custom VJP."""
-    if pipeline.current() is not None or not nn.get_logical_axis_rules():
-        return nn.with_logical_constraint(x, ("batch", "seq", "embed"))
-    there = nn.logical_to_mesh_axes(("batch", "seq", "embed"))
-    back = nn.logical_to_mesh_axes(("batch", RESIDUAL_SEQ, "embed"))
-    return _region_vjp(x, there, back)
-
-
-def _leave(y: jax.Array) -> jax.Array:
-    """The output of a tensor-parallel region (partial sums over tp) into the residual stream's layout (a
-    reduce-scatter under sequence parallelism), its cotangent back in the region's layout (an all-gather over tp,
-    Megatron's backward of the reduce-scatter), where the weight gradient reads it. Left to GSPMD, at stage 3 with
-    cp x tp the weight gradient's ZeRO split (its embed dim over cp) reached back into that cotangent, which was
-    then replicated to meet it (XLA's "involuntary full rematerialization")."""
-    if pipeline.current() is not None or not nn.get_logical_axis_rules():
-        return y
-    there = nn.logical_to_mesh_axes(("batch", "seq", "embed"))
-    back = nn.logical_to_mesh_axes(("batch", RESIDUAL_SEQ, "embed"))
-    return _region_vjp(y, back, there)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _region_vjp(x: jax.Array, there: PartitionSpec, back: PartitionSpec) -> jax.Array:
-    return jax.lax.with_sharding_constraint(x, there)
-
-
-def _region_fwd(x: jax.Array, there: PartitionSpec, back: PartitionSpec) -> tuple[jax.Array, None]:
-    return _region_vjp(x, there, back), None
-
-
-def _region_bwd(there: PartitionSpec, back: PartitionSpec, _, g: jax.Array) -> tuple[jax.Array]:
-    return (jax.lax.with_sharding_constraint(g, back),)
-
-
-_region_vjp.defvjp(_region_fwd, _region_bwd)
-
-
-class Block(nn.Module):
-    cfg: DecoderConfig
-    load_balanced: bool = False  # the sequence is in zjax.context.load_balance's layout
-
-    @nn.compact
-    def __call__(
-        self,
-        x: jax.Array,
-        positions: jax.Array | None = None,
-        segment_ids: jax.Array | None = None,
-        router_mask: jax.Array | None = None,
-    ):
-        c = self.cfg
-        partitioned = RematPolicy.from_str(c.remat).partition
-        if partitioned:
-            x = gather_checkpoint(x, axis=1)  # the saved input arrives split over tp along seq
-        if positions is None:
-            positions = jnp.arange(x.shape[1])[None]
-        if c.mla is None:
-            out = self._grouped_query(x, positions, segment_ids)
-        else:
-            h = _region(RMSNorm(c.embed, c.norm_eps, name="attn_norm")(x))
-            out = mla_attention(c, h, positions, segment_ids, self.load_balanced, self)
-        x = _constrain(x + checkpoint_name(_leave(out), "out_proj"))
-
-        h = _region(RMSNorm(c.embed, c.norm_eps, name="mlp_norm")(x))
-        stats = None
-        if c.moe is None:
-            w_gate = param(self, "w_gate", (c.embed, c.mlp), ("embed", "mlp"))
-            w_up = param(self, "w_up", (c.embed, c.mlp), ("embed", "mlp"))
-            w_down = param(self, "w_down", (c.mlp, c.embed), ("mlp", "embed"))
-            mlp = ("batch", "seq", "mlp")
-            dot = fp8_matmul if c.matmul == "fp8-current" else jnp.matmul
-            gate = nn.with_logical_constraint(checkpoint_name(dot(h, w_gate), "mlp_in"), mlp)
-            up = nn.with_logical_constraint(checkpoint_name(dot(h, w_up), "mlp_in"), mlp)
-            y = _leave(dot(jax.nn.silu(gate) * up, w_down))
-        else:
-            y, stats = MoELayer(c.moe, c.embed, c.mlp, name="moe")(h, router_mask)
-        x = x + checkpoint_name(y, "mlp_out")
-        if partitioned:
-            return partition_checkpoint(_constrain(x), axis=1), stats
-        return _constrain(x), stats
-
-    def _grouped_query(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
-        """Grouped-query attention's output projection (partial sums over tp) of the block's input ``x``."""
-        c = self.cfg
-        q_shape, kv_shape = (c.embed, c.heads, c.head_dim), (c.embed, c.num_kv_heads, c.head_dim)
-        wq = param(self, "wq", q_shape, ("embed", "heads", "head_dim"))
-        wk = param(self, "wk", kv_shape, ("embed", "kv_heads", "head_dim"))
-        wv = param(self, "wv", kv_shape, ("embed", "kv_heads", "head_dim"))
-        wo = param(self, "wo", (c.heads, c.head_dim, c.embed), ("heads", "head_dim", "embed"))
-        h = _region(RMSNorm(c.embed, c.norm_eps, name="attn_norm")(x))
-        fp8 = c.matmul == "fp8-current"  # the projections' products in fp8 (zjax.fp8.matmul)
-        q = fp8_matmul(h, wq) if fp8 else jnp.einsum("bse,ehd->bshd", h, wq)
-        k = fp8_matmul(h, wk) if fp8 else jnp.einsum("bse,ehd->bshd", h, wk)
-        v = fp8_matmul(h, wv) if fp8 else jnp.einsum("bse,ehd->bshd", h, wv)
-        if c.qkv_bias:
-            zeros = nn.initializers.zeros
-            q = q + param(self, "bq", q_shape[1:], ("heads", "head_dim"), zeros).astype(q.dtype)
-            k = k + param(self, "bk", kv_shape[1:], ("kv_heads", "head_dim"), zeros).astype(k.dtype)
-            v = v + param(self, "bv", kv_shape[1:], ("kv_heads", "head_dim"), zeros).astype(v.dtype)
-        if c.qk_norm:  # Qwen3: each head normalized over head_dim
-            q = RMSNorm(c.head_dim, c.norm_eps, name="q_norm")(q)
-            k = RMSNorm(c.head_dim, c.norm_eps, name="k_norm")(k)
-        inv_freq = c.rope_frequencies()
-        # heads split over tp, the sequence over cp: pinned (cotangents too) so that GSPMD never reshards
-        # between the sequence-split residual stream and the head-split attention by all-to-alls
-        factor = c.rope_attention_factor
-        q = heads_constraint(rope(checkpoint_name(q, "qkv_proj"), positions, inv_freq, factor), "heads")
-        k = heads_constraint(rope(checkpoint_name(k, "qkv_proj"), positions, inv_freq, factor), "kv_heads")
-        v = heads_constraint(checkpoint_name(v, "qkv_proj"), "kv_heads")
-        attn = attention(
-            q, k, v, segment_ids=segment_ids, window=c.sliding_window, load_balanced=self.load_balanced,
-            context_mode=c.context_mode,  # type: ignore[arg-type]  # validated in DecoderConfig
-        )  # fmt: skip
-        attn = heads_constraint(attn, "heads")
-        return fp8_matmul(attn, wo, contract=2) if fp8 else jnp.einsum("bshd,hde->bse", attn, wo)
-
 
 EXPERT_KEYS = ("['w_gate']", "['w_up']", "['w_down']")
 """The expert weights of a layer (``[experts, ...]``; stacked ``[layers, experts, ...]``), as ``keystr`` names."""
@@ -182,7 +49,9 @@ class Decoder(nn.Module):
     tokens' ``positions``): :func:`lm_loss` does this on a mesh with ``cp > 1``. ``inputs_embeds``
     ``[batch, seq, embed]`` replaces the embedding lookup (the tokens then give only the shapes).
     ``router_mask [batch, seq]`` weighs the tokens in a mixture of experts' router statistics (the load-balancing
-    and z-losses; default: every token counts).
+    and z-losses; default: every token counts). ``mtp_tokens [mtp_layers, batch, seq]`` (with ``return_hidden``):
+    the tokens ``k`` places after each input, for the multi-token prediction modules (``DecoderConfig.mtp_layers``),
+    whose normed outputs ``[mtp_layers, batch, seq, embed]`` are then returned beside the hidden states.
     """
 
     cfg: DecoderConfig
@@ -198,7 +67,8 @@ class Decoder(nn.Module):
         load_balanced: bool = False,
         inputs_embeds: jax.Array | None = None,
         router_mask: jax.Array | None = None,
-    ) -> jax.Array:
+        mtp_tokens: jax.Array | None = None,
+    ) -> Any:
         c = self.cfg
         if not self.is_initializing():
             check_sequence(tokens.shape[1], balanced=load_balanced)
@@ -275,6 +145,7 @@ class Decoder(nn.Module):
             stats = None if c.moe is None else jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
         if stats is not None and not self.is_initializing():
             self.sow("intermediates", MOE_STATS, stats)  # per layer, stacked: read by lm_loss
+        last = x  # the last layer's output: multi-token prediction's first input
         x = RMSNorm(c.embed, c.norm_eps, name="final_norm")(x)
         if context_size() > 1:
             # with cp, the head's input as a tensor-parallel region's (vocabulary over tp): left free, the head's
@@ -282,13 +153,49 @@ class Decoder(nn.Module):
             # tp=2 at stage 3). Without cp GSPMD's own choice is cheaper (dp=4 x tp=2, the small preset: it
             # gathers the small head rather than the hidden states, 0.5 MB less per step)
             x = _region(x)
+        predicted = None
+        if c.mtp_layers and (mtp_tokens is not None or self.is_initializing()):
+            ahead = jnp.stack([tokens] * c.mtp_layers) if mtp_tokens is None else mtp_tokens
+            predicted = self._predict_ahead(last, ahead, positions, segment_ids, load_balanced, table, at)
         if return_hidden:  # the loss reads the head itself (zjax.models.lm_loss)
-            return x
+            return x if mtp_tokens is None else (x, predicted)
         if c.tie_embeddings:
             head = comm.gathered(table, at).T
         else:
             head = param(self, "head", (c.embed, c.vocab), ("embed", "vocab"))
         return nn.with_logical_constraint(x @ head.astype(x.dtype), ("batch", "seq", "vocab"))
+
+    def _predict_ahead(
+        self,
+        hidden: jax.Array,
+        ahead: jax.Array,
+        positions: jax.Array | None,
+        segment_ids: jax.Array | None,
+        load_balanced: bool,
+        table: jax.Array,
+        at: tuple[str, ...],
+    ) -> jax.Array:
+        """The MTP modules' normed outputs ``[mtp_layers, batch, seq, embed]`` (:mod:`zjax.models._mtp`); ``ahead
+        [mtp_layers, batch, seq]``: the tokens ``k`` places after each input, for module ``k``."""
+        c = self.cfg
+        if pipeline.current() is not None and not self.is_initializing():
+            raise ValueError(
+                f"Decoder: mtp_layers={c.mtp_layers} under pipeline parallelism is not supported yet (the modules "
+                "run after the last stage and read the embedding table of the first). Train with pp=1."
+            )
+        policy = RematPolicy.from_str(c.remat)
+        module = nn.remat(MTP, policy=policy.jax_policy()) if policy.remat and policy.kind != "nested" else MTP
+        outs = []
+        for k in range(c.mtp_layers):
+            if c.tie_embeddings:
+                embedded = jnp.take(comm.gathered(table, at, now=True), ahead[k], axis=0)
+            else:
+                embedded = comm.lookup(table, ahead[k], at)
+            hidden, normed = module(c, load_balanced, name=f"mtp_{k}")(
+                hidden, _constrain(embedded), positions, segment_ids
+            )
+            outs.append(normed)
+        return jnp.stack(outs)
 
     def _dense_layers(
         self,

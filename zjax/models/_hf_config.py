@@ -180,6 +180,7 @@ def _mla_to_hf(cfg: DecoderConfig) -> dict[str, Any]:
         "head_dim": m.qk_rope_head_dim,  # transformers' DeepseekV3Config: the rotary part's width
         "rope_interleave": m.rope_interleave,
         "first_k_dense_replace": cfg.dense_layers,
+        "num_nextn_predict_layers": cfg.mtp_layers,  # what the files hold (zjax.hf.save writes no MTP modules yet)
         "attention_bias": False,
     }
 

@@ -176,6 +176,9 @@ def lm_loss(model: Any, params: Any, batch: Any, model_state: Any = None, *, voc
 def _loss_and_stats(model: Any, params: Any, batch: Any, model_state: Any, vocab_chunk: int | None) -> Any:
     """:func:`lm_loss`'s result and the routers' statistics (``None`` for a dense decoder)."""
     tokens, positions, segment_ids, loss_mask = read_batch(batch)
+    depth = getattr(model.cfg, "mtp_layers", 0)
+    # multi-token prediction: module k's inputs (the tokens k places after each input), targets and weights
+    ahead = _ahead(tokens, segment_ids, loss_mask, depth) if depth else None
     weights = None if loss_mask is None else loss_mask[:, 1:].astype(jnp.float32)
     if segment_ids is not None:
         same = (segment_ids[:, 1:] == segment_ids[:, :-1]).astype(jnp.float32)
@@ -188,6 +191,11 @@ def _loss_and_stats(model: Any, params: Any, batch: Any, model_state: Any, vocab
     schedule = pipeline.current()
     if packed and schedule is not None:
         raise ValueError(PACKED_UNDER_PIPELINE)
+    if depth and schedule is not None:
+        raise ValueError(
+            f"lm_loss: mtp_layers={depth} under pipeline parallelism is not supported yet (the modules run after "
+            "the last stage and read the embedding table of the first). Train with pp=1."
+        )
     balanced = context_size() > 1
     if balanced:
         # every per-token array in the load-balanced layout before the model splits the rows over cp: each
@@ -197,6 +205,7 @@ def _loss_and_stats(model: Any, params: Any, batch: Any, model_state: Any, vocab
             positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
         inputs, positions, targets = (load_balance(x) for x in (inputs, positions, targets))
         segment_ids, weights, routed = (None if x is None else load_balance(x) for x in (segment_ids, weights, routed))
+        ahead = None if ahead is None else tuple(jax.vmap(load_balance)(x) for x in ahead)
     w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights
     count = jnp.sum(w)
     if schedule is not None and schedule.tabled:
@@ -208,14 +217,50 @@ def _loss_and_stats(model: Any, params: Any, batch: Any, model_state: Any, vocab
     variables = {**(model_state or {}), "params": params}
     ranks = _data_ranks()
     if model.cfg.tie_embeddings and ranks:
+        if depth:
+            raise ValueError(
+                f"lm_loss: mtp_layers={depth} with tie_embeddings=True on a data-parallel mesh is not supported yet; "
+                "untie the embeddings (DeepSeek-V3's are untied) or train on one device."
+            )
         rows = (inputs, positions, segment_ids, targets, w, routed)
         return _tied_per_rank(model, variables, rows, ranks, balanced, vocab_chunk)
+    extra = {} if ahead is None else {"mtp_tokens": ahead[0]}
     hidden, stats = _hidden(
-        model, variables, inputs, positions, segment_ids, load_balanced=balanced, router_mask=routed
+        model, variables, inputs, positions, segment_ids, load_balanced=balanced, router_mask=routed, **extra
     )
     head = _read_head(model.cfg, nn.unbox(params), vocab_chunks(model.cfg.vocab, vocab_chunk) > 1)
-    ce = LossSum(cross_entropy_sum(hidden, head, targets, w, vocab_chunk), count)
-    return _with_experts(model.cfg, ce, stats), stats
+    if ahead is None:
+        total = cross_entropy_sum(hidden, head, targets, w, vocab_chunk)
+    else:  # each module's sum weighted by mtp_weight / mtp_layers beside the next-token sum, over its count
+        hidden, predicted = hidden
+        total = cross_entropy_sum(hidden, head, targets, w, vocab_chunk)
+        for k in range(depth):
+            mtp = cross_entropy_sum(predicted[k], head, ahead[1][k], ahead[2][k], vocab_chunk)
+            total = total + model.cfg.mtp_weight / depth * mtp
+    return _with_experts(model.cfg, LossSum(total, count), stats), stats
+
+
+def _ahead(
+    tokens: jax.Array, segment_ids: jax.Array | None, loss_mask: jax.Array | None, depth: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(inputs, targets, weights)``, each ``[depth, B, S]``, of the multi-token prediction modules from the batch's
+    ``[B, S+1]`` rows: module ``k`` (1-based) reads the token ``k`` places after each input and predicts the one
+    ``k + 1`` places after it; a target past the row, outside the input's document or masked weighs 0."""
+    s = tokens.shape[1] - 1
+    inputs, targets, weights = [], [], []
+    for k in range(1, depth + 1):
+        shifted = lambda x, by: jnp.pad(x[:, by:], ((0, 0), (0, max(by - 1, 0))))[:, :s]  # noqa: E731
+        inputs.append(shifted(tokens, k))
+        target = jnp.pad(tokens[:, k + 1 :], ((0, 0), (0, k)))[:, :s]
+        weight = jnp.broadcast_to((jnp.arange(s) + k + 1 <= s).astype(jnp.float32), target.shape)
+        if loss_mask is not None:
+            weight = weight * jnp.pad(loss_mask[:, k + 1 :].astype(jnp.float32), ((0, 0), (0, k)))[:, :s]
+        if segment_ids is not None:  # documents are contiguous: the same document at i and i + k + 1
+            later = jnp.pad(segment_ids[:, k + 1 :], ((0, 0), (0, k)))[:, :s]
+            weight = weight * (later == segment_ids[:, :s]).astype(jnp.float32)
+        targets.append(target)
+        weights.append(weight)
+    return jnp.stack(inputs), jnp.stack(targets), jnp.stack(weights)
 
 
 def _hidden(model: Any, variables: Any, *args: Any, **kwargs: Any) -> tuple[jax.Array, Any]:
