@@ -245,18 +245,44 @@ def test_unsupported_deepseek_settings_are_named(field, value, match):
         config_from_hf({**TINY, field: value})
 
 
-def test_the_multi_token_prediction_layer_in_the_files_is_skipped_as_hugging_face_skips_it(checkpoint, tmp_path):
-    """DeepSeek-V3's files hold its MTP module as layer num_hidden_layers (here 3): a model without MTP loads the
-    rest; one with MTP is told that the modules are not read from Hugging Face files yet; a layer past the MTP
-    ones is still an unexpected tensor."""
+def mtp_tensors(hf: dict, tensors: dict[str, np.ndarray], seed: int = 1) -> dict[str, np.ndarray]:
+    """DeepSeek-V3's MTP module as the files hold it: layer ``num_hidden_layers`` (an expert layer whose router has
+    no selection bias in zjax), its norms and projection, and copies of the embedding table and the head."""
+    i, e = hf["num_hidden_layers"], hf["hidden_size"]
+    deeper = hf_tensors({**hf, "num_hidden_layers": i + 1}, seed)
+    out = {k: v for k, v in deeper.items() if k.startswith(f"model.layers.{i}.") and "e_score_correction" not in k}
+    rng = np.random.default_rng(seed)
+    out |= {
+        f"model.layers.{i}.enorm.weight": (1 + rng.normal(size=e) * 0.1).astype(ml_dtypes.bfloat16),
+        f"model.layers.{i}.hnorm.weight": (1 + rng.normal(size=e) * 0.1).astype(ml_dtypes.bfloat16),
+        f"model.layers.{i}.eh_proj.weight": (rng.normal(size=(e, 2 * e)) * 0.2).astype(ml_dtypes.bfloat16),
+        f"model.layers.{i}.shared_head.norm.weight": (1 + rng.normal(size=e) * 0.1).astype(ml_dtypes.bfloat16),
+        f"model.layers.{i}.embed_tokens.weight": tensors["model.embed_tokens.weight"],
+        f"model.layers.{i}.shared_head.head.weight": tensors["lm_head.weight"],
+    }
+    return out
+
+
+def test_the_multi_token_prediction_layer_reads_and_writes_or_is_skipped(checkpoint, tmp_path):
+    """DeepSeek-V3's files hold its MTP module as layer num_hidden_layers (here 3): a model with mtp_layers=1 reads
+    it (its projection is eh_proj's transpose) and writes it back bit for bit with the embedding and head copies; a
+    model without MTP skips it, as Hugging Face's does; a layer past the MTP ones is an unexpected tensor."""
     tensors = read_checkpoint(checkpoint)
-    extra = {"model.layers.3.enorm.weight": np.ones(32, np.float32), "model.layers.3.eh_proj.weight": np.ones((32, 64))}
-    src = write_checkpoint(str(tmp_path / "mtp"), TINY, {**tensors, **extra})
-    plan = zjax.Plan(zjax.make_mesh(dp=8), stage=1, precision="fp32")
-    state = zjax.hf.load(src, plan, from_hf_config(src), optax.sgd(0.0))
-    assert state.params["layers"]["wkv_b"].shape == (2, 16, 4, 20)
-    with pytest.raises(ValueError, match="mtp_layers=1.*not read"):
-        zjax.hf.load(src, plan, from_hf_config(src, mtp_layers=1), optax.sgd(0.0))
+    src = write_checkpoint(str(tmp_path / "mtp"), TINY, {**tensors, **mtp_tensors(TINY, tensors)})
+    plan = zjax.Plan(zjax.make_mesh(dp=2, ep=4), stage=3, precision="bf16")
+    model = from_hf_config(src, mtp_layers=1)
+    state = zjax.hf.load(src, plan, model, optax.sgd(0.0))
+    proj = np.asarray(state.opt_state.master["mtp_0"]["w_proj"])
+    assert np.array_equal(proj, read_checkpoint(src)["model.layers.3.eh_proj.weight"].astype(np.float32).T)
+    out = zjax.hf.save(tmp_path / "out", model, state)
+    want, got = read_checkpoint(src), read_checkpoint(out)
+    assert sorted(got) == sorted(want)
+    for name, x in want.items():
+        assert got[name].dtype == x.dtype and np.array_equal(got[name], x), name
+    plain = zjax.hf.load(src, plan, from_hf_config(src), optax.sgd(0.0))
+    assert "mtp_0" not in plain.params
+    with pytest.raises(ValueError, match="mtp_layers=2 but .*num_nextn_predict_layers=1"):
+        zjax.hf.load(src, plan, from_hf_config(src, mtp_layers=2), optax.sgd(0.0))
     beyond = write_checkpoint(str(tmp_path / "beyond"), TINY, {**tensors, "model.layers.4.enorm.weight": np.ones(32)})
     with pytest.raises(ValueError, match=r"1 unexpected \['model.layers.4.enorm.weight'\]"):
         zjax.hf.load(beyond, plan, from_hf_config(beyond), optax.sgd(0.0))

@@ -60,10 +60,18 @@ def _check_config(path: str, model: Decoder) -> None:
 def _check_names(directory: str, files: dict[str, str], specs: list[Tensor], cfg: DecoderConfig) -> None:
     expected = {n for t in specs for n in t.names()}
     # DeepSeek-V3's multi-token prediction modules are the num_nextn_predict_layers layers past num_hidden_layers,
-    # which Hugging Face's model skips too (zjax's MTP does not read them yet)
+    # which Hugging Face's model skips too: read only by a model with as many (DecoderConfig.mtp_layers)
     mtp = int(read_hf_config(directory).get("num_nextn_predict_layers") or 0)
+    if cfg.mtp_layers > mtp:
+        raise ValueError(
+            f"zjax.hf.load: the model has mtp_layers={cfg.mtp_layers} but {directory!r}'s config.json has "
+            f"num_nextn_predict_layers={mtp}: the files hold no weights for the other modules. Build the model "
+            f"with mtp_layers <= {mtp}."
+        )
     later = re.compile(r"model\.layers\.(\d+)\.")
-    beyond = {n for n in files if (m := later.match(n)) and cfg.layers <= int(m.group(1)) < cfg.layers + mtp}
+    beyond = {
+        n for n in files if (m := later.match(n)) and cfg.layers + cfg.mtp_layers <= int(m.group(1)) < cfg.layers + mtp
+    }
     present = {
         n for n in files if not n.endswith(IGNORED_SUFFIXES) and not (cfg.tie_embeddings and n == "lm_head.weight")
     } - beyond
@@ -176,12 +184,6 @@ def load(
     cfg = model.cfg
     files = weight_map(directory)
     specs = list(tensors(cfg))
-    if cfg.mtp_layers:
-        raise ValueError(
-            f"zjax.hf.load: the model has mtp_layers={cfg.mtp_layers}; multi-token prediction modules are not read "
-            "from Hugging Face files yet. Load without them (zjax.models.from_hf_config(path)) and add MTP for "
-            "training from scratch, or train without MTP."
-        )
     _check_names(directory, files, specs, cfg)
 
     stored_state = any(t.collection != "params" for t in specs)
@@ -192,7 +194,9 @@ def load(
 
     abstract = plan.abstract_state(init_fn, tx, rng)
     target = abstract.params if abstract.opt_state.master is None else abstract.opt_state.master
-    by_path = {t.path: t for t in specs}
+    by_path: dict[tuple[str, ...], Tensor] = {}
+    for t in specs:  # a leaf some files hold twice (MTP's copies of the embedding and head) is read from the first
+        by_path.setdefault(t.path, t)
     with contextlib.ExitStack() as stack:
         reader = _Reader(files, stack)
 

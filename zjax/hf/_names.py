@@ -229,3 +229,24 @@ def tensors(cfg: DecoderConfig) -> Iterator[Tensor]:
     yield Tensor(("final_norm", "scale"), "model.norm.weight", ((0,),), (cfg.embed,))
     if not cfg.tie_embeddings:
         yield Tensor(("head",), "lm_head.weight", ((1,), (0,)), (cfg.embed, cfg.vocab))
+    yield from _mtp_tensors(cfg, shapes)
+
+
+def _mtp_tensors(cfg: DecoderConfig, shapes: dict[tuple[str, ...], tuple[int, ...]]) -> Iterator[Tensor]:
+    """DeepSeek-V3's multi-token prediction modules: layer ``layers + k`` of the files, with copies of the
+    embedding table and the head (written from the decoder's, read from the decoder's own names)."""
+    e = cfg.embed
+    for k in range(cfg.mtp_layers):
+        at, i = f"mtp_{k}", cfg.layers + k
+        yield Tensor(("embedding",), f"model.layers.{i}.embed_tokens.weight", ((0,), (1,)), (cfg.vocab, e))
+        for sub, name, dims, shape in (
+            (("embed_norm", "scale"), "enorm.weight", ((0,),), (e,)),
+            (("hidden_norm", "scale"), "hnorm.weight", ((0,),), (e,)),
+            (("w_proj",), "eh_proj.weight", _LINEAR, (2 * e, e)),
+        ):
+            yield Tensor((at, *sub), f"model.layers.{i}.{name}", dims, shape)
+        for sub, name, dims, experts in _per_layer(cfg.mtp_layer, dense=False):
+            yield Tensor((at, "layer", *sub), f"model.layers.{i}.{name}", dims, shapes[sub], 0, experts)
+        yield Tensor((at, "norm", "scale"), f"model.layers.{i}.shared_head.norm.weight", ((0,),), (e,))
+        head = ("embedding",) if cfg.tie_embeddings else ("head",)
+        yield Tensor(head, f"model.layers.{i}.shared_head.head.weight", ((1,), (0,)), (e, cfg.vocab))

@@ -125,11 +125,6 @@ def save(
             "or empty directory."
         )
     cfg = model.cfg
-    if cfg.mtp_layers:
-        raise ValueError(
-            f"zjax.hf.save: the model has mtp_layers={cfg.mtp_layers}; multi-token prediction modules are not "
-            "written as Hugging Face tensors yet. Save a checkpoint with zjax.checkpoint instead."
-        )
     values = state.params if state.opt_state.master is None else state.opt_state.master
     leaves = {  # the parameters', and the model state's under its collection's name (the routers' biases)
         tuple(str(getattr(k, "key", k)) for k in p): x

@@ -251,6 +251,14 @@ class DecoderConfig:
         return sum(self.moe.params_per_layer(self.embed, self.mlp))
 
     @property
+    def mtp_layer(self) -> DecoderConfig:
+        """The configuration of a multi-token prediction module's decoder layer: this one, its experts' selection
+        biases off (:mod:`zjax.models._mtp`)."""
+        if self.moe is None or self.moe.bias_update_rate is None:
+            return self
+        return dataclasses.replace(self, moe=dataclasses.replace(self.moe, bias_update_rate=None))
+
+    @property
     def rope_dim(self) -> int:
         """How many values of a query or key head RoPE rotates: ``head_dim``, or MLA's ``qk_rope_head_dim``."""
         return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim

@@ -12,8 +12,6 @@ selection biases and adds no balance loss.
 
 from __future__ import annotations
 
-import dataclasses
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -22,13 +20,6 @@ from ._block import Block, _constrain
 from ._config import DecoderConfig
 from ._layers import RMSNorm
 from ._params import param
-
-
-def mtp_layer_config(c: DecoderConfig) -> DecoderConfig:
-    """The configuration of an MTP module's decoder layer: the model's, its experts' selection biases off."""
-    if c.moe is None or c.moe.bias_update_rate is None:
-        return c
-    return dataclasses.replace(c, moe=dataclasses.replace(c.moe, bias_update_rate=None))
 
 
 class MTP(nn.Module):
@@ -50,5 +41,5 @@ class MTP(nn.Module):
         h = RMSNorm(c.embed, c.norm_eps, name="hidden_norm")(hidden)
         w = param(self, "w_proj", (2 * c.embed, c.embed), (None, "embed"))
         x = _constrain(jnp.concatenate([e, h], axis=-1) @ w.astype(e.dtype))
-        x, _ = Block(mtp_layer_config(c), self.load_balanced, name="layer")(x, positions, segment_ids)
+        x, _ = Block(c.mtp_layer, self.load_balanced, name="layer")(x, positions, segment_ids)
         return x, RMSNorm(c.embed, c.norm_eps, name="norm")(x)
