@@ -196,3 +196,15 @@ def test_bad_routing_configurations_say_what_works():
     nested = Decoder(dataclasses.replace(SKEWED, remat="nested"))
     with pytest.raises(ValueError, match="bias_update_rate=.* not supported under remat='nested'"):
         lm_loss(nested, variables.params, tokens, variables.model_state)
+
+
+def test_the_planner_and_the_step_take_a_model_whose_routers_keep_biases():
+    """``zjax.models.train_functions`` gives the state-threading ``(init_fn, loss_fn)`` the planner compiles (a
+    DeepSeek-V3 config's routers keep selection biases): its state holds the biases beside the parameters."""
+    cfg = DecoderConfig(vocab=64, embed=D, layers=2, heads=2, head_dim=8, mlp=F, max_len=S, moe=DEEPSEEK)
+    init_fn, loss_fn = zjax.models.train_functions(Decoder(cfg), S)
+    plan = zjax.Plan(zjax.make_mesh(dp=2, ep=4), stage=3, precision="fp32")
+    state = plan.abstract_state(init_fn, optax.sgd(0.1), jax.random.key(0))
+    assert state.model_state[ROUTER_STATE]["layers"]["moe"]["bias"].shape == (2, E)
+    est = zjax.planner.estimate(cfg, mesh={"dp": 2, "ep": 4}, stages=(3,), batch_size=8, precision="fp32")
+    assert est.rows[0].compiled["state"] > 0 and est.rows[0].comm.all_to_all_by_axes

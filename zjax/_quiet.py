@@ -12,6 +12,7 @@ more. Nothing else is filtered; a process that imported JAX itself first sees JA
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import tempfile
@@ -62,3 +63,25 @@ def filtered_stderr(noise: tuple[str, ...] = NOISE) -> Iterator[None]:
             if kept:
                 sys.stderr.write("".join(kept))
                 sys.stderr.flush()
+
+
+class _Skip(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+@contextlib.contextmanager
+def quiet_autotuning() -> Iterator[None]:
+    """tokamax's "Autotuning cache miss" warnings left out of the ``absl`` log while the block runs: lowering for a GPU
+    target that is not there autotunes nothing (each grouped matmul takes the default configuration, which is what
+    the plan compiles), and each warning is several lines per shape (a DeepSeek-V3 plan printed hundreds)."""
+    log, skip = logging.getLogger("absl"), _Skip("Autotuning cache miss")
+    log.addFilter(skip)
+    try:
+        yield
+    finally:
+        log.removeFilter(skip)

@@ -10,6 +10,7 @@ from ._hf_config import config_from_hf as config_from_hf
 from ._hf_config import config_to_hf as config_to_hf
 from ._hf_config import from_hf_config as from_hf_config
 from ._loss import lm_loss as lm_loss
+from ._loss import train_functions as train_functions
 from ._mla import MLA as MLA
 from ._moe import BALANCE_LOSSES as BALANCE_LOSSES
 from ._moe import ROUTER_STATE as ROUTER_STATE

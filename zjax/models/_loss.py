@@ -11,7 +11,7 @@ every iteration (measured: one head reduce-scatter per chunk inside the loop).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import comm, pipeline
 from ..context import context_size, load_balance
-from ..core import LossSum
+from ..core import LossSum, Variables
 from ..sharding._axes import DATA_AXES, PP
 from ..sharding._mesh import in_manual_data_axes
 from ._config import DecoderConfig
@@ -171,6 +171,19 @@ def lm_loss(model: Any, params: Any, batch: Any, model_state: Any = None, *, voc
     if biased:
         model_state = _with_moved_biases(model.cfg, model_state, stats["tokens"])
     return out, model_state
+
+
+def train_functions(model: Any, length: int) -> tuple[Callable[[jax.Array], Any], Callable[..., Any]]:
+    """``(init_fn, loss_fn)`` of a :class:`~zjax.models.Decoder` for :meth:`zjax.Plan.init` and
+    :meth:`zjax.Plan.train_step`, initialised on rows of ``length`` tokens: ``init_fn`` returns the parameters, or a
+    :class:`zjax.Variables` with the model state when the model keeps some (the routers' selection biases,
+    ``MoE(bias_update_rate=...)``), and ``loss_fn`` is :func:`lm_loss`, passing that state through."""
+    dummy = jnp.zeros((1, length), jnp.int32)
+    moe = getattr(model.cfg, "moe", None)
+    if moe is None or moe.bias_update_rate is None:
+        return (lambda r: model.init(r, dummy)["params"]), (lambda p, b: lm_loss(model, p, b))
+    init_fn = lambda r: Variables.linen(model.init(r, dummy))  # noqa: E731
+    return init_fn, lambda p, b, model_state: lm_loss(model, p, b, model_state)
 
 
 def _loss_and_stats(model: Any, params: Any, batch: Any, model_state: Any, vocab_chunk: int | None) -> Any:

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .._quiet import GPU_TARGET_NOISE, filtered_stderr
+from .._quiet import GPU_TARGET_NOISE, filtered_stderr, quiet_autotuning
 from ..core import Plan
-from ..models import Decoder, DecoderConfig, lm_loss
+from ..models import Decoder, DecoderConfig, train_functions
 from ..offload import Offload
 from ..pipeline import Pipeline
 from ..sharding._mesh import make_mesh
@@ -127,7 +127,7 @@ def estimate_fn(
         state = plan.abstract_state(init_fn, tx, jax.random.key(0))
         step = plan.train_step(loss_fn, accum_steps=accum)
         if target is not None:  # the scheduled GPU program: async collectives, real reduce-scatters, bf16
-            with cudnn_for_target(target):  # cuDNN attention is checked against the target, not this CPU
+            with cudnn_for_target(target), quiet_autotuning():  # cuDNN attention checked against the target
                 lowered = step.lower(state, batch)
             with compiled_here(), filtered_stderr(GPU_TARGET_NOISE):  # XLA:GPU's budget check for an absent GPU
                 compiled = lowered.compile()
@@ -252,12 +252,11 @@ def estimate(
     """
     name, cfg = resolve_model(model)
     cfg = dataclasses.replace(cfg, remat=remat, max_len=seq_len or cfg.max_len, matmul=matmul or cfg.matmul)
-    net = Decoder(cfg)
-    dummy = jnp.zeros((1, cfg.max_len), jnp.int32)
+    init_fn, loss_fn = train_functions(Decoder(cfg), cfg.max_len)
     batch = jax.ShapeDtypeStruct((batch_size, cfg.max_len + 1), jnp.int32)
     return estimate_fn(
-        lambda r: net.init(r, dummy)["params"],
-        lambda p, b: lm_loss(net, p, b),
+        init_fn,
+        loss_fn,
         batch,
         mesh=mesh,
         stages=stages,
