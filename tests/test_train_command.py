@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -221,3 +222,17 @@ def test_a_whole_muon_step_at_stage_3_moves_the_weights_as_on_one_device():
     expected = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), jax.device_get(want), jax.device_get(params))
     for got, w in zip(jax.tree.leaves(moved), jax.tree.leaves(expected), strict=True):
         assert np.linalg.norm(got - w) <= 1e-3 * np.linalg.norm(w)
+
+
+@pytest.mark.slow  # a DeepSeek-shaped trainer run (the preset's pieces are tested fast in test_mla / test_routing)
+def test_zjax_train_trains_the_deepseek_shaped_preset_with_its_router_biases(tmp_path):
+    """MLA, a dense first layer, grouped sigmoid routing with selection biases (model state through the step, the
+    eval and the checkpoints) and an MTP module, over dp=2 x ep=4 at stage 3: the loss falls."""
+    cmd = [Path(sys.executable).parent / "zjax", "train", "model.preset=deepseek-small", "model.seq_len=32",
+           "plan.mesh=dp=2,ep=4", "plan.stage=3", "loop.steps=8", "loop.log_every=4", "loop.eval_every=4",
+           "data.batch_size=16", f"output.metrics_json={tmp_path / 'm.json'}"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = json.loads((tmp_path / "m.json").read_text())["losses"]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.3, losses

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ._config import DecoderConfig, RopeScaling
+from ._mla import MLA
 from ._moe import MoE
 
 _LLAMA2_7B = DecoderConfig(vocab=32000, embed=4096, layers=32, heads=32, head_dim=128, mlp=11008, max_len=4096)
@@ -46,6 +47,19 @@ PRESETS: dict[str, DecoderConfig] = {
     ),  # fmt: skip
     # "small" with 8 experts of half its MLP, 2 per token: the same matmul work per token, 4x the MLP parameters
     "moe-small": DecoderConfig(moe=MoE(experts=8, top_k=2, mlp=256, z_loss_weight=1e-3)),
+    # "small" shaped as DeepSeek-V3: latent attention, a dense first layer, 8 experts in 4 groups (2 groups and 2
+    # experts per token, sigmoid scores, selection biases, a shared expert) and one multi-token prediction module
+    "deepseek-small": DecoderConfig(
+        head_dim=48,
+        dense_layers=1,
+        mla=MLA(kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32),
+        moe=MoE(
+            experts=8, top_k=2, mlp=128, shared_mlp=128, shared_gate=False, scoring="sigmoid", groups=4,
+            top_groups=2, routed_scale=2.5, bias_update_rate=1e-3, balance_loss="per-sequence",
+            load_balance_weight=1e-4 / 2,
+        ),  # fmt: skip
+        mtp_layers=1,
+    ),
     # the seeds' table: Llama-2-7B's sizes (6.74e9 parameters)
     "llama2-7b": dataclasses.replace(_LLAMA2_7B, norm_eps=1e-5),
     "llama3-8b": _LLAMA3_8B,

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .. import data as zdata
@@ -27,8 +26,8 @@ from .. import hf as zhf
 from .. import metrics
 from .._extras import require
 from .._jsonfile import write_json_atomic
-from ..core import Plan
-from ..models import PRESETS, Decoder, from_hf_config, lm_loss
+from ..core import Plan, Variables
+from ..models import PRESETS, Decoder, from_hf_config, lm_loss, train_functions
 from ..pipeline import Pipeline
 from ..sharding import make_mesh, nvidia_gpu_visible
 from ._loop import fit, init_or_restore
@@ -186,13 +185,15 @@ def run_lm(cfg: RunConfig, argv: Sequence[str] | None = None, log: Callable[...,
             compute_copy=cfg.plan.compute_copy,
         )  # fmt: skip
         loop = cfg.loop
-        init_fn = lambda r: model.init(r, jnp.zeros((1, cfg.model.seq_len), jnp.int32))["params"]  # noqa: E731
+        # the parameters, and the model state the routers' selection biases are (DeepSeek-V3's) threaded through
+        init_fn, loss_fn = train_functions(model, cfg.model.seq_len)
         rng = jax.random.key(cfg.data.seed)
-        tx = cfg.optim.transformation(loop.steps, jax.eval_shape(init_fn, rng))
+        shapes = jax.eval_shape(init_fn, rng)
+        tx = cfg.optim.transformation(loop.steps, shapes.params if isinstance(shapes, Variables) else shapes)
         hf_dir = cfg.model.hf
         hf = None if hf_dir is None else (lambda: zhf.load(hf_dir, plan, model, tx, rng))
         state, start = init_or_restore(plan, init_fn, tx, rng, loop, fresh=hf)
-        step = plan.train_step(lambda params, batch: lm_loss(model, params, batch), accum_steps=cfg.plan.accum)
+        step = plan.train_step(loss_fn, accum_steps=cfg.plan.accum)
         data, held_out = build_data(cfg, model_cfg, tok, plan.pipeline is not None, say)
         say(f"zjax train: {model_cfg.num_params:,} params, remat {cfg.model.remat!r}, {data.num_rows:,} rows of "
             f"{cfg.model.seq_len + 1} tokens, devices: {jax.devices()[0].platform} x {jax.device_count()} in "
@@ -205,7 +206,12 @@ def run_lm(cfg: RunConfig, argv: Sequence[str] | None = None, log: Callable[...,
                 f"bubble {pipe.bubble(stages):.1%}")  # fmt: skip
         first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731 (an MoE: (loss, router metrics))
         # the held-out tokens' mean loss: the eval returns its LossSum (an MoE's with its routers' terms, as trained)
-        evaluate = None if held_out is None else plan.eval_step(lambda p_, b: first(lm_loss(model, p_, b)))
+        held_out_loss = (
+            (lambda p_, b, model_state: first(lm_loss(model, p_, b, model_state)[0]))
+            if isinstance(shapes, Variables)
+            else (lambda p_, b: first(lm_loss(model, p_, b)))
+        )
+        evaluate = None if held_out is None else plan.eval_step(held_out_loss)
         kind, devices = jax.devices()[0].device_kind, jax.device_count()
         result = fit(
             plan, step, state, data, loop, start=start, schedule=cfg.optim.learning_rate(loop.steps),
