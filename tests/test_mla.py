@@ -102,9 +102,10 @@ CASES = {
     "stage3-cp4-tp2-latent": ({"cp": 4, "tp": 2}, {"stage": 3}, "all-gather"),
     "stage2-dp2-cp4-ring": ({"dp": 2, "cp": 4}, {"stage": 2}, "ring"),
 }
+FAST = ("stage3-cp4-tp2-latent",)  # the latent's gather with heads over tp; the others in the slow step
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in FAST else [pytest.mark.slow]) for n in CASES])
 def test_latent_attention_computes_the_one_device_objective(name):
     """Under tp (heads split), cp in the all-gather mode (the latent gathered, one up-projection per rank) and
     the ring (keys and values passed on), packed rows and uneven masks: the one-device gradient."""
@@ -130,6 +131,7 @@ def _attention_cp_volume(cfg: DecoderConfig) -> dict[str, int]:
     return {k: volume["all-gather"][k] - volume["ring"][k] for k in kinds}
 
 
+@pytest.mark.slow  # four compiles (benchmarks/mla_context.py's figure, in the docs' check, is the same count)
 def test_under_cp_the_ranks_gather_the_latent_not_the_keys_and_values():
     """cp=8, all-gather mode: MLA's collectives over cp move the latent and the rotated key part (24 values per
     token here): gathered forward and in the recompute, its cotangent summed once. A grouped-query model whose
@@ -198,7 +200,8 @@ def test_multi_token_prediction_equals_deepseeks_definition():
     assert float(got) > float(plain) * 1.2  # the modules' terms are there
 
 
-@pytest.mark.parametrize("mesh", [{"dp": 2, "cp": 4}, pytest.param({"dp": 4, "tp": 2}, marks=pytest.mark.slow)])
+@pytest.mark.slow  # the definition's test above is fast
+@pytest.mark.parametrize("mesh", [{"dp": 2, "cp": 4}, {"dp": 4, "tp": 2}])
 def test_multi_token_prediction_computes_the_one_device_objective(mesh):
     """Under cp (the shifted tokens, targets and weights in the load-balanced layout with the rest) and tp, stage
     3, packed rows and uneven masks: the one-device gradient."""

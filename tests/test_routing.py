@@ -198,6 +198,7 @@ def test_bad_routing_configurations_say_what_works():
         lm_loss(nested, variables.params, tokens, variables.model_state)
 
 
+@pytest.mark.slow  # a planner compile; zjax train's DeepSeek-shaped run (slow too) uses the same functions
 def test_the_planner_and_the_step_take_a_model_whose_routers_keep_biases():
     """``zjax.models.train_functions`` gives the state-threading ``(init_fn, loss_fn)`` the planner compiles (a
     DeepSeek-V3 config's routers keep selection biases): its state holds the biases beside the parameters."""
