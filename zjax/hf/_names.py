@@ -239,11 +239,12 @@ def _mtp_tensors(cfg: DecoderConfig, shapes: dict[tuple[str, ...], tuple[int, ..
     for k in range(cfg.mtp_layers):
         at, i = f"mtp_{k}", cfg.layers + k
         yield Tensor(("embedding",), f"model.layers.{i}.embed_tokens.weight", ((0,), (1,)), (cfg.vocab, e))
-        for sub, name, dims, shape in (
+        own: tuple[tuple[tuple[str, ...], str, Layout, tuple[int, ...]], ...] = (
             (("embed_norm", "scale"), "enorm.weight", ((0,),), (e,)),
             (("hidden_norm", "scale"), "hnorm.weight", ((0,),), (e,)),
             (("w_proj",), "eh_proj.weight", _LINEAR, (2 * e, e)),
-        ):
+        )
+        for sub, name, dims, shape in own:
             yield Tensor((at, *sub), f"model.layers.{i}.{name}", dims, shape)
         for sub, name, dims, experts in _per_layer(cfg.mtp_layer, dense=False):
             yield Tensor((at, "layer", *sub), f"model.layers.{i}.{name}", dims, shapes[sub], 0, experts)

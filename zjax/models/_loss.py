@@ -218,7 +218,12 @@ def _loss_and_stats(model: Any, params: Any, batch: Any, model_state: Any, vocab
             positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
         inputs, positions, targets = (load_balance(x) for x in (inputs, positions, targets))
         segment_ids, weights, routed = (None if x is None else load_balance(x) for x in (segment_ids, weights, routed))
-        ahead = None if ahead is None else tuple(jax.vmap(load_balance)(x) for x in ahead)
+        if ahead is not None:
+            ahead = (
+                jax.vmap(load_balance)(ahead[0]),
+                jax.vmap(load_balance)(ahead[1]),
+                jax.vmap(load_balance)(ahead[2]),
+            )
     w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights
     count = jnp.sum(w)
     if schedule is not None and schedule.tabled:

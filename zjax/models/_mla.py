@@ -127,7 +127,8 @@ def mla_attention(
         )
         # one copy per cp rank, up-projected there: each rank's key/value cotangents stay its own and reach the
         # latent's (small) cotangent before anything is reduced over cp
-        batch = nn.logical_to_mesh_axes(("batch",))[0] if nn.get_logical_axis_rules() else None
+        rules = nn.logical_to_mesh_axes(("batch",)) if nn.get_logical_axis_rules() else None
+        batch = None if rules is None else rules[0]
         gathered = jax.lax.with_sharding_constraint(
             jnp.broadcast_to(gathered, (context_size(), *gathered.shape)), P(CP, batch, None, None)
         )
