@@ -15,7 +15,7 @@ from .. import pipeline
 from ..context import attention
 from ..fp8 import matmul as fp8_matmul
 from ..remat import RematPolicy, gather_checkpoint, partition_checkpoint
-from ..sharding._rules import RESIDUAL_SEQ
+from ..sharding import RESIDUAL_SEQ
 from ._config import DecoderConfig
 from ._layers import RMSNorm, heads_constraint, rope
 from ._mla import mla_attention
@@ -94,7 +94,7 @@ class Block(nn.Module):
             out = self._grouped_query(x, positions, segment_ids)
         else:
             h = _region(RMSNorm(c.embed, c.norm_eps, name="attn_norm")(x))
-            out = mla_attention(c, h, positions, segment_ids, self.load_balanced, self)
+            out = mla_attention(c, c.mla, h, positions, segment_ids, self.load_balanced, self)
         x = _constrain(x + checkpoint_name(_leave(out), "out_proj"))
 
         h = _region(RMSNorm(c.embed, c.norm_eps, name="mlp_norm")(x))

@@ -168,9 +168,7 @@ def _mla_from_hf(hf: dict[str, Any], source: str) -> dict[str, Any]:
     return {"mla": mla, "head_dim": mla.qk_head_dim, "kv_heads": None, "dense_layers": dense}
 
 
-def _mla_to_hf(cfg: DecoderConfig) -> dict[str, Any]:
-    m = cfg.mla
-    assert m is not None  # the caller's family check
+def _mla_to_hf(cfg: DecoderConfig, m: MLA) -> dict[str, Any]:
     return {
         "kv_lora_rank": m.kv_lora_rank,
         "q_lora_rank": m.q_lora_rank,
@@ -268,7 +266,7 @@ def config_to_hf(cfg: DecoderConfig, dtype: str = "bfloat16", model_type: str | 
     if cfg.moe is not None:
         hf.update(moe_to_hf(cfg.moe, model_type, cfg.mlp))
     if cfg.mla is not None:
-        hf.update(_mla_to_hf(cfg))
+        hf.update(_mla_to_hf(cfg, cfg.mla))
     elif cfg.dense_layers:
         raise ValueError(
             f"zjax.models: dense_layers={cfg.dense_layers} cannot be written as model_type {model_type!r} (its "

@@ -82,6 +82,7 @@ def _interleaved_to_halves(x: jax.Array) -> jax.Array:
 
 def mla_attention(
     c: Any,
+    m: MLA,
     h: jax.Array,
     positions: jax.Array,
     segment_ids: jax.Array | None,
@@ -89,11 +90,9 @@ def mla_attention(
     module: nn.Module,
 ) -> jax.Array:
     """The attention's output projection ``[batch, seq, embed]`` (partial sums over tp) of the normed input ``h``
-    for the :class:`~zjax.models.DecoderConfig` ``c`` (which imports this module);
+    for the :class:`~zjax.models.DecoderConfig` ``c`` (which imports this module) whose ``mla`` is ``m``;
     its parameters are ``module``'s (the decoder's block): ``wq`` or ``wq_a``/``q_latent_norm``/``wq_b``, ``wkv_a``,
     ``kv_latent_norm``, ``wkv_b``, ``wo``."""
-    m = c.mla
-    assert m is not None  # the caller's branch
     fp8 = c.matmul == "fp8-current"
     dot = fp8_matmul if fp8 else (lambda x, w: jnp.tensordot(x, w, axes=1))
 
