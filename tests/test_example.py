@@ -174,7 +174,7 @@ def test_evaluation_does_not_change_the_training_rows():
     runs = {}
     base = zjax.train.RunConfig().override(["model.seq_len=32", "data.batch_size=16"])
     for flags in ([], ["loop.eval_every=5"]):
-        runs[bool(flags)] = build_data(base.override(flags), PRESETS["tiny"], tok, False, log=lambda *a: None)
+        runs[bool(flags)] = build_data(base.override(flags), PRESETS["tiny"], tok, log=lambda *a: None)
     (plain, none), (evaluated, held) = runs[False], runs[True]
     assert none is None and held is not None and held.num_rows > 0
     assert plain.num_rows == evaluated.num_rows

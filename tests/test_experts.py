@@ -326,13 +326,6 @@ def test_lm_loss_routes_padding_but_leaves_it_out_of_the_routers_statistics():
     assert float(masked["load_balance"]) != pytest.approx(float(whole["load_balance"]), rel=1e-4)
 
 
-def test_a_loss_mask_under_a_pipeline_with_experts_is_refused_with_what_to_do():
-    tokens = np.zeros((8, TINY.max_len + 1), np.int32)
-    batch = {"tokens": tokens, "loss_mask": np.ones_like(tokens)}
-    with pytest.raises(ValueError, match="loss_mask with a mixture of experts under pipeline"):
-        _refused(TINY, 1, pipeline=zjax.Pipeline(microbatches=2), batch=batch, dp=4, pp=2)
-
-
 @pytest.mark.slow  # the GPU target's test checks the same formula
 def test_the_memory_formula_counts_experts_over_dp_and_dense_parameters_over_dp_x_ep():
     """ZeRO-3 with ep=4, dp=2: every parameter's state over 8 devices (experts: ep x dp, the rest: dp x ep)."""

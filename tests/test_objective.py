@@ -35,7 +35,6 @@ class Case:
     accum: int = 1
     tolerance: float = FP32
     context_mode: str | None = None
-    packed: bool = True
     slow: bool = False  # a path another fast case takes too (the same function, other options)
 
 
@@ -56,8 +55,9 @@ CASES = {
     # all-gather attention fast on cp=4 x tp=2 below
     "dp2-cp4-all-gather": Case({"dp": 2, "cp": 4}, {"stage": 3}, context_mode="all-gather", slow=True),
     "cp4-tp2": Case({"cp": 4, "tp": 2}, {"stage": 3}, context_mode="all-gather"),
-    "dp4-pp2-gpipe": Case({"dp": 4, "pp": 2}, {"stage": 1, "pipeline": zjax.Pipeline(4)}, packed=False),
-    "dp4-pp2-1f1b": Case({"dp": 4, "pp": 2}, {"stage": 1, "pipeline": zjax.Pipeline(4, schedule="1f1b")}, packed=False),
+    # every schedule at every stage: tests/test_pipeline_objective.py
+    "dp4-pp2-gpipe": Case({"dp": 4, "pp": 2}, {"stage": 1, "pipeline": zjax.Pipeline(4)}),
+    "dp4-pp2-1f1b": Case({"dp": 4, "pp": 2}, {"stage": 1, "pipeline": zjax.Pipeline(4, schedule="1f1b")}),
     # bf16 compute against the fp32 reference
     "bf16-stage2-reduce-fp32": Case({"dp": 8}, {"stage": 2, "precision": "bf16", "reduce_dtype": "float32"}, 1, BF16),
     "bf16-stage0-accum4-reduce-fp32": Case(  # the per-rank region's accumulation: fast at stage 0 in fp32
@@ -75,11 +75,8 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def references():
-    out = {}
-    for packed in (True, False):
-        batch = uneven_batch(ROWS, packed=packed)
-        out[packed] = (batch, *reference(TINY, batch))
-    return out
+    batch = uneven_batch(ROWS)
+    return batch, *reference(TINY, batch)
 
 
 @pytest.mark.parametrize(
@@ -90,7 +87,7 @@ def test_every_path_computes_the_one_device_objective(references, name, capfd):
     rematerialization", a whole activation per device at long context), which it reports in the compile log."""
     case = CASES[name]
     cfg = TINY if case.context_mode is None else dataclasses.replace(TINY, context_mode=case.context_mode)
-    batch, loss, grads = references[case.packed]
+    batch, loss, grads = references
     plan = zjax.Plan(zjax.make_mesh(**case.mesh), **{"precision": "fp32", **case.plan})
     with compiled_here():  # compiled, not read from a persistent cache: the partitioner's log is the evidence
         got, metrics = applied(plan, cfg, batch, case.accum)
@@ -109,19 +106,11 @@ def _cut_targets(batch) -> float:
     return float((mask * (seg[:, 1:] != seg[:, :-1])).sum())
 
 
-def test_packed_rows_under_a_pipeline_are_refused_until_the_engine_takes_them(references):
-    """Packed rows under pipelines are the pipeline-engine issue's; until then, a clear refusal."""
-    batch = references[True][0]
-    plan = zjax.Plan(zjax.make_mesh(dp=4, pp=2), stage=1, precision="fp32", pipeline=zjax.Pipeline(4))
-    with pytest.raises(ValueError, match="packed"):
-        applied(plan, TINY, batch)
-
-
 @pytest.mark.slow  # CI's docs step runs docs/concepts/objective.md's block: step.grads against one device
 def test_step_grads_are_what_the_step_applies_and_leave_the_state_as_it_was(references):
     """``step.grads`` (the public way to see a step's gradients) gives the gradient the step applies, by the same
     path (here each rank's region with accumulation), and the state can still be used afterwards."""
-    batch, loss, grads = references[True]
+    batch, loss, grads = references
     plan = zjax.Plan(zjax.make_mesh(dp=8), stage=0, precision="fp32")
     model = Decoder(TINY)
     state = plan.init(init_fn(TINY), SGD, jax.random.key(0), params=initial(TINY))

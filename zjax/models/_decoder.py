@@ -28,7 +28,7 @@ from ..sharding import EP
 from ._block import Block, _constrain, _region
 from ._config import DecoderConfig
 from ._layers import RMSNorm
-from ._moe import ROUTER_MASK_UNDER_PIPELINE, check_experts_in_pipeline
+from ._moe import check_experts_in_pipeline
 from ._mtp import MTP
 from ._params import param
 
@@ -108,21 +108,23 @@ class Decoder(nn.Module):
         if c.dense_layers:  # DeepSeek's first dense layers, one scan of their own before the experts' layers
             x = self._dense_layers(x, positions, segment_ids, load_balanced, policy)
         if schedule is not None and not self.is_initializing():
-            if router_mask is not None and c.moe is not None:
-                raise ValueError(ROUTER_MASK_UNDER_PIPELINE)
-            packed = segment_ids is not None or (positions is not None and not load_balanced)
-            stage_fn = pipeline_stage_fn(c, packed=packed, load_balanced=load_balanced, at=(*self.path, "layers"))
+            stage_fn = pipeline_stage_fn(c, load_balanced=load_balanced, at=(*self.path, "layers"))
+            # each microbatch's per-token arrays travel with it through the stages
+            side = {"positions": positions, "segment_ids": segment_ids, "router_mask": router_mask}
+            side = {k: v for k, v in side.items() if v is not None and (k != "router_mask" or c.moe is not None)}
             layers = self.variables["params"]["layers"]
             if schedule.zero3_gather in (None, "step"):  # gathered once, before the loop: read as the rest (qwZ)
                 layers = comm.gathered_tree(layers, (*self.path, "layers"))
             if c.moe is None:
-                x = pipeline.apply(stage_fn, layers, x, schedule)
+                x = pipeline.apply(stage_fn, layers, x, schedule, side=side or None)
             else:  # the routers' sums over every microbatch and rank, per layer; experts enter split over ep
                 split_over = jax.tree_util.tree_map_with_path(
                     lambda path, _: {1: EP} if jax.tree_util.keystr(path[-1:]) in EXPERT_KEYS else None, layers
                 )
                 with local_experts(int(jax.sharding.get_abstract_mesh().shape.get(EP, 1))):
-                    x, stats = pipeline.apply(stage_fn, layers, x, schedule, outputs=True, split_over=split_over)
+                    x, stats = pipeline.apply(
+                        stage_fn, layers, x, schedule, outputs=True, split_over=split_over, side=side or None
+                    )
         elif c.scan and _overlaps_reductions(c, policy) and not self.is_initializing():
             # qgZ: each layer's quantized reduction runs under the next layer's backward (XLA pipelines no all-to-all)
             one = Block(c, load_balanced)
@@ -229,24 +231,19 @@ def _overlaps_reductions(c: DecoderConfig, policy: RematPolicy) -> bool:
     return comm.quantized_reductions() and policy.kind == "full" and not policy.partition and c.moe is None
 
 
-PACKED_UNDER_PIPELINE = (
-    "Decoder: packed sequences (positions / segment_ids) are not supported under pipeline parallelism yet; "
-    "train with pp=1, or pass unpacked sequences (tokens only)."
-)
-
-
 def pipeline_stage_fn(
-    c: DecoderConfig, *, packed: bool = False, load_balanced: bool = False, at: tuple[str, ...] = ("layers",)
-) -> Callable[[Any, jax.Array], Any]:
+    c: DecoderConfig, *, load_balanced: bool = False, at: tuple[str, ...] = ("layers",)
+) -> Callable[..., Any]:
     """The ``stage_fn`` of :func:`zjax.pipeline.apply` / :func:`zjax.pipeline.loss` for a decoder: each stage
     scans its layers, rematerialized per layer by the model's policy, each layer read through
     :func:`zjax.comm.gathered_tree` at ``at`` (the stacked layers' path: qwZ's per-layer gathers under
     ``zero3_gather="layer"``). A mixture of experts' stage returns ``(h, router sums per layer)``
-    (``apply(..., outputs=True)``).
+    (``apply(..., outputs=True)``). The pipeline's side inputs (a dict of ``positions``, ``segment_ids`` and
+    ``router_mask``, each optional) reach every layer with its microbatch: packed rows keep their documents.
 
     Raises:
-      ValueError: ``scan=False``, packed sequences, a partitioned remat policy (none run in a pipeline); a
-        mixture of experts under a table schedule.
+      ValueError: ``scan=False``, a partitioned remat policy (none run in a pipeline); a mixture of experts
+        under a table schedule.
     """
     policy = RematPolicy.from_str(c.remat)
     schedule = pipeline.current()
@@ -254,8 +251,6 @@ def pipeline_stage_fn(
         raise ValueError("Decoder: pipeline parallelism needs scan=True (layers stacked on one axis).")
     if c.moe is not None:
         check_experts_in_pipeline(schedule)
-    if packed:
-        raise ValueError(PACKED_UNDER_PIPELINE)
     if policy.partition:
         raise ValueError(
             f"Decoder: remat={c.remat!r} under pipeline parallelism: ZeRO-R partitioned checkpoints "
@@ -271,10 +266,14 @@ def pipeline_stage_fn(
         )
     one = Block(c, load_balanced)
 
-    def layer(w: Any, h: jax.Array) -> Any:
-        # the balanced layout's positions are the same for every row: each token's index before the permutation
-        positions = load_balance(jnp.arange(h.shape[1], dtype=jnp.int32)[None]) if load_balanced else None
-        h, stats = one.apply({"params": comm.gathered_tree(w, at)}, h, positions)
+    def layer(w: Any, h: jax.Array, side: dict | None = None) -> Any:
+        side = side or {}
+        positions = side.get("positions")
+        if positions is None and load_balanced:  # each token's index before the balanced permutation
+            positions = load_balance(jnp.arange(h.shape[1], dtype=jnp.int32)[None])
+        h, stats = one.apply(
+            {"params": comm.gathered_tree(w, at)}, h, positions, side.get("segment_ids"), side.get("router_mask")
+        )
         return h if c.moe is None else (h, stats)
 
     return pipeline.scan_layers(layer, policy, outputs=c.moe is not None)

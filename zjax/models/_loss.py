@@ -26,7 +26,7 @@ from ..core import LossSum, Variables
 from ..sharding._axes import DATA_AXES, PP
 from ..sharding._mesh import in_manual_data_axes
 from ._config import DecoderConfig
-from ._decoder import MOE_STATS, PACKED_UNDER_PIPELINE, pipeline_stage_fn
+from ._decoder import MOE_STATS, pipeline_stage_fn
 from ._layers import RMSNorm
 from ._moe import ROUTER_STATE, moved_bias
 
@@ -200,10 +200,7 @@ def _loss_and_stats(model: Any, params: Any, batch: Any, model_state: Any, vocab
     inputs, positions, segment_ids, targets = tokens[:, :-1], cut(positions), cut(segment_ids), tokens[:, 1:]
     # the input tokens the routers count: those the loss mask keeps (padding is no routed traffic)
     routed = None if loss_mask is None or getattr(model.cfg, "moe", None) is None else cut(loss_mask)
-    packed = positions is not None or segment_ids is not None
     schedule = pipeline.current()
-    if packed and schedule is not None:
-        raise ValueError(PACKED_UNDER_PIPELINE)
     if depth and schedule is not None:
         raise ValueError(
             f"lm_loss: mtp_layers={depth} under pipeline parallelism is not supported yet (the modules run after "
@@ -230,7 +227,9 @@ def _loss_and_stats(model: Any, params: Any, batch: Any, model_state: Any, vocab
         # each target weighted by its share of the mean: the microbatches' sums add up to the mean, whose
         # cotangent (the loss scale) then seeds the pipeline's backward passes at the magnitude GPipe's get
         share = w / jnp.where(count > 0, count, 1.0)
-        mean = _pipelined_sum(model.cfg, nn.unbox(params), inputs, targets, share, vocab_chunk, balanced)
+        side = {"positions": positions, "segment_ids": segment_ids, "router_mask": routed}
+        side = {k: v for k, v in side.items() if v is not None} or None
+        mean = _pipelined_sum(model.cfg, nn.unbox(params), inputs, targets, share, vocab_chunk, balanced, side)
         return LossSum(mean * count, count), None
     variables = {**(model_state or {}), "params": params}
     ranks = _data_ranks()
@@ -374,10 +373,11 @@ def _tied_per_rank(
 
 def _pipelined_sum(
     cfg: DecoderConfig, params: Any, inputs: jax.Array, targets: jax.Array, weights: jax.Array,
-    vocab_chunk: int | None, balanced: bool,
+    vocab_chunk: int | None, balanced: bool, side: dict | None,
 ) -> jax.Array:  # fmt: skip
     """The weighted loss sum of a decoder run whole through :func:`zjax.pipeline.loss` (the table
-    schedules): the embedding on stage 0, the final norm, head and cross-entropy on the last stage."""
+    schedules): the embedding on stage 0, the final norm, head and cross-entropy on the last stage; ``side``
+    the per-token arrays every stage reads (positions, segment ids)."""
     stage_fn = pipeline_stage_fn(cfg, load_balanced=balanced)
     norm = RMSNorm(cfg.embed, cfg.norm_eps)
     rows = {"tokens": inputs, "targets": targets, "weights": weights}
@@ -394,4 +394,4 @@ def _pipelined_sum(
     # read as the model reads it (gathered once per step, before the schedule: quantized with qwZ)
     edge = {k: comm.gathered_tree(params[k], (k,)) for k in ("embedding", "final_norm", "head") if k in params}
     layers = comm.gathered_tree(params["layers"], ("layers",))
-    return pipeline.loss(stage_fn, layers, rows, first=first, last=last, params=edge)
+    return pipeline.loss(stage_fn, layers, rows, first=first, last=last, params=edge, side=side)

@@ -298,13 +298,6 @@ def moved_bias(moe: MoE, bias: jax.Array, tokens: jax.Array) -> jax.Array:
     return bias + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
 
 
-ROUTER_MASK_UNDER_PIPELINE = (
-    "Decoder: a loss_mask with a mixture of experts under pipeline parallelism is not supported yet: the routers' "
-    "statistics leave out the masked tokens, and the mask does not travel through the pipeline's stages. Train "
-    "with pp=1, or without a loss_mask (every token then counts in the load-balancing loss)."
-)
-
-
 def check_experts_in_pipeline(schedule: Any) -> None:
     """A mixture of experts runs in GPipe and the circular schedule.
 

@@ -26,7 +26,7 @@ def _per_stage(collective: Callable[[jax.Array], jax.Array], x: jax.Array) -> ja
 
 def _chunked(
     stage_fn: Callable, stacked: Any, state_io: jax.Array, cfg: Pipeline, stages: int, fill: float,
-    dims: list[int | None],
+    dims: list[int | None], side: Any = None,
 ) -> jax.Array:  # fmt: skip
     """``zero3_gather="chunk"``: the pipeline with each repeat's chunk gathered over ``dp`` once forward and
     once backward, and its gradient reduce-scattered once (ZeRO-3's 3 psi), inside a region manual over the
@@ -78,7 +78,7 @@ def _chunked(
 
         return per_leaf(one, grads)
 
-    def phase(prev: Any, cur: Any, carry: tuple, p: Any, length: int) -> tuple:
+    def phase(prev: Any, cur: Any, carry: tuple, p: Any, length: int, side: Any) -> tuple:
         """Iterations ``p*M .. p*M + length - 1``: stages past phase p's start apply ``cur``, others ``prev``."""
 
         def weights(t: jax.Array) -> Any:
@@ -87,12 +87,12 @@ def _chunked(
             newer = loop.repeat(t) == p
             return jax.tree.map(lambda a, b: _where_stage(newer, a, b), cur, prev)
 
-        return loop.run(weights, carry, p * m_ + jnp.arange(length))
+        return loop.run(weights, carry, p * m_ + jnp.arange(length), side)
 
     last = m_ + stages - 1  # the last phase also drains the pipeline
 
-    def vjp(prev: Any, cur: Any, start: tuple, p: Any, length: int, dcarry: tuple) -> tuple:
-        _, pull = jax.vjp(lambda a, b, c: phase(a, b, c, p, length), prev, cur, start)
+    def vjp(prev: Any, cur: Any, start: tuple, p: Any, length: int, dcarry: tuple, side: Any) -> tuple:
+        _, pull = jax.vjp(lambda a, b, c: phase(a, b, c, p, length, side), prev, cur, start)
         return pull(dcarry)
 
     def stack(*trees: Any) -> Any:  # per-chunk gradients (leading dim 1 or n) -> [R, ...]
@@ -104,51 +104,51 @@ def _chunked(
     middle = lambda: jnp.arange(1, r_ - 1)  # noqa: E731 - made inside each rule (no closed-over tracers)
 
     @jax.custom_vjp
-    def run(stacked: Any, io: jax.Array) -> jax.Array:
-        return fwd(stacked, io)[0]
+    def run(stacked: Any, io: jax.Array, side: Any) -> jax.Array:
+        return fwd(stacked, io, side)[0]
 
-    def fwd(stacked: Any, io: jax.Array) -> tuple:
+    def fwd(stacked: Any, io: jax.Array, side: Any) -> tuple:
         first = loop.init(io)
         cur = gather(stacked, 0, first)
         if r_ == 1:
-            return phase(None, cur, first, 0, last)[1], (stacked, first, None, None)
+            return phase(None, cur, first, 0, last, side)[1], (stacked, first, None, None, side)
 
         def body(state: tuple, p: jax.Array) -> tuple:
             carry, cur = state
             prev, cur = cur, gather(stacked, p, carry)
-            return (phase(prev, cur, carry, p, m_), cur), carry
+            return (phase(prev, cur, carry, p, m_, side), cur), carry
 
         starts: Any
-        (start, cur), starts = jax.lax.scan(body, (phase(None, cur, first, 0, m_), cur), middle())
-        out = phase(cur, gather(stacked, r_ - 1, start), start, r_ - 1, last)
-        return out[1], (stacked, first, starts, start)
+        (start, cur), starts = jax.lax.scan(body, (phase(None, cur, first, 0, m_, side), cur), middle())
+        out = phase(cur, gather(stacked, r_ - 1, start), start, r_ - 1, last, side)
+        return out[1], (stacked, first, starts, start, side)
 
     def bwd(res: tuple, g: jax.Array) -> tuple:
-        stacked, first, starts, start = res
+        stacked, first, starts, start, side = res
         zeros = jax.tree.map(jnp.zeros_like, first)
         dcarry = (zeros[0], g, zeros[2])
         cur = gather(stacked, r_ - 1, dcarry)
         if r_ == 1:
-            _, dcur, dcarry = vjp(None, cur, first, 0, last, dcarry)
-            return stack(jax.tree.map(lambda x: x[None], scatter(dcur))), dcarry[1]
+            _, dcur, dcarry = vjp(None, cur, first, 0, last, dcarry, side)
+            return stack(jax.tree.map(lambda x: x[None], scatter(dcur))), dcarry[1], None
         prev = gather(stacked, r_ - 2, dcarry)
-        dprev, dcur, dcarry = vjp(prev, cur, start, r_ - 1, last, dcarry)
+        dprev, dcur, dcarry = vjp(prev, cur, start, r_ - 1, last, dcarry, side)
         tail = scatter(dcur)  # chunk R-1 is complete: only the last phase used it
 
         def body(state: tuple, xs: tuple) -> tuple:
             cur, dcur, dcarry = state
             p, start = xs
             prev = gather(stacked, p - 1, dcarry)
-            dprev, dc, dcarry = vjp(prev, cur, start, p, m_, dcarry)
+            dprev, dc, dcarry = vjp(prev, cur, start, p, m_, dcarry, side)
             # chunk p is complete: phases p + 1 and p were its only users
             return (prev, dprev, dcarry), scatter(jax.tree.map(jnp.add, dcur, dc))
 
         mids: Any
         (cur, dcur, dcarry), mids = jax.lax.scan(body, (prev, dprev, dcarry), (middle(), starts), reverse=True)
-        _, dc, dcarry = vjp(None, cur, first, 0, m_, dcarry)
+        _, dc, dcarry = vjp(None, cur, first, 0, m_, dcarry, side)
         head = scatter(jax.tree.map(jnp.add, dcur, dc))
         lead = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
-        return stack(lead(head), mids, lead(tail)), dcarry[1]
+        return stack(lead(head), mids, lead(tail)), dcarry[1], None
 
     run.defvjp(fwd, bwd)
-    return loop.finish(run(stacked, state_io))
+    return loop.finish(run(stacked, state_io, side))

@@ -100,9 +100,9 @@ def summed_wide(stage_fn: Callable[[Any, jax.Array], Any], call: Callable[..., A
     if wide is None:
         return call(stage_fn, layers, x)
 
-    def tied(wz: Any, h: jax.Array) -> Any:
+    def tied(wz: Any, h: jax.Array, *side: Any) -> Any:
         w, z = wz
-        return stage_fn(jax.tree.map(lambda a, b: _tie(a, b, wide), w, z), h)
+        return stage_fn(jax.tree.map(lambda a, b: _tie(a, b, wide), w, z), h, *side)
 
     @jax.custom_vjp
     def run(w: Any, x: Any) -> Any:
@@ -147,17 +147,23 @@ def own_reads(
     (:func:`zjax.comm._gather.stage_reads`); each trace appends its reads to ``reads`` (``None``: nothing
     quantizes)."""
 
-    def fn(stage_layers: Any, h: jax.Array) -> Any:
+    def fn(stage_layers: Any, h: jax.Array, *side: Any) -> Any:
         if not per_layer:
             with passthrough():
-                return stage_fn(stage_layers, h)
+                return stage_fn(stage_layers, h, *side)
         with stage_reads() as made:
-            out = stage_fn(stage_layers, h)
+            out = stage_fn(stage_layers, h, *side)
         if reads is not None:
             reads.append(made)
         return out
 
     return fn
+
+
+def call_stage(stage_fn: Callable[..., Any], stage_layers: Any, h: Any, side: Any) -> Any:
+    """``stage_fn(stage_layers, h)``, or ``stage_fn(stage_layers, h, side)`` when the pipeline carries side inputs
+    (a microbatch's positions, segment ids and the like: its rows' per-token arrays, the same at every stage)."""
+    return stage_fn(stage_layers, h) if side is None else stage_fn(stage_layers, h, side)
 
 
 def data_axes_here(sizes: dict[str, int]) -> tuple[str, ...]:

@@ -44,13 +44,13 @@ from ..sharding._axes import DP, PP
 from ..stages._placement import add_axis
 from ._chunked import _chunked
 from ._config import Pipeline
-from ._context import _INITIALIZING, current, data_axes_here, mesh_sizes, own_reads, summed_wide
+from ._context import _INITIALIZING, call_stage, current, data_axes_here, mesh_sizes, own_reads, summed_wide
 from ._scan import _pipeline
 
 
 def scan_layers(
-    layer_fn: Callable[[Any, jax.Array], Any], remat: str | RematPolicy = "none", *, outputs: bool = False
-) -> Callable[[Any, jax.Array], Any]:
+    layer_fn: Callable[..., Any], remat: str | RematPolicy = "none", *, outputs: bool = False
+) -> Callable[..., Any]:
     """A ``stage_fn`` for :func:`apply` that runs a stage's layers as one ``lax.scan`` of ``layer_fn``.
 
     ``layer_fn(layer, h) -> h`` applies one layer (leaves without the leading layers dim); each layer is
@@ -58,19 +58,21 @@ def scan_layers(
     layers are without a pipeline. The program does not grow with the layers per stage, and with
     ``zero3_gather="layer"`` only the layer being applied is gathered over ``dp``. With ``outputs``,
     ``layer_fn`` returns ``(h, sums)`` and the stage ``(h, sums stacked per layer)`` (:func:`apply`'s
-    ``outputs``).
+    ``outputs``). A pipeline with side inputs (:func:`apply`'s ``side``) calls the stage, and so
+    ``layer_fn``, with the microbatch's side inputs last: ``layer_fn(layer, h, side)``.
     """
     policy = RematPolicy.from_str(remat)
-    if policy.kind == "nested":  # groups of the stage's layers (zjax.remat.nested_scan)
-        return lambda stage_layers, h: nested_scan(layer_fn, stage_layers, h, policy, outputs=outputs)
 
-    def body(h: jax.Array, layer: Any) -> tuple[jax.Array, Any]:
-        return layer_fn(layer, h) if outputs else (layer_fn(layer, h), None)
+    def stage_fn(stage_layers: Any, h: jax.Array, *side: Any) -> Any:
+        one = lambda w, x: layer_fn(w, x, *side)  # noqa: E731
+        if policy.kind == "nested":  # groups of the stage's layers (zjax.remat.nested_scan)
+            return nested_scan(one, stage_layers, h, policy, outputs=outputs)
 
-    if policy.remat:
-        body = jax.checkpoint(body, policy=policy.jax_policy(), prevent_cse=False)
+        def body(h: jax.Array, layer: Any) -> tuple[jax.Array, Any]:
+            return one(layer, h) if outputs else (one(layer, h), None)
 
-    def stage_fn(stage_layers: Any, h: jax.Array) -> Any:
+        if policy.remat:
+            body = jax.checkpoint(body, policy=policy.jax_policy(), prevent_cse=False)
         h, sums = jax.lax.scan(body, h, stage_layers)
         return (h, sums) if outputs else h
 
@@ -85,6 +87,7 @@ def apply(
     *,
     outputs: bool = False,
     split_over: Any = None,
+    side: Any = None,
     _bubble_fill: float = 0.0,
 ) -> Any:
     """Run ``x`` through stacked layers as a pipeline over the mesh axis ``pp``.
@@ -98,6 +101,9 @@ def apply(
       pipeline: the schedule; by default the plan's (:func:`current`). Without one (a model's
         ``init``, or a mesh without ``pp``) the stages run one after the other on the whole batch: the
         same function, so ``plan.init`` and a model's own ``init`` need nothing special.
+      side: a pytree of per-row arrays ``[B, ...]`` (or ``None``) that every stage reads as it is: a packed
+        row's positions and segment ids. Each microbatch's rows travel with it; ``stage_fn`` is then called
+        ``stage_fn(stage_layers, h, side_mb)``. Not differentiated.
       outputs: ``stage_fn`` returns ``(h, sums)``, ``sums`` a pytree of per-layer arrays ``[Lps, ...]`` that
         add up over tokens (a mixture of experts' router statistics); they come back summed over every
         microbatch and data-parallel rank, ``[L, ...]`` in the layers' order.
@@ -120,8 +126,16 @@ def apply(
     mesh = jax.sharding.get_abstract_mesh()
     stages = 1 if mesh.empty else dict(mesh.shape).get(PP, 1)
     count = _layer_count(layers)
+    if side is not None:
+        side = jax.tree.map(jax.lax.stop_gradient, side)
+        for leaf in jax.tree.leaves(side):
+            if leaf.shape[:1] != x.shape[:1]:
+                raise ValueError(
+                    f"zjax.pipeline.apply: a side input has shape {leaf.shape}; side inputs are per row, with the "
+                    f"batch's {x.shape[0]} rows first (x has shape {x.shape})."
+                )
     if _INITIALIZING.get():
-        return sequential(stage_fn, layers, x, 1, 1, outputs)
+        return sequential(stage_fn, layers, x, 1, 1, outputs, side)
     if cfg is None:
         if stages > 1:
             raise ValueError(
@@ -129,7 +143,7 @@ def apply(
                 "plan with zjax.Plan(..., pipeline=zjax.Pipeline(microbatches=...)) and call the model inside "
                 "plan.train_step / plan.eval_step (or pass pipeline=... here)."
             )
-        return sequential(stage_fn, layers, x, 1, 1, outputs)
+        return sequential(stage_fn, layers, x, 1, 1, outputs, side)
     if cfg.tabled:
         raise ValueError(
             f"zjax.pipeline.apply: schedule={cfg.schedule!r} interleaves each microbatch's forward and backward "
@@ -147,6 +161,7 @@ def apply(
         )
     stacked = by_visit(layers, cfg.repeats, stages)
     x = jax.lax.with_sharding_constraint(x, P((*data, PP)))
+    side = jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, P((*data, PP))), side)
     s_, k_, rest = stages, cfg.microbatches // stages, x.shape[1:]
     # The data axes over which the weights are whole on every rank get the manual region below; with
     # zero3_gather="layer" the ZeRO-3 weights stay split over dp, which GSPMD then runs inside the loop.
@@ -154,23 +169,35 @@ def apply(
     inner = tuple(a for a in data if a not in region)
     n = math.prod(sizes[a] for a in inner)
 
-    def run(w: Any, h: jax.Array, engine: Callable[[Any, jax.Array], Any]) -> Any:
-        # microbatches ``[S, K, n x mb, ...]``: the rows of the ``inner`` ranks side by side, split
-        # over them (h is already split over (inner, pp), so no data moves)
-        io = h.reshape(n, s_, k_, -1, *rest).swapaxes(0, 1).swapaxes(1, 2).reshape(s_, k_, -1, *rest)
-        io, *sums = engine(w, io) if outputs else (engine(w, io),)
+    def microbatched(a: jax.Array) -> jax.Array:
+        # ``[S, K, n x mb, ...]``: the rows of the ``inner`` ranks side by side, split over them (the rows
+        # are already split over (inner, pp), so no data moves)
+        more = a.shape[1:]
+        return a.reshape(n, s_, k_, -1, *more).swapaxes(0, 1).swapaxes(1, 2).reshape(s_, k_, -1, *more)
+
+    def every_stage(a: jax.Array) -> jax.Array:
+        # side inputs ``[M, n x mb, ...]`` in the microbatches' order, on every stage (gathered over pp)
+        a = microbatched(a)
+        a = a.reshape(s_ * k_, *a.shape[2:])
+        return jax.lax.with_sharding_constraint(a, P(None, inner or None))
+
+    def run(w: Any, hs: tuple, engine: Callable[..., Any]) -> Any:
+        h, sd = hs
+        io = microbatched(h)
+        sd = jax.tree.map(every_stage, sd)
+        io, *sums = engine(w, io, sd) if outputs else (engine(w, io, sd),)
         y = io.reshape(s_, k_, n, -1, *rest).swapaxes(1, 2).swapaxes(0, 1).reshape(h.shape)
         return (y, *sums) if outputs else y
 
-    def engine(w: Any, io: jax.Array, fn: Callable = stage_fn) -> Any:
-        return _pipeline(fn, w, io, cfg, stages, _bubble_fill, inner or None, outputs)
+    def engine(w: Any, io: jax.Array, sd: Any, fn: Callable = stage_fn) -> Any:
+        return _pipeline(fn, w, io, cfg, stages, _bubble_fill, inner or None, outputs, sd)
 
     if not region:  # the data axes are manual already (each rank's gradients, Plan(reduce_dtype=...))
 
-        def loop(fn: Callable, w: Any, h: jax.Array) -> Any:
-            return run(by_visit(w, cfg.repeats, stages), h, lambda w, io: engine(w, io, fn))
+        def loop(fn: Callable, w: Any, hs: tuple) -> Any:
+            return run(by_visit(w, cfg.repeats, stages), hs, lambda w, io, sd: engine(w, io, sd, fn))
 
-        return _read_per_layer(summed_wide(stage_fn, loop, layers, x), reads)
+        return _read_per_layer(summed_wide(stage_fn, loop, layers, (x, side)), reads)
     leaves, treedef = jax.tree.flatten(stacked)
     dims: list[int | None] = [None] * len(leaves)
     if cfg.zero3_gather == "chunk" and DP in region and outputs:
@@ -183,8 +210,8 @@ def apply(
         # each leaf's dim split over dp, in the [R, S, Lps, ...] view (the natural [L, ...] dim d is d + 2)
         dims = [None if (d := _dp_dim(w.shape, sizes)) is None else d + 2 for w in jax.tree.leaves(layers)]
 
-        def engine(w: Any, io: jax.Array, fn: Callable = stage_fn) -> Any:
-            return _chunked(fn, w, io, cfg, stages, _bubble_fill, dims)
+        def engine(w: Any, io: jax.Array, sd: Any, fn: Callable = stage_fn) -> Any:
+            return _chunked(fn, w, io, cfg, stages, _bubble_fill, dims, sd)
 
     # a leaf that a region axis already splits (split_over, in the natural [L, ...] dims) enters split over it
     is_split = lambda x: x is None or (isinstance(x, dict) and all(isinstance(k, int) for k in x))  # noqa: E731
@@ -194,19 +221,19 @@ def apply(
         *[_enter(w, d, region, sizes, v) for w, d, v in zip(leaves, dims, views, strict=True)], strict=True
     )
 
-    def body(w: Any, h: jax.Array) -> Any:
-        out = run(jax.tree.map(lambda a: a[0], w), h, engine)
+    def body(w: Any, hs: tuple) -> Any:
+        out = run(jax.tree.map(lambda a: a[0], w), hs, engine)
         if not outputs:
             return out
         return out[0], jax.lax.psum(out[1], region)  # each rank summed its own rows
 
     out = jax.shard_map(
         body,
-        in_specs=(jax.tree.unflatten(treedef, specs), P(region)),
+        in_specs=(jax.tree.unflatten(treedef, specs), (P(region), jax.tree.map(lambda _: P(region), side))),
         out_specs=(P(region), P()) if outputs else P(region),
         axis_names=set(region),
         check_vma=False,
-    )(jax.tree.unflatten(treedef, entered), x)
+    )(jax.tree.unflatten(treedef, entered), (x, side))
     return _read_per_layer(out, reads)
 
 
@@ -251,14 +278,16 @@ def by_visit(layers: Any, repeats: int, stages: int) -> Any:
     return jax.tree.map(one, layers)
 
 
-def sequential(stage_fn: Callable, layers: Any, x: jax.Array, repeats: int, stages: int, outputs: bool = False) -> Any:
+def sequential(
+    stage_fn: Callable, layers: Any, x: jax.Array, repeats: int, stages: int, outputs: bool = False, side: Any = None
+) -> Any:
     """The pipeline's function without a pipeline: every (visit, stage) chunk of layers in turn, one scan
     (with ``outputs``, also the chunks' per-layer sums, ``[L, ...]``)."""
     chunks = jax.tree.map(lambda w: w.reshape(repeats * stages, *w.shape[2:]), by_visit(layers, repeats, stages))
     if outputs:
-        h, sums = jax.lax.scan(lambda h, w: stage_fn(w, h), x, chunks)
+        h, sums = jax.lax.scan(lambda h, w: call_stage(stage_fn, w, h, side), x, chunks)
         return h, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), sums)
-    h, _ = jax.lax.scan(lambda h, w: (stage_fn(w, h), None), x, chunks)
+    h, _ = jax.lax.scan(lambda h, w: (call_stage(stage_fn, w, h, side), None), x, chunks)
     return h
 
 

@@ -26,6 +26,7 @@ def loss(
     last: Callable[[Any, jax.Array, Any], jax.Array],
     params: Any,
     pipeline: Pipeline | None = None,
+    side: Any = None,
 ) -> jax.Array:
     """``last(params, layers(first(params, inputs)), inputs)`` summed over microbatches.
 
@@ -48,6 +49,8 @@ def loss(
         read what they need. One tree, so a table both use (a tied embedding) gets one gradient, reduced
         over the data axes once.
       pipeline: the schedule; by default the plan's (:func:`current`).
+      side: per-row arrays ``[B, ...]`` every stage reads (a packed row's positions and segment ids), cut into
+        microbatches as ``inputs`` are; ``stage_fn`` is then called ``stage_fn(stage_layers, h, side_mb)``.
 
     Returns:
       The fp32 sum of ``last`` over all microbatches. Its gradients are made during the schedule (seeded
@@ -56,7 +59,7 @@ def loss(
     cfg = current() if pipeline is None else pipeline
     if cfg is None or not cfg.tabled:
         h = first(params, inputs)
-        y = apply(stage_fn, layers, h, cfg)
+        y = apply(stage_fn, layers, h, cfg, side=side)
         return jnp.asarray(last(params, y, inputs), jnp.float32)
     sizes = dict(jax.sharding.get_abstract_mesh().shape)
     stages = sizes.get(PP, 1)
@@ -72,30 +75,32 @@ def loss(
     scale = _ticks._SEED.get()
     scale = jnp.float32(1.0) if scale is None else jnp.asarray(scale, jnp.float32)
 
-    def table_run(layers, ep, inputs, scale):
+    side = jax.tree.map(jax.lax.stop_gradient, side)
+
+    def table_run(layers, ep, inputs, scale, side):
         stacked = by_visit(layers, cfg.repeats, stages)
-        value, dw, dep = _ticks.run(own_reads(stage_fn), first, last, cfg, stacked, ep, inputs, scale)
+        value, dw, dep = _ticks.run(own_reads(stage_fn), first, last, cfg, stacked, ep, inputs, scale, side)
         dw = jax.tree.map(lambda g, w: g.reshape(w.shape), dw, layers)
         return value, (dw, dep)
 
     @jax.custom_vjp
-    def run(layers, ep, inputs, scale):
+    def run(layers, ep, inputs, scale, side):
         m_, s_ = cfg.microbatches, stages
         if m_ >= s_ and m_ % s_ == 0:  # forward only (eval): GPipe's scan keeps nothing
             scan = dataclasses.replace(cfg, schedule="gpipe", zero3_gather="step")
-            h = apply(stage_fn, layers, first(ep, inputs), scan)
+            h = apply(stage_fn, layers, first(ep, inputs), scan, side=side)
             return jnp.asarray(last(ep, h, inputs), jnp.float32)
-        return table_run(layers, ep, inputs, scale)[0]
+        return table_run(layers, ep, inputs, scale, side)[0]
 
-    def fwd(layers, ep, inputs, scale):
-        value, grads = table_run(layers, ep, inputs, scale)
+    def fwd(layers, ep, inputs, scale, side):
+        value, grads = table_run(layers, ep, inputs, scale, side)
         return value, (grads, scale)
 
     def bwd(res, g):
         grads, scale = res
         k = g / scale
         scaled = jax.tree.map(lambda a, dt: (a * k).astype(dt), grads, dtypes)
-        return (*scaled, None, None)
+        return (*scaled, None, None, None)
 
     run.defvjp(fwd, bwd)
-    return run(layers, params, inputs, scale)
+    return run(layers, params, inputs, scale, side)

@@ -46,6 +46,17 @@ def _pick(w: jax.Array, index: jax.Array) -> jax.Array:
     )
 
 
+def _per_stage(side: Any, index: jax.Array) -> Any:
+    """``side[index[s]]`` on every stage ``s`` (leaves ``[M, ...]`` whole on every stage): ``[S, ...]`` over ``pp``."""
+
+    def local(side: Any, index: jax.Array) -> Any:
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index[0], 0), side)
+
+    specs = jax.tree.map(lambda _: P(), side)
+    out = jax.tree.map(lambda _: P(PP), side)
+    return jax.shard_map(local, in_specs=(specs, P(PP)), out_specs=out, axis_names={PP}, check_vma=False)(side, index)
+
+
 def _where_stage(mask: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), a, b)
 
@@ -83,14 +94,16 @@ class _Loop:
         """The repeat (chunk) each stage applies at iteration ``t``."""
         return jnp.clip((t - self.stage) // self.m, 0, self.r - 1)
 
-    def sums(self, weights: Callable[[jax.Array], Any], shift: jax.Array) -> Any:
+    def sums(self, weights: Callable[[jax.Array], Any], shift: jax.Array, side: Any = None) -> Any:
         """Zeros ``[S, R, Lps, ...]`` for each per-layer sum the stages return (``outputs``): one slot per
         stage and repeat, so that every layer's sums land in their own place."""
         with nn.logical_axis_rules(()):  # as the iterations run the stages
+            extra = () if side is None else (_per_stage(side, jnp.zeros(self.s, jnp.int32)),)
             shapes = jax.eval_shape(
-                lambda w, x: jax.vmap(self.stage_fn, spmd_axis_name=PP)(w, x)[1],
+                lambda w, x, *e: jax.vmap(self.stage_fn, spmd_axis_name=PP)(w, x, *e)[1],
                 weights(jnp.zeros((), jnp.int32)),
                 shift,
+                *extra,
             )
         return jax.tree.map(
             lambda a: jax.lax.with_sharding_constraint(
@@ -103,7 +116,9 @@ class _Loop:
         """``[S, R, Lps, ...]`` sums in the layers' natural order ``[L, ...]`` (layer ``(r*S + s)*Lps + j``)."""
         return jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(-1, *a.shape[3:]), sums)
 
-    def run(self, weights: Callable[[jax.Array], Any], carry: tuple, steps: jax.Array) -> tuple:
+    def run(self, weights: Callable[[jax.Array], Any], carry: tuple, steps: jax.Array, side: Any = None) -> tuple:
+        """The iterations ``steps``; ``side`` (or ``None``): the side inputs ``[M, mb, ...]`` of every microbatch,
+        each stage reading those of the microbatch it works on."""
         s_, m_, r_, k_ = self.s, self.m, self.r, self.k
         stage = self.stage
         ring = [(i, (i + 1) % s_) for i in range(s_)] if r_ > 1 else [(i, i + 1) for i in range(s_ - 1)]
@@ -123,8 +138,9 @@ class _Loop:
             work = t - stage  # the (repeat, microbatch) item each stage works on, if any
             inputs = _where_stage((work >= 0) & (work < m_ * r_), inputs, jnp.zeros_like(inputs))
             inputs = checkpoint_name(inputs, ITERATION_INPUT)
+            extra = () if side is None else (_per_stage(side, work % m_),)
             with nn.logical_axis_rules(()):  # the model's activation constraints do not apply per stage
-                out = jax.vmap(self.stage_fn, spmd_axis_name=PP)(weights(t), inputs)
+                out = jax.vmap(self.stage_fn, spmd_axis_name=PP)(weights(t), inputs, *extra)
             if self.outputs:
                 out, layer_sums = out
                 # each stage adds its layers' sums into its repeat's slot, bubbles (zero inputs) add nothing
@@ -160,9 +176,11 @@ def _pipeline(
     fill: float,
     rows: Any,
     outputs: bool = False,
+    side: Any = None,
 ) -> Any:
     """The pipeline on microbatches ``state_io[S, K, mb, ...]`` (S over ``pp``, mb over ``rows``); with
-    ``outputs``, also the stages' per-layer sums over every microbatch, ``[L, ...]``."""
+    ``outputs``, also the stages' per-layer sums over every microbatch, ``[L, ...]``; ``side``: every
+    microbatch's side inputs ``[M, mb, ...]`` (:meth:`_Loop.run`)."""
     loop = _Loop(stage_fn, cfg, stages, fill, rows, outputs)
 
     def weights(t: jax.Array) -> Any:
@@ -172,8 +190,8 @@ def _pipeline(
 
     carry = loop.init(state_io)
     if outputs:
-        carry = (*carry, loop.sums(weights, carry[0]))
-    _, state_io, _, *sums = loop.run(weights, carry, jnp.arange(cfg.iterations(stages)))
+        carry = (*carry, loop.sums(weights, carry[0], side))
+    _, state_io, _, *sums = loop.run(weights, carry, jnp.arange(cfg.iterations(stages)), side)
     if not outputs:
         return loop.finish(state_io)
     return loop.finish(state_io), loop.layer_order(sums[0])

@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 from ..sharding._axes import PP
 from . import _schedule
 from ._config import Pipeline
-from ._context import accumulate_dtype, data_axes_here
+from ._context import accumulate_dtype, call_stage, data_axes_here
 
 _SEED: contextvars.ContextVar[Any] = contextvars.ContextVar("zjax_pipeline_seed", default=None)
 
@@ -57,7 +57,7 @@ def _zeros(tree: Any, dtype: Any = None) -> Any:
 
 def _tick_loop(
     stage_fn: Callable, first: Callable, last: Callable, cfg: Pipeline, stages: int,
-    w: Any, ep: Any, inputs: Any, scale: jax.Array,
+    w: Any, ep: Any, inputs: Any, scale: jax.Array, side: Any = None,
 ) -> tuple:  # fmt: skip
     """One device's part of the schedule (inside the manual region): ``w`` its chunks ``[v, Lps, ...]``, ``ep``
     (the parameters ``first`` and ``last`` read) whole, ``inputs`` its rows. Returns ``(loss, dw, dep)`` summed
@@ -66,7 +66,7 @@ def _tick_loop(
     tab = _schedule.schedule_table(cfg.schedule, stages, cfg.microbatches, cfg.repeats)
     plan = _schedule.slots(tab)
     m_ = cfg.microbatches
-    mbs = jax.tree.map(lambda a: a.reshape(m_, a.shape[0] // m_, *a.shape[1:]), inputs)
+    mbs, sides = jax.tree.map(lambda a: a.reshape(m_, a.shape[0] // m_, *a.shape[1:]), (inputs, side))
     probe = jax.eval_shape(first, ep, jax.tree.map(lambda a: a[0], mbs))
     h_zero = jnp.zeros(probe.shape, probe.dtype)
     ring = cfg.repeats > 1
@@ -80,12 +80,12 @@ def _tick_loop(
     }  # fmt: skip
     xs = {k: jnp.asarray(v) for k, v in columns.items()}
 
-    def idle(row, mb, wc, x, dy, acc):
+    def idle(row, mb, sd, wc, x, dy, acc):
         return h_zero, h_zero, h_zero, h_zero, acc
 
-    def forward(row, mb, wc, x, dy, acc):
+    def forward(row, mb, sd, wc, x, dy, acc):
         x = jax.lax.cond(row["first"], lambda: first(ep, mb).astype(h_zero.dtype), lambda: x)
-        y = stage_fn(wc, x)
+        y = call_stage(stage_fn, wc, x, sd)
 
         def with_loss():
             value, pull = jax.vjp(lambda ep_, y_: last(ep_, y_, mb), ep, y)
@@ -98,8 +98,8 @@ def _tick_loop(
         loss, dw, dep_acc = acc
         return y, h_zero, x, dy, (loss + value, dw, jax.tree.map(jnp.add, dep_acc, dep))
 
-    def backward(row, mb, wc, x, dy, acc):
-        _, pull = jax.vjp(lambda x_: stage_fn(wc, x_), x)
+    def backward(row, mb, sd, wc, x, dy, acc):
+        _, pull = jax.vjp(lambda x_: call_stage(stage_fn, wc, x_, sd), x)
         (dx,) = pull(dy)
 
         def into_first():
@@ -111,8 +111,8 @@ def _tick_loop(
         loss, dw, dep_acc = acc
         return h_zero, dx, h_zero, h_zero, (loss, dw, jax.tree.map(jnp.add, dep_acc, dep))
 
-    def weights(row, mb, wc, x, dy, acc):
-        _, pull = jax.vjp(lambda w_: stage_fn(w_, x), wc)
+    def weights(row, mb, sd, wc, x, dy, acc):
+        _, pull = jax.vjp(lambda w_: call_stage(stage_fn, w_, x, sd), wc)
         (dwc,) = pull(dy)
         loss, dw, dep = acc
         c = row["chunk"]
@@ -126,10 +126,10 @@ def _tick_loop(
         row = jax.tree.map(lambda a: a[stage], columns)
         xbuf = xbuf.at[row["recv_x"]].set(fmsg)
         gbuf = gbuf.at[row["recv_g"]].set(bmsg)
-        mb = jax.tree.map(lambda a: a[row["micro"]], mbs)
+        mb, sd = jax.tree.map(lambda a: a[row["micro"]], (mbs, sides))
         wc = jax.tree.map(lambda a: a[row["chunk"]], w)
         y, dx, x_new, dy_new, acc = jax.lax.switch(
-            row["kind"], branches, row, mb, wc, xbuf[row["read_x"]], gbuf[row["read_g"]], acc
+            row["kind"], branches, row, mb, sd, wc, xbuf[row["read_x"]], gbuf[row["read_g"]], acc
         )
         xbuf = xbuf.at[row["store_x"]].set(x_new)
         gbuf = gbuf.at[row["store_g"]].set(dy_new)
@@ -152,11 +152,11 @@ def _tick_loop(
 
 def run(
     stage_fn: Callable, first: Callable, last: Callable, cfg: Pipeline, stacked: Any, ep: Any, inputs: Any,
-    scale: jax.Array,
+    scale: jax.Array, side: Any = None,
 ) -> tuple:  # fmt: skip
     """The schedule over the mesh: ``(loss, dw, dep)`` with ``stacked`` leaves ``[R, S, Lps, ...]``;
     gradients seeded with ``scale``, accumulated in fp32 on each rank and summed over the ranks in the
-    parameters' dtypes."""
+    parameters' dtypes. ``side``: per-row side inputs every stage reads (``stage_fn(w, h, side_mb)``)."""
     sizes = dict(jax.sharding.get_abstract_mesh().shape)
     stages = sizes.get(PP, 1)
     data = data_axes_here(sizes)
@@ -173,12 +173,12 @@ def run(
 
     w_in, w_spec = copies(stacked, n, lambda a: P(lead, None, PP, *free(a.ndim - 3)))
     ep_in, ep_spec = copies(ep, n * stages, lambda a: P(every, *free(a.ndim - 1)))
-    in_rows = jax.tree.map(lambda a: P(lead), inputs)
+    in_rows = jax.tree.map(lambda a: P(lead), (inputs, side))
 
-    def body(w, ep, inputs, scale):
+    def body(w, ep, rows, scale):
         w = jax.tree.map(lambda a: a[0, :, 0], w)  # [R, Lps, ...]: this stage's chunks
         ep = jax.tree.map(lambda a: a[0], ep)
-        loss, dw, dep = _tick_loop(stage_fn, first, last, cfg, stages, w, ep, inputs, scale)
+        loss, dw, dep = _tick_loop(stage_fn, first, last, cfg, stages, w, ep, *rows[:1], scale, rows[1])
         return loss[None], jax.tree.map(lambda a: a[None, :, None], dw), jax.tree.map(lambda a: a[None], dep)
 
     loss, dw, dep = jax.shard_map(
@@ -187,7 +187,7 @@ def run(
         out_specs=(P(every), w_spec, ep_spec),
         axis_names={*data, PP},
         check_vma=False,
-    )(w_in, ep_in, inputs, scale)
+    )(w_in, ep_in, (inputs, side), scale)
 
     # the reduction over the ranks in the parameters' (compute) dtype: ZeRO's bytes, as under GPipe
     # (lax.reduce: jnp.sum would accumulate a 16-bit sum in fp32, and the all-reduce with it); in

@@ -113,7 +113,7 @@ def _files(path: Path) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
 
 
-def build_data(cfg: RunConfig, model_cfg: Any, tok: Any, pipelined: bool, log: Callable[..., None]):
+def build_data(cfg: RunConfig, model_cfg: Any, tok: Any, log: Callable[..., None]):
     """Training rows and the held-out split (``None`` without ``loop.eval_every``), packed on grain."""
     if cfg.data.path is None:
         end = [tok.eos_id] if tok.eos_id is not None else []
@@ -128,9 +128,6 @@ def build_data(cfg: RunConfig, model_cfg: Any, tok: Any, pipelined: bool, log: C
             )
         stream, eos = stream % model_cfg.vocab, None
         log(f"training on byte ids modulo {model_cfg.vocab} (not the checkpoint's tokenizer); documents not separated")
-    if pipelined and eos is not None:
-        eos = None  # the pipeline takes unpacked rows (segment ids need pp=1)
-        log("pipeline: packed documents are not separated (segment ids are supported with pp=1)")
     # held out by data.eval_fraction alone: a run with and without loop.eval_every trains on the same rows
     train, held = zdata.train_eval_split(stream, cfg.data.eval_fraction)
     seq, rows = cfg.model.seq_len, cfg.data.batch_size
@@ -194,7 +191,7 @@ def run_lm(cfg: RunConfig, argv: Sequence[str] | None = None, log: Callable[...,
         hf = None if hf_dir is None else (lambda: zhf.load(hf_dir, plan, model, tx, rng))
         state, start = init_or_restore(plan, init_fn, tx, rng, loop, fresh=hf)
         step = plan.train_step(loss_fn, accum_steps=cfg.plan.accum)
-        data, held_out = build_data(cfg, model_cfg, tok, plan.pipeline is not None, say)
+        data, held_out = build_data(cfg, model_cfg, tok, say)
         say(f"zjax train: {model_cfg.num_params:,} params, remat {cfg.model.remat!r}, {data.num_rows:,} rows of "
             f"{cfg.model.seq_len + 1} tokens, devices: {jax.devices()[0].platform} x {jax.device_count()} in "
             f"{jax.process_count()} process(es), mesh {dict(plan.mesh.shape)}, "

@@ -1,0 +1,106 @@
+"""Every pipeline schedule computes the one-device objective on packed rows with uneven masks.
+
+Each microbatch's per-token arrays (positions, segment ids, the routers' mask) travel with it through the stages
+(``zjax.pipeline.apply(..., side=...)``), so packed documents stay apart under every schedule, every ZeRO stage
+and gathering mode, with cp and with experts. One SGD step of a four-layer tiny decoder against ``jax.grad`` of
+the whole batch's mean loss on one device (tests/_objective.py), fp32 within 3e-5.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import zjax
+from zjax.models import Decoder, lm_loss
+
+from ._models import TINY
+from ._objective import applied, initial, reference, relative, uneven_batch
+from .test_experts import TINY as TINY_MOE
+
+ROWS, FP32 = 32, 3e-5
+SLOW = pytest.mark.slow
+FOUR = dataclasses.replace(TINY, layers=4)  # pp=4, or pp=2 with two chunks per stage
+SCHEDULES = {  # name: (schedule, repeats)
+    "gpipe": ("gpipe", 1),
+    "circular": ("gpipe", 2),
+    "1f1b": ("1f1b", 1),
+    "interleaved": ("interleaved-1f1b", 2),
+    "zero-bubble": ("zero-bubble", 1),
+}
+FAST = {("zero-bubble", 4, 3), ("circular", 2, 2), ("interleaved", 2, 0)}
+
+
+def _grid():
+    for name in SCHEDULES:
+        for pp in (2, 4):
+            for stage in range(4):
+                if name in ("circular", "interleaved") and pp == 4:
+                    continue  # 4 layers make one per chunk at pp=2 already
+                marks = [] if (name, pp, stage) in FAST else [pytest.mark.slow]
+                yield pytest.param(name, pp, stage, marks=marks, id=f"{name}-pp{pp}-stage{stage}")
+
+
+@pytest.fixture(scope="module")
+def want():
+    batch = uneven_batch(ROWS, FOUR)
+    return (batch, *reference(FOUR, batch))
+
+
+def _check(plan, cfg, want, accum=1):
+    batch, loss, grads = want
+    got, metrics = applied(plan, cfg, batch, accum)
+    assert relative(got, grads) <= FP32, relative(got, grads)
+    assert abs(float(metrics["loss"]) - loss) <= FP32 * loss, (float(metrics["loss"]), loss)
+
+
+@pytest.mark.parametrize(("name", "pp", "stage"), list(_grid()))
+def test_every_schedule_and_stage_computes_the_one_device_objective_on_packed_rows(want, name, pp, stage):
+    schedule, repeats = SCHEDULES[name]
+    pipe = zjax.Pipeline(4 if schedule == "gpipe" or repeats > 1 else 8, repeats=repeats, schedule=schedule)
+    plan = zjax.Plan(zjax.make_mesh(dp=8 // pp, pp=pp), stage=stage, precision="fp32", pipeline=pipe)
+    _check(plan, FOUR, want)
+
+
+OTHERS = {
+    # the gathering modes of stage 3, the whole-gradient region (reduce_dtype), and cp in both modes
+    "chunk": ({"dp": 4, "pp": 2}, {"stage": 3, "pipeline": zjax.Pipeline(4, repeats=2, zero3_gather="chunk")}, None),
+    "reduce-fp32": ({"dp": 4, "pp": 2}, {"stage": 3, "reduce_dtype": "float32", "pipeline": zjax.Pipeline(4)}, None),
+    "tp-1f1b": ({"dp": 2, "pp": 2, "tp": 2}, {"stage": 3, "pipeline": zjax.Pipeline(4, schedule="1f1b")}, None),
+    "cp-ring": ({"dp": 2, "pp": 2, "cp": 2}, {"stage": 2, "pipeline": zjax.Pipeline(4, repeats=2)}, "ring"),
+    "cp-all-gather-1f1b": (
+        {"dp": 2, "pp": 2, "cp": 2}, {"stage": 1, "pipeline": zjax.Pipeline(4, schedule="1f1b")}, "all-gather"
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.slow  # the fast grid above runs every engine; these are its other options
+@pytest.mark.parametrize("name", list(OTHERS))
+def test_gathering_modes_reductions_and_context_parallelism_in_a_pipeline(want, name):
+    mesh, kw, mode = OTHERS[name]
+    cfg = FOUR if mode is None else dataclasses.replace(FOUR, context_mode=mode)
+    _check(zjax.Plan(zjax.make_mesh(**mesh), precision="fp32", **kw), cfg, want)
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2, "ep": 2, "pp": 2}, pytest.param({"dp": 4, "pp": 2}, marks=SLOW)])
+def test_experts_in_a_pipeline_count_only_the_masked_tokens_of_each_microbatch(mesh):
+    """The routers' mask (the loss mask) and the packed rows travel with each microbatch: the load-balancing
+    statistics, the gradients and the loss are the one-device model's."""
+    batch = uneven_batch(ROWS, TINY_MOE)
+    model = Decoder(TINY_MOE)
+
+    def mean(p, b):
+        out, aux = lm_loss(model, p, b)
+        return out.mean, aux
+
+    (loss, aux), grads = jax.jit(jax.value_and_grad(mean, has_aux=True))(initial(TINY_MOE), batch)
+    pipe = zjax.Pipeline(4, zero3_gather="step")
+    plan = zjax.Plan(zjax.make_mesh(**mesh), stage=3, precision="fp32", pipeline=pipe)
+    got, metrics = applied(plan, TINY_MOE, batch)
+    assert relative(got, jax.tree.map(np.asarray, grads)) <= FP32
+    assert abs(float(metrics["loss"]) - float(loss)) <= FP32 * float(loss)
+    np.testing.assert_array_equal(metrics["aux"]["expert_tokens"], aux["expert_tokens"])
+    np.testing.assert_allclose(metrics["aux"]["load_balance"], aux["load_balance"], rtol=1e-5)
