@@ -227,9 +227,9 @@ def _loss_and_stats(model: Any, params: Any, batch: Any, model_state: Any, vocab
         # each target weighted by its share of the mean: the microbatches' sums add up to the mean, whose
         # cotangent (the loss scale) then seeds the pipeline's backward passes at the magnitude GPipe's get
         share = w / jnp.where(count > 0, count, 1.0)
-        side = {k: v for k, v in (("positions", positions), ("segment_ids", segment_ids), ("router_mask", routed))}
-        rows = {k: v for k, v in side.items() if v is not None} or None
-        mean = _pipelined_sum(model.cfg, nn.unbox(params), inputs, targets, share, vocab_chunk, balanced, rows)
+        named = (("positions", positions), ("segment_ids", segment_ids), ("router_mask", routed))
+        side = {k: v for k, v in named if v is not None} or None
+        mean = _pipelined_sum(model.cfg, nn.unbox(params), inputs, targets, share, vocab_chunk, balanced, side)
         return LossSum(mean * count, count), None
     variables = {**(model_state or {}), "params": params}
     ranks = _data_ranks()
