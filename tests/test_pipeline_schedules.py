@@ -104,11 +104,21 @@ def last(edge, h, mb):
     return -jnp.sum(jnp.take_along_axis(logp, mb["y"][..., None], -1))
 
 
-def toy_loss(params, tokens, cfg):
+def toy_loss(params, tokens, cfg, fn=stage_fn):
     layers, embedding, head = params
     rows = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
     edge = {"embedding": embedding, "head": head}
-    return pipeline.loss(stage_fn, layers, rows, first=first, last=last, params=edge, pipeline=cfg)
+    return pipeline.loss(fn, layers, rows, first=first, last=last, params=edge, pipeline=cfg)
+
+
+def reading_stage_fn(w, h):
+    """``stage_fn`` reading each layer through ``zjax.comm.gathered_tree`` at the layers' path, as the Decoder does."""
+
+    def one(h, layer):
+        layer = zjax.comm.gathered_tree(layer, ("layers",))
+        return h + jnp.tanh(h @ layer["w"] + layer["b"]), None
+
+    return jax.lax.scan(one, h, w)[0]
 
 
 TOKENS = np.random.RandomState(0).randint(0, V, (32, 5)).astype(np.int32)
@@ -168,6 +178,50 @@ def test_table_engine_collectives():
     in_loop = [(c.kind, axes) for c, axes in ops if c.in_loop]
     assert sorted(in_loop) == [("collective-permute", ("pp",))] * 2
     assert [c for c, axes in ops if c.kind in ("all-reduce", "reduce-scatter") and "dp" in axes]
+
+
+def test_zero3_layer_gathers_run_inside_the_table_schedules():
+    """``zero3_gather="layer"`` under 1F1B and zero-bubble: the layers enter as their dp shards, each action
+    gathers each layer it reads over dp inside the tick loop and reduce-scatters its gradient there; the loss and
+    gradients are GPipe's. A stage that reads its layers without ``gathered_tree`` is refused."""
+    mesh = zjax.make_mesh(dp=2, pp=4)
+    params = toy()
+    shape = dict(mesh.shape)
+    with jax.set_mesh(mesh):
+        reference = jax.jit(jax.value_and_grad(lambda p, t: toy_loss(p, t, Pipeline(4))))(params, TOKENS)
+        for name in ("1f1b", "zero-bubble"):
+            cfg = Pipeline(8, schedule=name, zero3_gather="layer")
+            run = jax.value_and_grad(lambda p, t: toy_loss(p, t, cfg, reading_stage_fn))  # noqa: B023
+            value, grads = jax.jit(run)(params, TOKENS)
+            np.testing.assert_allclose(value, reference[0], rtol=1e-6)
+            for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(reference[1]), strict=True):
+                np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(want))))
+        _, hlo = partitioned_hlo(jax.jit(run).lower(params, TOKENS))
+        ops = [(c.kind, c.in_loop) for c in collectives(hlo) if "dp" in spanned_axes(c.groups, shape)]
+        assert ("all-gather", True) in ops  # per layer, per action
+        assert {("reduce-scatter", True), ("all-reduce", True)} & set(ops)  # each W's gradient into its shard
+        assert ("all-gather", False) not in ops  # no whole stage gathered before the loop
+        with pytest.raises(ValueError, match=r"this stage_fn read 0 of the 2 split weights so"):
+            jax.jit(jax.grad(lambda p, t: toy_loss(p, t, Pipeline(8, schedule="1f1b", zero3_gather="layer"))))(
+                params, TOKENS
+            )
+
+
+def test_zero3_layer_gathers_keep_no_whole_stage_under_1f1b():
+    """The decoder under 1F1B at stage 3: gathering per layer instead of once per step saves, per device, at least
+    the whole stage's weights and its fp32 gradient accumulators less their dp shards (compiled temporaries)."""
+    init_fn, loss_fn = decoder_task()
+    temps = {}
+    for mode in ("step", "layer"):
+        plan = zjax.Plan(zjax.make_mesh(dp=2, pp=4), stage=3, precision="fp32",
+                         pipeline=Pipeline(8, schedule="1f1b", zero3_gather=mode))  # fmt: skip
+        state = plan.abstract_state(init_fn, optax.adamw(1e-3), jax.random.key(0))
+        tokens = jax.ShapeDtypeStruct((32, 17), jnp.int32)
+        temps[mode] = plan.train_step(loss_fn).lower(state, tokens).compile().memory_analysis().temp_size_in_bytes
+        layers = state.params["layers"]
+    stage_bytes = sum(a.size * 4 for a in jax.tree.leaves(layers)) // 4  # fp32, pp=4
+    print("temporaries", temps, "stage bytes", stage_bytes)
+    assert temps["step"] - temps["layer"] >= 2 * stage_bytes * (1 - 1 / 2)
 
 
 # -- the decoder through a plan -------------------------------------------------------------------------
@@ -345,8 +399,10 @@ def test_schedule_errors_say_what_runs():
         Pipeline(8, schedule="interleaved-1f1b")
     with pytest.raises(ValueError, match=r"schedule='1f1b' with repeats=2: .*use schedule='interleaved-1f1b'"):
         Pipeline(8, repeats=2, schedule="1f1b")
-    with pytest.raises(ValueError, match=r"zero3_gather='layer' runs with schedule='gpipe'"):
-        Pipeline(8, schedule="zero-bubble", zero3_gather="layer")
+    with pytest.raises(ValueError, match=r"zero3_gather='chunk' runs with schedule='gpipe'"):
+        Pipeline(8, schedule="zero-bubble", zero3_gather="chunk")
+    with pytest.raises(ValueError, match=r"zero3_gather='layer' with schedule='1f1b' .* stage=1 keeps whole weights"):
+        zjax.Plan(zjax.make_mesh(dp=2, pp=4), stage=1, pipeline=Pipeline(4, schedule="1f1b", zero3_gather="layer"))
     with pytest.raises(ValueError, match=r"schedule='pipedream' is not a schedule"):
         Pipeline(8, schedule="pipedream")
     with pytest.raises(ValueError, match=r"microbatches=6 is not a multiple of pp=4; .*'interleaved-1f1b'"):
@@ -354,7 +410,7 @@ def test_schedule_errors_say_what_runs():
     Pipeline(6, schedule="1f1b").check(4)  # any number of microbatches
     modes = {s: zjax.Plan(zjax.make_mesh(dp=2, pp=4), stage=s, pipeline=Pipeline(4, schedule="1f1b")).pipeline
              for s in range(4)}  # fmt: skip
-    assert {m.zero3_gather for m in modes.values()} == {"step"}
+    assert [m.zero3_gather for m in modes.values()] == ["step", "step", "step", "layer"]
     mesh = zjax.make_mesh(dp=2, pp=4)
     x = jnp.zeros((8, E))
     with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"must compute the loss: call zjax.pipeline.loss"):

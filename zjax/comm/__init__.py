@@ -13,6 +13,7 @@ from ._gather import manual_spec as manual_spec
 from ._gather import passthrough as passthrough
 from ._gather import reads as reads
 from ._gather import reads_shards as reads_shards
+from ._gather import shard_reads as shard_reads
 from ._gather import use as use
 from ._lookup import lookup as lookup
 from ._quantize import DEFAULT_BLOCK as DEFAULT_BLOCK

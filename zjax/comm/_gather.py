@@ -34,7 +34,8 @@ from ..sharding._axes import REPLICA
 from ..sharding._rules import spec_axes
 from ._quantize import PARTS, Wire, all_gather
 from ._qwz import pinned_gather, quantized_gather
-from ._reduce import Reduction, reduce, reduce_all
+from ._reduce import Reduction, reduce_all
+from ._shard import shard_gather
 
 QUANTIZED_COMM = (*PARTS, "+".join(PARTS))
 """What ``Plan(quantized_comm=...)`` can quantize: ZeRO-3's weight gathers, its gradient reductions, or both (each
@@ -59,6 +60,16 @@ class _Active:
     read: set[tuple[str, ...]] | None = None  # records the paths read (see :func:`reads`)
     memo: dict[Any, Any] = dataclasses.field(default_factory=dict)  # (path, id) -> (value, gathered)
     stage: bool = False  # inside a pipeline stage (zero3_gather="layer"): GSPMD partitions, pinned_gather
+    shards: _Shards | None = None  # inside a table schedule's stage whose layers enter as their shards
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shards:
+    axis: str  # the manual axis the layers are split over (dp)
+    dims: dict[tuple[str, ...], int]  # a layer leaf's keys in the stacked layers -> its split dim in one layer
+    wire: Wire | None  # how the gathers quantize
+    read: set[tuple[str, ...]]  # the keys read so far
+    gather: bool = True  # False: only record the reads (an abstract probe of the stage)
 
 
 _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("zjax_comm", default=None)
@@ -126,38 +137,6 @@ def manual(
     settings = _Manual(tuple(axes), jnp.dtype(dtype), reduction, weights, hierarchical)
     with _activate(_active(placements, weights, settings)):
         yield
-
-
-def to_node(x: jax.Array, spec: P, dtype: Any, reduction: Reduction, weights: Wire | None):
-    """hpZ inside a region manual over the data axes: this rank's shard ``x`` (``spec``: its manual spec,
-    ``replica`` innermost in its dim) cast to ``dtype`` and gathered over ``replica`` into its node's shard (as
-    ``weights``' integer blocks when given), once per microbatch; the node shard's gradient (summed over ``dp`` per
-    layer by :func:`gathered`) is reduced over ``replica`` into ``x``'s shard as ``reduction`` says (int8
-    all-to-alls when quantized). With ``reduction.dtype`` (``Plan(reduce_dtype=...)``) the node shard is held in
-    that dtype once gathered, so that its gradient stays in it from the sums over ``dp`` to the one over
-    ``replica``: the wire still carries ``dtype``, the temporaries hold the wider node shard."""
-    dims = [d for d, entry in enumerate(spec) if entry is not None and REPLICA in _axes(entry)]
-    dim = dims[0] if dims else None
-    hold = reduction.dtype if reduction.dtype is not None and reduction.wire is None else dtype
-
-    def gather(v: jax.Array) -> jax.Array:
-        if dim is None:
-            return v.astype(hold)
-        return all_gather(v.astype(dtype), REPLICA, dim, weights).astype(hold)
-
-    @jax.custom_vjp
-    def run(v: jax.Array) -> jax.Array:
-        return gather(v)
-
-    def fwd(v: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return gather(v), jnp.zeros((0,), v.dtype)
-
-    def bwd(like: jax.Array, g: jax.Array) -> tuple[jax.Array]:
-        split, whole = ((REPLICA,), ()) if dim is not None else ((), (REPLICA,))
-        return (reduce(g, split, dim, whole, reduction).astype(like.dtype),)
-
-    run.defvjp(fwd, bwd)
-    return run(x) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
 
 def manual_spec(spec: P, axes: Sequence[str]) -> P:
@@ -230,6 +209,40 @@ def stage_reads() -> Iterator[dict[Any, Any] | None]:
         yield stage.memo
 
 
+@contextlib.contextmanager
+def shard_reads(
+    axis: str, layers: Any, dims: Sequence[int | None], wire: Wire | None, gather: bool = True
+) -> Iterator[set[tuple[str, ...]]]:
+    """While a pipeline's stage is traced in a region manual over ``axis`` with its stacked ``layers`` entering as
+    their shards (a table schedule at ZeRO-3, ``zero3_gather="layer"``): a layer read through :func:`gathered`
+    with its model path (``gathered_tree`` of one layer's slice) is all-gathered over ``axis`` on its split dim
+    (``dims``: per leaf of ``layers`` in ``jax.tree.leaves`` order, that dim in one layer's slice, ``None`` for a
+    leaf kept whole; as ``wire``'s integer blocks when given), and its gradient reduce-scattered back into the
+    shard. Any other read passes through. Yields the keys (a split leaf's path in ``layers``) read: a stage that
+    reads none of them would compute on shards. ``gather=False``: the reads are only recorded (a probe of the
+    stage on whole layers, traced abstractly)."""
+    read: set[tuple[str, ...]] = set()
+    flat = jax.tree_util.tree_flatten_with_path(layers)[0]
+    split = {_path(kp): d for (kp, _), d in zip(flat, dims, strict=True) if d is not None}
+    with _activate(_Active({}, {}, wire, shards=_Shards(axis, split, wire, read, gather))):
+        yield read
+
+
+def _shard_gather(x: jax.Array, shards: _Shards, path: tuple[str, ...]) -> jax.Array:
+    """:func:`shard_reads`'s gather of the layer leaf at ``path`` (``x`` as it is unless ``path`` is a prefix and a
+    split leaf's keys)."""
+    # the layer read at its model path (a prefix, then the leaf's keys); the stage's own module paths (the keys
+    # alone, a Block reading its parameters) pass through
+    keys = [k for k in shards.dims if len(path) > len(k) and path[len(path) - len(k) :] == k]
+    if not keys:
+        return x
+    key = max(keys, key=len)
+    shards.read.add(key)
+    if not shards.gather:
+        return x
+    return shard_gather(x, shards.axis, shards.dims[key], shards.wire)
+
+
 def gathered(value: Any, path: Sequence[str], now: bool = False) -> Any:
     """The parameter at ``path`` (its keys in the params tree, e.g. ``("layers", "wq")``), whole over the ZeRO
     axes: gathered as integer blocks under :func:`use` with a wire, else ``value`` as it is (GSPMD gathers it in its
@@ -249,6 +262,9 @@ def gathered(value: Any, path: Sequence[str], now: bool = False) -> Any:
     # add up before the one reduction (two would move its bytes twice)
     key = (tuple(path), id(value))
     if key in active.memo:
+        return active.memo[key][1]
+    if active.shards is not None:
+        active.memo[key] = (value, _shard_gather(value, active.shards, tuple(path)))
         return active.memo[key][1]
     if active.manual is not None:
         active.memo[key] = (value, _manual_gather(value, active, tuple(path)))

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from .. import comm
-from ..comm._gather import to_node
+from ..comm._shard import to_node
 from ..pipeline._context import accumulating
 from ..sharding._axes import DATA_AXES
 from ..sharding._mesh import data_axes, data_size, manual_data_axes

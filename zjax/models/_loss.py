@@ -393,5 +393,8 @@ def _pipelined_sum(
     # the parameters outside the layers, one tree: a tied table's two gradients meet before the reduction; each
     # read as the model reads it (gathered once per step, before the schedule: quantized with qwZ)
     edge = {k: comm.gathered_tree(params[k], (k,)) for k in ("embedding", "final_norm", "head") if k in params}
-    layers = comm.gathered_tree(params["layers"], ("layers",))
+    layers = params["layers"]
+    schedule = pipeline.current()
+    if schedule is None or schedule.zero3_gather != "layer":  # "layer": each stage gathers each layer it applies
+        layers = comm.gathered_tree(layers, ("layers",))
     return pipeline.loss(stage_fn, layers, rows, first=first, last=last, params=edge, side=side)

@@ -52,7 +52,10 @@ class Pipeline:
         phases that use it are done: ZeRO-3's 3 psi, with the memory of about ten whole chunks, so it
         pays with many repeats (a chunk of one or two layers). ``None`` (the default): the plan picks
         ``"layer"`` at stages 2 and 3, ``"step"`` below; ``"layer"`` is refused at stages 0 and 1,
-        ``"chunk"`` below stage 3. The table schedules run ``"step"`` only (the default for them).
+        ``"chunk"`` below stage 3. The table schedules run ``"step"`` and, at stage 3, ``"layer"`` (their
+        default there): every F, B and W action gathers each layer of its chunk over ``dp`` as it applies
+        it (int8 with qwZ) and reduce-scatters the layer's gradient into a ``dp``-split fp32 accumulator
+        after each W, so a stage never holds more than one whole layer and its gradient at a time.
       remat: rematerialize each iteration in the backward pass, saving only its input (the table
         schedules always recompute a stage's forward pass from its kept input).
       unroll: unroll the loop (for FLOP accounting: compiled cost analysis counts a loop body once;
@@ -87,10 +90,11 @@ class Pipeline:
                 f"Pipeline: schedule='1f1b' with repeats={self.repeats}: chunks per stage are the interleaved "
                 "schedule; use schedule='interleaved-1f1b' (or 'zero-bubble', which takes repeats too)."
             )
-        if self.schedule in TABLE_SCHEDULES and self.zero3_gather not in (None, "step"):
+        if self.schedule in TABLE_SCHEDULES and self.zero3_gather == "chunk":
             raise ValueError(
                 f"Pipeline: schedule={self.schedule!r} gathers weights split over dp once per step "
-                f"(zero3_gather='step'); zero3_gather={self.zero3_gather!r} runs with schedule='gpipe'."
+                f"(zero3_gather='step') or per layer as each action runs ('layer', stage 3); "
+                f"zero3_gather='chunk' runs with schedule='gpipe'."
             )
 
     @property
@@ -101,11 +105,11 @@ class Pipeline:
     def for_stage(self, stage: Any, whole_gradients: str | None = None) -> Pipeline:
         """This schedule with its gathering mode settled for ZeRO ``stage`` (a :class:`zjax.Stage`).
 
-        The default (``zero3_gather=None``) is ``"layer"`` at stages 2 and 3, the mode whose weights and
-        gradients stay split over ``dp`` through the loop, and ``"step"`` below (stages 0 and 1 keep
-        whole weights and gradients on every rank anyway). ``whole_gradients`` names the plan setting that
-        keeps every rank's whole gradients for the step and reduces them once (``reduce_dtype=...``): the
-        mode is then ``"step"``.
+        The default (``zero3_gather=None``) is ``"layer"`` at stages 2 and 3 (the table schedules: at stage
+        3), the mode whose weights and gradients stay split over ``dp`` through the loop, and ``"step"``
+        below (stages 0 and 1 keep whole weights and gradients on every rank anyway). ``whole_gradients``
+        names the plan setting that keeps every rank's whole gradients for the step and reduces them once
+        (``reduce_dtype=...``): the mode is then ``"step"``.
 
         Raises:
           ValueError: ``"layer"`` at stage 0 or 1; ``"chunk"`` below stage 3; ``"layer"`` or ``"chunk"`` with
@@ -119,7 +123,7 @@ class Pipeline:
                 f"reduce_dtype=None to reduce inside the loop in the compute dtype."
             )
         if self.zero3_gather is None:
-            split = stage.shard_gradients and not self.tabled and whole_gradients is None
+            split = (stage.shard_parameters if self.tabled else stage.shard_gradients) and whole_gradients is None
             return dataclasses.replace(self, zero3_gather="layer" if split else "step")
         reason = self.refusal(stage)
         if reason is not None:
@@ -129,6 +133,12 @@ class Pipeline:
     def refusal(self, stage: Any) -> str | None:
         """Why this gathering mode cannot run at ZeRO ``stage`` (``None``: it can; the planner then falls
         back to ``"step"``)."""
+        if self.zero3_gather == "layer" and self.tabled and not stage.shard_parameters:
+            return (
+                f"Pipeline: zero3_gather='layer' with schedule={self.schedule!r} gathers each layer's weights split "
+                f"over dp as its actions run, but stage={stage.level} keeps whole weights on every dp rank. Use "
+                f"stage 3, or zero3_gather='step'."
+            )
         if self.zero3_gather == "layer" and not stage.shard_gradients:
             return (
                 f"Pipeline: zero3_gather='layer' keeps weights and gradients split over dp through the loop, "

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from ..sharding._axes import PP
 from . import _ticks
 from ._config import Pipeline
-from ._context import current, data_axes_here, own_reads
-from ._engine import _layer_count, apply, by_visit
+from ._context import current, data_axes_here, mesh_sizes, own_reads
+from ._engine import _dp_dim, _layer_count, apply, by_visit
 
 
 def loss(
@@ -77,9 +77,13 @@ def loss(
 
     side = jax.tree.map(jax.lax.stop_gradient, side)
 
+    sizes_ = mesh_sizes()
+    dims = [_dp_dim(w.shape, sizes_) for w in jax.tree.leaves(layers)] if cfg.zero3_gather == "layer" else None
+    staged = stage_fn if dims else own_reads(stage_fn)  # "layer": the table engine gathers each layer read
+
     def table_run(layers, ep, inputs, scale, side):
         stacked = by_visit(layers, cfg.repeats, stages)
-        value, dw, dep = _ticks.run(own_reads(stage_fn), first, last, cfg, stacked, ep, inputs, scale, side)
+        value, dw, dep = _ticks.run(staged, first, last, cfg, stacked, ep, inputs, scale, side, dims)
         dw = jax.tree.map(lambda g, w: g.reshape(w.shape), dw, layers)
         return value, (dw, dep)
 

@@ -33,10 +33,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ..sharding._axes import PP
+from ..comm import shard_reads
+from ..sharding._axes import DP, PP
 from . import _schedule
 from ._config import Pipeline
-from ._context import accumulate_dtype, call_stage, data_axes_here
+from ._context import accumulate_dtype, call_stage, data_axes_here, quantize_wire
 
 _SEED: contextvars.ContextVar[Any] = contextvars.ContextVar("zjax_pipeline_seed", default=None)
 
@@ -49,6 +50,40 @@ def seed(scale: Any) -> Iterator[None]:
         yield
     finally:
         _SEED.reset(token)
+
+
+def _gathering(stage_fn: Callable, layers: Any, dims: list[int | None]) -> Callable:
+    """``stage_fn`` traced under :func:`zjax.comm.shard_reads`: each layer it reads is gathered over ``dp`` (``dims``:
+    per leaf of ``layers``, the split dim in one layer's slice)."""
+
+    def fn(w: Any, h: jax.Array, *side: Any) -> Any:
+        with shard_reads(DP, layers, dims, quantize_wire()):
+            return stage_fn(w, h, *side)
+
+    return fn
+
+
+def _check_reads(
+    stage_fn: Callable, first: Callable, cfg: Pipeline, stacked: Any, dims: list[int | None], ep: Any, rows: Any,
+    ranks: int,
+) -> None:  # fmt: skip
+    """Raise unless ``stage_fn`` reads every layer weight split over dp through :func:`zjax.comm.gathered_tree`
+    (traced abstractly on one microbatch and one whole chunk): one it does not read would reach it as a shard."""
+    per = ranks * cfg.microbatches
+    mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // per, *a.shape[1:]), a.dtype), rows)
+    chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), stacked)
+    with nn.logical_axis_rules(()), shard_reads(DP, stacked, dims, None, gather=False) as read:
+        h = jax.eval_shape(first, ep, mb[0])
+        jax.eval_shape(lambda w, h, side: call_stage(stage_fn, w, h, side), chunk, h, mb[1])
+    split = sum(d is not None for d in dims)
+    if len(read) < split:
+        raise ValueError(
+            f"zjax.pipeline.loss: zero3_gather='layer' under schedule={cfg.schedule!r} gathers each layer's "
+            "weights over dp where the stage reads them through zjax.comm.gathered_tree(layer, (..., 'layers')) "
+            f"(the model's path of the stacked layers); this stage_fn read {len(read)} of the {split} split "
+            "weights so, and would compute on dp shards. Read each layer so in layer_fn (zjax.models.Decoder "
+            "does), or use Pipeline(zero3_gather='step')."
+        )
 
 
 def _zeros(tree: Any, dtype: Any = None) -> Any:
@@ -152,11 +187,16 @@ def _tick_loop(
 
 def run(
     stage_fn: Callable, first: Callable, last: Callable, cfg: Pipeline, stacked: Any, ep: Any, inputs: Any,
-    scale: jax.Array, side: Any = None,
+    scale: jax.Array, side: Any = None, dims: list[int | None] | None = None,
 ) -> tuple:  # fmt: skip
     """The schedule over the mesh: ``(loss, dw, dep)`` with ``stacked`` leaves ``[R, S, Lps, ...]``;
     gradients seeded with ``scale``, accumulated in fp32 on each rank and summed over the ranks in the
-    parameters' dtypes. ``side``: per-row side inputs every stage reads (``stage_fn(w, h, side_mb)``)."""
+    parameters' dtypes. ``side``: per-row side inputs every stage reads (``stage_fn(w, h, side_mb)``).
+
+    ``dims`` (``zero3_gather="layer"``): per leaf of ``stacked`` (``jax.tree.leaves`` order), the dim of the
+    natural ``[L, ...]`` layout split over ``dp`` (``None``: whole). Those leaves enter as their ``dp`` shards,
+    the stage reads each layer through :func:`zjax.comm.gathered_tree` (gathered over ``dp`` per action,
+    :func:`zjax.comm.shard_reads`) and their gradients accumulate as shards."""
     sizes = dict(jax.sharding.get_abstract_mesh().shape)
     stages = sizes.get(PP, 1)
     data = data_axes_here(sizes)
@@ -169,9 +209,24 @@ def run(
         """One copy per rank on a new leading dim (a broadcast; the gradient's sum over it is the reduction)."""
         out = jax.tree.map(lambda a: jnp.broadcast_to(a[None], (count, *a.shape)), tree)
         out = jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, spec(a)), out)
-        return out, jax.tree.map(lambda a: P(*[e for e in spec(a) if e is not P.UNCONSTRAINED]), out)
+        return out, jax.tree.map(lambda a: P(*[None if e is P.UNCONSTRAINED else e for e in spec(a)]), out)
 
-    w_in, w_spec = copies(stacked, n, lambda a: P(lead, None, PP, *free(a.ndim - 3)))
+    leaves, treedef = jax.tree.flatten(stacked)
+    dims = dims or [None] * len(leaves)
+    rest = tuple(a for a in data if a != DP)  # the data axes a leaf split over dp is copied over
+
+    def enter(a: jax.Array, d: int | None) -> tuple[jax.Array, P]:
+        if d is None:
+            return copies(a, n, lambda a: P(lead, None, PP, *free(a.ndim - 3)))
+        entries: list[Any] = [rest or None, None, PP, *free(a.ndim - 2)]
+        entries[d + 3] = DP  # natural dim d of [L, ...] is d + 2 of [R, S, Lps, ...], + 1 for the copies
+        return copies(a, math.prod(sizes[x] for x in rest), lambda _: P(*entries))
+
+    w_in, w_spec = (jax.tree.unflatten(treedef, t) for t in zip(*map(enter, leaves, dims), strict=True))
+    if any(d is not None for d in dims):
+        layer_dims = [None if d is None else d - 1 for d in dims]
+        _check_reads(stage_fn, first, cfg, stacked, layer_dims, ep, (inputs, side), n)
+        stage_fn = _gathering(stage_fn, stacked, layer_dims)
     ep_in, ep_spec = copies(ep, n * stages, lambda a: P(every, *free(a.ndim - 1)))
     in_rows = jax.tree.map(lambda a: P(lead), (inputs, side))
 

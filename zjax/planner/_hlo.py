@@ -147,9 +147,25 @@ def _callees(attrs: str) -> list[str]:
     return names
 
 
-def _direct_volume(comps: dict[str, list[_Instr]], name: str) -> int:
-    """Result bytes of the collectives directly in computation ``name`` (to pick a conditional's branch)."""
-    return sum(_bytes(i.type_text) for i in comps.get(name, []) if i.opcode.removesuffix("-start") in KINDS)
+def _volume(comps: dict[str, list[_Instr]], name: str, seen: frozenset[str] = frozenset()) -> int:
+    """Result bytes of the collectives computation ``name`` runs, nested loops' trips multiplied out and a
+    conditional's largest branch (to pick a conditional's branch: a table schedule's actions hold their
+    collectives in layer loops)."""
+    total = 0
+    for instr in comps.get(name, []):
+        callees = [c for c in _callees(instr.rest) if c in comps and c not in seen and c != name]
+        inner = seen | {name}
+        if instr.opcode.removesuffix("-start") in KINDS:
+            total += _bytes(instr.type_text)
+        elif instr.opcode == "while":
+            body = re.search(r"body=%?([\w.\-]+)", instr.rest)
+            if body and body.group(1) in comps and body.group(1) not in inner:
+                total += _trip_count(instr, comps) * _volume(comps, body.group(1), inner)
+        elif instr.opcode == "call":
+            total += sum(_volume(comps, c, inner) for c in callees)
+        elif instr.opcode == "conditional" and callees:
+            total += max(_volume(comps, c, inner) for c in callees)
+    return total
 
 
 def _multiplicities(comps: dict[str, list[_Instr]], entry: str) -> tuple[dict[str, int], set[str]]:
@@ -174,7 +190,7 @@ def _multiplicities(comps: dict[str, list[_Instr]], entry: str) -> tuple[dict[st
                 # one branch runs per execution: count the one that communicates most, not all of them
                 branches = [c for c in _callees(instr.rest) if c in comps and c != name]
                 if branches:
-                    visit(max(branches, key=lambda c: _direct_volume(comps, c)), factor, in_loop)
+                    visit(max(branches, key=lambda c: _volume(comps, c)), factor, in_loop)
 
     visit(entry, 1, False)
     return mult, looped
