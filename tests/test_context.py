@@ -288,12 +288,6 @@ def test_context_parallel_runs_inside_a_pipeline(schedule, mode, stage, repeats)
     check_same(train({"dp": 2, "pp": 2, "cp": 2}, stage=stage, cfg=cfg, pipeline=pipe), reference(CFG4))
 
 
-def test_the_ring_inside_a_table_schedule_is_refused_by_name():
-    cfg = dataclasses.replace(CFG4, context_mode="ring")
-    with pytest.raises(ValueError, match="context_mode='ring' inside the table schedule '1f1b'.*all-gather"):
-        train({"dp": 2, "pp": 2, "cp": 2}, cfg=cfg, pipeline=zjax.Pipeline(microbatches=4, schedule="1f1b"))
-
-
 def test_a_pipeline_splits_its_sequences_over_cp():
     """pp=2 x cp=4 against pp=2 x dp=4 with the same rows per microbatch per device: the stages' activations
     are a quarter as long (temporaries at most half), and K/V cross cp inside the pipeline."""

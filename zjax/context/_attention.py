@@ -135,22 +135,29 @@ _whole.defvjp(_whole_fwd, _whole_bwd)
 # -- the ring: K/V chunks travel, partial outputs merge by log-sum-exp ---------------------------------
 
 
-def _shift(x, cp: int):
+def _shift(x, cp: int, gathered: bool = False):
+    """``x`` from rank ``i`` to rank ``i + 1`` of the ring. ``gathered``: by an all-gather over ``cp`` (``cp`` times
+    the bytes) instead of a collective-permute, for XLA:CPU inside a table schedule's per-stage branches: its
+    collective-permute waits for every device of the program, not only the pair's, and the other stages take
+    other branches (jax 0.10.2: a stuck rendezvous, or one matched with another tick's permute and wrong values;
+    docs/concepts/pipelines.md has the reproduction). GPUs permute between the pair only."""
+    if gathered:
+        return jax.lax.all_gather(x, CP)[(jax.lax.axis_index(CP) - 1) % cp]
     return jax.lax.ppermute(x, CP, [(i, (i + 1) % cp) for i in range(cp)])
 
 
-def _pass_on(chunk: Chunk, cp: int) -> Chunk:
+def _pass_on(chunk: Chunk, cp: int, gathered: bool) -> Chunk:
     """The chunk after one ring step: K, V and segment ids from the previous rank."""
-    segments = None if chunk.segments is None else _shift(chunk.segments, cp)
-    return Chunk(_shift(chunk.k, cp), _shift(chunk.v, cp), chunk.order, segments)
+    segments = None if chunk.segments is None else _shift(chunk.segments, cp, gathered)
+    return Chunk(_shift(chunk.k, cp, gathered), _shift(chunk.v, cp, gathered), chunk.order, segments)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _ring(q, qi, qs, chunk: Chunk, table, window, scale, blocks, cp):
-    return _ring_fwd(q, qi, qs, chunk, table, window, scale, blocks, cp)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _ring(q, qi, qs, chunk: Chunk, table, window, scale, blocks, cp, gathered):
+    return _ring_fwd(q, qi, qs, chunk, table, window, scale, blocks, cp, gathered)[0]
 
 
-def _ring_fwd(q, qi, qs, chunk, table, window, scale, blocks, cp):
+def _ring_fwd(q, qi, qs, chunk, table, window, scale, blocks, cp, gathered):
     # a loop over the cp steps (the program does not grow with cp): step t attends to the chunk that started
     # t ranks back, then passes it on; the last step is peeled so that the chunk is passed cp - 1 times
     rank = jax.lax.axis_index(CP)
@@ -164,7 +171,7 @@ def _ring_fwd(q, qi, qs, chunk, table, window, scale, blocks, cp):
     def step(t, carry):
         out, lse, cur = carry
         out, lse = attend(t, out, lse, cur)
-        return out, lse, _pass_on(cur, cp)
+        return out, lse, _pass_on(cur, cp, gathered)
 
     init = (jnp.zeros((b, sq, kh, g, d), F32), jnp.full((b, kh, g, sq), -jnp.inf, F32), chunk)
     out, lse, cur = jax.lax.fori_loop(0, cp - 1, step, init)
@@ -173,7 +180,7 @@ def _ring_fwd(q, qi, qs, chunk, table, window, scale, blocks, cp):
     return out, (q, qi, qs, chunk, table, out, lse)
 
 
-def _ring_bwd(window, scale, blocks, cp, res, d_out):
+def _ring_bwd(window, scale, blocks, cp, gathered, res, d_out):
     q, qi, qs, chunk, table, out, lse = res
     rank = jax.lax.axis_index(CP)
     delta = _delta(d_out, out)
@@ -184,12 +191,12 @@ def _ring_bwd(window, scale, blocks, cp, res, d_out):
             q, qi, qs, visiting, d_out, lse, delta, window=window, scale=scale, blocks=blocks
         )
         # the chunk's gradients travel with it; after cp shifts they are back on the chunk's own rank
-        return dq + dq_t, _shift(dk + dk_t, cp), _shift(dv + dv_t, cp)
+        return dq + dq_t, _shift(dk + dk_t, cp, gathered), _shift(dv + dv_t, cp, gathered)
 
     def step(t, carry):
         dq, dk, dv, cur = carry
         dq, dk, dv = grads(t, dq, dk, dv, cur)
-        return dq, dk, dv, _pass_on(cur, cp)
+        return dq, dk, dv, _pass_on(cur, cp, gathered)
 
     zeros = lambda x: jnp.zeros(x.shape, F32)  # noqa: E731
     init = (zeros(q), zeros(chunk.k), zeros(chunk.v), chunk)
@@ -244,12 +251,15 @@ def _context_parallel(
     K/V (:func:`attention`'s ``kv_copies``): nothing is gathered, and their cotangents stay on their ranks."""
     cp, length = context_size(), q5.shape[1]
     table = original_index(length, cp, balanced)  # [cp, length / cp]: each slot's original index
+    schedule = pipeline.current()
+    in_branches = mesh_platform() == "cpu" and schedule is not None and schedule.tabled  # see _shift
 
     def local(q5, k, v, *seg):
         qs = seg[0] if seg else None
         qi = jnp.asarray(table)[jax.lax.axis_index(CP)]
         if mode == "ring":
-            return _ring(q5, qi, qs, Chunk(k, v, qi, qs), jnp.asarray(table), window, scale, blocks, cp)
+            chunk = Chunk(k, v, qi, qs)
+            return _ring(q5, qi, qs, chunk, jnp.asarray(table), window, scale, blocks, cp, in_branches)
         gather = lambda x: jax.lax.all_gather(x, CP, axis=1, tiled=True)  # noqa: E731
         whole_k, whole_v = (k[0], v[0]) if copies else (gather(k), gather(v))
         chunk = Chunk(whole_k, whole_v, jnp.asarray(table.reshape(-1)), None if qs is None else gather(qs))

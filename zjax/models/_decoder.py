@@ -257,13 +257,6 @@ def pipeline_stage_fn(
             "split over tp with a shard_map, which cannot run inside the pipeline's per-stage vmap. Use "
             f"remat={policy.name.removesuffix('+partitioned')!r} with a pipeline."
         )
-    if load_balanced and c.context_mode == "ring" and schedule is not None and schedule.tabled:
-        # measured on XLA:CPU: the ring's permutes inside the schedule's per-stage lax.switch give NaN losses
-        raise ValueError(
-            f"Decoder: context_mode='ring' inside the table schedule {schedule.schedule!r} is not supported: "
-            "its K/V permutes would run inside the schedule's per-stage branches. Use context_mode='all-gather' "
-            "(the same numbers) or schedule='gpipe' (ring works there)."
-        )
     one = Block(c, load_balanced)
 
     def layer(w: Any, h: jax.Array, side: dict | None = None) -> Any:
