@@ -148,23 +148,19 @@ def _callees(attrs: str) -> list[str]:
 
 
 def _volume(comps: dict[str, list[_Instr]], name: str, seen: frozenset[str] = frozenset()) -> int:
-    """Result bytes of the collectives computation ``name`` runs, nested loops' trips multiplied out and a
-    conditional's largest branch (to pick a conditional's branch: a table schedule's actions hold their
-    collectives in layer loops)."""
-    total = 0
+    """Result bytes of the collectives computation ``name`` runs, loops' trips multiplied out, a conditional's
+    largest branch (a table schedule's actions hold their collectives in layer loops): to pick a branch."""
+    total, inner = 0, seen | {name}
     for instr in comps.get(name, []):
-        callees = [c for c in _callees(instr.rest) if c in comps and c not in seen and c != name]
-        inner = seen | {name}
+        body = re.search(r"body=%?([\w.\-]+)", instr.rest) if instr.opcode == "while" else None
+        callees = [c for c in ([body.group(1)] if body else _callees(instr.rest)) if c in comps and c not in inner]
+        parts = [_volume(comps, c, inner) for c in callees]
         if instr.opcode.removesuffix("-start") in KINDS:
             total += _bytes(instr.type_text)
-        elif instr.opcode == "while":
-            body = re.search(r"body=%?([\w.\-]+)", instr.rest)
-            if body and body.group(1) in comps and body.group(1) not in inner:
-                total += _trip_count(instr, comps) * _volume(comps, body.group(1), inner)
-        elif instr.opcode == "call":
-            total += sum(_volume(comps, c, inner) for c in callees)
-        elif instr.opcode == "conditional" and callees:
-            total += max(_volume(comps, c, inner) for c in callees)
+        elif body and parts:
+            total += _trip_count(instr, comps) * parts[0]
+        elif parts and instr.opcode in ("call", "conditional"):  # a conditional runs one branch
+            total += sum(parts) if instr.opcode == "call" else max(parts)
     return total
 
 
