@@ -704,8 +704,12 @@ def test_config_errors():
         assert quantized.quantizes_weights and not quantized.reduces_gradients
         assert (quantized.read_wire is None) == (gather == "chunk")  # the chunks quantize, not the model's reads
     for q, gather in (("weights+grads", "layer"), ("weights+grads", "chunk"), ("grads", "step")):
-        with pytest.raises(ValueError, match=rf"'{re.escape(q)}' under a pipeline: gradients reduce in the compute"):
+        with pytest.raises(ValueError, match=rf"'{re.escape(q)}' under pipeline schedule='gpipe', zero3_gather"):
             zjax.Plan(mesh, stage=3, quantized_comm=q, pipeline=Pipeline(4, zero3_gather=gather))
+    # the table schedules reduce quantized per layer (zero3_gather="layer", their default at stage 3)
+    assert zjax.Plan(mesh, stage=3, quantized_comm="grads", pipeline=Pipeline(4, schedule="1f1b")).quantizes_grads
+    with pytest.raises(ValueError, match=r"'grads' under pipeline schedule='1f1b', zero3_gather='step'"):
+        zjax.Plan(mesh, stage=3, quantized_comm="grads", pipeline=Pipeline(4, schedule="1f1b", zero3_gather="step"))
     with pytest.raises(TypeError, match="pipeline must be a zjax.Pipeline"):
         zjax.Plan(mesh, stage=1, pipeline=4)
 

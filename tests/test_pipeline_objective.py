@@ -16,9 +16,11 @@ import pytest
 
 import zjax
 from zjax.models import Decoder, lm_loss
+from zjax.planner._compile import partitioned_hlo
+from zjax.planner._hlo import collectives, spanned_axes
 
 from ._models import TINY
-from ._objective import applied, initial, reference, relative, uneven_batch
+from ._objective import SGD, applied, initial, reference, relative, uneven_batch
 from .test_experts import TINY as TINY_MOE
 
 ROWS, FP32 = 32, 3e-5
@@ -108,3 +110,31 @@ def test_experts_in_a_pipeline_count_only_the_masked_tokens_of_each_microbatch(m
     assert abs(float(metrics["loss"]) - float(loss)) <= FP32 * float(loss)
     np.testing.assert_array_equal(metrics["aux"]["expert_tokens"], aux["expert_tokens"])
     np.testing.assert_allclose(metrics["aux"]["load_balance"], aux["load_balance"], rtol=1e-5)
+
+
+QGZ_1F1B = {
+    "stage": 3, "precision": "bf16", "quantized_comm": "weights+grads", "pipeline": zjax.Pipeline(4, schedule="1f1b")
+}  # fmt: skip
+
+
+def test_quantized_gathers_and_reductions_run_per_layer_inside_a_table_schedule():
+    """qwZ and qgZ under 1F1B at stage 3 (``zero3_gather="layer"``): inside the tick loop each layer crosses dp as
+    int8 blocks both ways (its gather, and its gradient's reduce-scatter after each W)."""
+    plan = zjax.Plan(zjax.make_mesh(dp=4, pp=2), **QGZ_1F1B)
+    model = Decoder(FOUR)
+    state = plan.abstract_state(
+        lambda r: model.init(r, jax.numpy.zeros((1, 16), jax.numpy.int32))["params"], SGD, jax.random.key(0)
+    )
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in uneven_batch(ROWS, FOUR).items()}
+    _, hlo = partitioned_hlo(plan.train_step(lambda p, b: lm_loss(model, p, b)).lower(state, batch))
+    shape = dict(plan.mesh.shape)
+    looped = {(c.kind, c.dtype) for c in collectives(hlo) if c.in_loop and "dp" in spanned_axes(c.groups, shape)}
+    assert ("all-gather", "s8") in looped and ("all-to-all", "s8") in looped, looped
+
+
+@pytest.mark.slow  # the fast test above checks the int8 wire; this one the numbers
+def test_quantized_reductions_in_a_table_schedule_compute_the_one_device_objective(want):
+    batch, loss, grads = want
+    got, metrics = applied(zjax.Plan(zjax.make_mesh(dp=4, pp=2), **QGZ_1F1B), FOUR, batch)
+    assert relative(got, grads) <= 6e-2, relative(got, grads)  # bf16 and int8 both ways (bf16 alone: 1.5e-2)
+    assert abs(float(metrics["loss"]) - loss) <= 3e-2 * loss

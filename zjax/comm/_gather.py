@@ -68,6 +68,7 @@ class _Shards:
     axis: str  # the manual axis the layers are split over (dp)
     dims: dict[tuple[str, ...], int]  # a layer leaf's keys in the stacked layers -> its split dim in one layer
     wire: Wire | None  # how the gathers quantize
+    reduction: Reduction | None  # how the gradients reduce (None: reduce-scattered in their dtype)
     read: set[tuple[str, ...]]  # the keys read so far
     gather: bool = True  # False: only record the reads (an abstract probe of the stage)
 
@@ -211,20 +212,25 @@ def stage_reads() -> Iterator[dict[Any, Any] | None]:
 
 @contextlib.contextmanager
 def shard_reads(
-    axis: str, layers: Any, dims: Sequence[int | None], wire: Wire | None, gather: bool = True
+    axis: str,
+    layers: Any,
+    dims: Sequence[int | None],
+    wire: Wire | None,
+    gather: bool = True,
+    reduction: Reduction | None = None,
 ) -> Iterator[set[tuple[str, ...]]]:
     """While a pipeline's stage is traced in a region manual over ``axis`` with its stacked ``layers`` entering as
     their shards (a table schedule at ZeRO-3, ``zero3_gather="layer"``): a layer read through :func:`gathered`
     with its model path (``gathered_tree`` of one layer's slice) is all-gathered over ``axis`` on its split dim
     (``dims``: per leaf of ``layers`` in ``jax.tree.leaves`` order, that dim in one layer's slice, ``None`` for a
     leaf kept whole; as ``wire``'s integer blocks when given), and its gradient reduce-scattered back into the
-    shard. Any other read passes through. Yields the keys (a split leaf's path in ``layers``) read: a stage that
-    reads none of them would compute on shards. ``gather=False``: the reads are only recorded (a probe of the
-    stage on whole layers, traced abstractly)."""
+    shard (as ``reduction`` says: int8 blocks with qgZ). Any other read passes through. Yields the keys (a split
+    leaf's path in ``layers``) read: a stage that reads none of them would compute on shards. ``gather=False``:
+    the reads are only recorded (a probe of the stage on whole layers, traced abstractly)."""
     read: set[tuple[str, ...]] = set()
     flat = jax.tree_util.tree_flatten_with_path(layers)[0]
     split = {_path(kp): d for (kp, _), d in zip(flat, dims, strict=True) if d is not None}
-    with _activate(_Active({}, {}, wire, shards=_Shards(axis, split, wire, read, gather))):
+    with _activate(_Active({}, {}, wire, shards=_Shards(axis, split, wire, reduction, read, gather))):
         yield read
 
 
@@ -240,7 +246,7 @@ def _shard_gather(x: jax.Array, shards: _Shards, path: tuple[str, ...]) -> jax.A
     shards.read.add(key)
     if not shards.gather:
         return x
-    return shard_gather(x, shards.axis, shards.dims[key], shards.wire)
+    return shard_gather(x, shards.axis, shards.dims[key], shards.wire, shards.reduction)
 
 
 def gathered(value: Any, path: Sequence[str], now: bool = False) -> Any:

@@ -14,10 +14,10 @@ from ._quantize import Wire, all_gather
 from ._reduce import Reduction, reduce
 
 
-def shard_gather(x: jax.Array, axis: str, dim: int, wire: Wire | None) -> jax.Array:
+def shard_gather(x: jax.Array, axis: str, dim: int, wire: Wire | None, reduction: Reduction | None = None) -> jax.Array:
     """This rank's shard ``x`` all-gathered over ``axis`` along ``dim`` (as ``wire``'s integer blocks when given);
     its gradient reduce-scattered back into the shard in the gradient's dtype (the straight-through estimator
-    when quantized)."""
+    when quantized), or as ``reduction`` says when it quantizes (:func:`zjax.comm.reduce`)."""
 
     @jax.custom_vjp
     def run(v: jax.Array) -> jax.Array:
@@ -27,6 +27,8 @@ def shard_gather(x: jax.Array, axis: str, dim: int, wire: Wire | None) -> jax.Ar
         return run(v), jnp.zeros((0,), v.dtype)
 
     def bwd(like: jax.Array, g: jax.Array) -> tuple[jax.Array]:
+        if reduction is not None and reduction.wire is not None:
+            return (reduce(g, (axis,), dim, (), reduction).astype(like.dtype),)
         # XLA:CPU aborts on 16-bit reductions in a region manual over some axes (jax 0.10.2) and widens them anyway
         wide = mesh_platform() == "cpu" and jnp.finfo(g.dtype).bits < 32
         out = jax.lax.psum_scatter(g.astype(jnp.float32) if wide else g, axis, scatter_dimension=dim, tiled=True)

@@ -96,11 +96,14 @@ class PlanConfig:
                     f"Plan: quantized_comm={self.quantized_comm!r} quantizes ZeRO-3's weight gathers and gradient "
                     f"reductions: it needs stage 3 (got stage {self.stage.level}). Use stage=3, or quantized_comm=None."
                 )
-            if self.pipeline is not None and self.grads_wire is not None:
+            per_action = self.pipeline is not None and self.pipeline.tabled and self.pipeline.zero3_gather == "layer"
+            if self.pipeline is not None and self.grads_wire is not None and not per_action:
                 raise ValueError(
-                    f"Plan: quantized_comm={self.quantized_comm!r} under a pipeline: gradients reduce in the compute "
-                    "dtype under a pipeline; its weight gathers cross dp quantized in every zero3_gather mode. Use "
-                    "quantized_comm='weights' (or 'weights:int4'), or None."
+                    f"Plan: quantized_comm={self.quantized_comm!r} under pipeline schedule="
+                    f"{self.pipeline.schedule!r}, zero3_gather={self.pipeline.zero3_gather!r}: its gradients reduce in "
+                    "the compute dtype; they reduce quantized in the table schedules' per-layer mode (1f1b, "
+                    "interleaved-1f1b or zero-bubble with zero3_gather='layer', their default at stage 3). Use one of "
+                    "those, or quantized_comm='weights' (or 'weights:int4'), or None."
                 )
         if not isinstance(self.compute_copy, bool):
             raise TypeError(f"Plan: compute_copy must be True or False, got {self.compute_copy!r}.")

@@ -52,6 +52,6 @@ def placing(plan: PlanConfig, layout: StateLayout) -> contextlib.ExitStack:
     the wire of a pipeline's chunk gathers."""
     stack = contextlib.ExitStack()
     if plan.stage.shard_parameters:
-        stack.enter_context(quantizing(plan.weights_wire))
+        stack.enter_context(quantizing(plan.weights_wire, plan.grads_wire))
         stack.enter_context(comm.use(layout.params.placements, plan.read_wire))
     return stack

@@ -64,14 +64,17 @@ def accumulating(dtype: Any) -> Iterator[None]:
         _ACCUMULATE.reset(token)
 
 
-_QUANTIZE: contextvars.ContextVar[Wire | None] = contextvars.ContextVar("zjax_pipeline_quantize", default=None)
+_QUANTIZE: contextvars.ContextVar[tuple[Wire | None, Wire | None]] = contextvars.ContextVar(
+    "zjax_pipeline_quantize", default=(None, None)
+)
 
 
 @contextlib.contextmanager
-def quantizing(wire: Wire | None) -> Iterator[None]:
+def quantizing(wire: Wire | None, grads: Wire | None = None) -> Iterator[None]:
     """While a step traces its loss: ``zero3_gather="chunk"`` gathers each chunk over ``dp`` as ``wire``'s integer
-    blocks with fp32 scales (``Plan(quantized_comm="weights")``; ``None``: in the compute dtype)."""
-    token = _QUANTIZE.set(wire)
+    blocks with fp32 scales (``Plan(quantized_comm="weights")``; ``None``: in the compute dtype), and the table
+    schedules' per-layer gathers reduce-scatter each gradient as ``grads``' blocks (``"grads"``; ``None``: not)."""
+    token = _QUANTIZE.set((wire, grads))
     try:
         yield
     finally:
@@ -79,8 +82,13 @@ def quantizing(wire: Wire | None) -> Iterator[None]:
 
 
 def quantize_wire() -> Wire | None:
-    """The wire set by :func:`quantizing` (``None``: the gathers are not quantized)."""
-    return _QUANTIZE.get()
+    """The weights' wire set by :func:`quantizing` (``None``: the gathers are not quantized)."""
+    return _QUANTIZE.get()[0]
+
+
+def reduce_wire() -> Wire | None:
+    """The gradients' wire set by :func:`quantizing` (``None``: the reductions are not quantized)."""
+    return _QUANTIZE.get()[1]
 
 
 def accumulate_dtype() -> Any:

@@ -33,11 +33,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ..comm import shard_reads
+from ..comm import Reduction, shard_reads
 from ..sharding._axes import DP, PP
 from . import _schedule
 from ._config import Pipeline
-from ._context import accumulate_dtype, call_stage, data_axes_here, quantize_wire
+from ._context import accumulate_dtype, call_stage, data_axes_here, quantize_wire, reduce_wire
 
 _SEED: contextvars.ContextVar[Any] = contextvars.ContextVar("zjax_pipeline_seed", default=None)
 
@@ -57,7 +57,8 @@ def _gathering(stage_fn: Callable, layers: Any, dims: list[int | None]) -> Calla
     per leaf of ``layers``, the split dim in one layer's slice)."""
 
     def fn(w: Any, h: jax.Array, *side: Any) -> Any:
-        with shard_reads(DP, layers, dims, quantize_wire()):
+        grads = reduce_wire()  # qgZ: each W's gradient reduce-scattered as integer blocks
+        with shard_reads(DP, layers, dims, quantize_wire(), reduction=None if grads is None else Reduction(wire=grads)):
             return stage_fn(w, h, *side)
 
     return fn
