@@ -512,3 +512,46 @@ def test_a_tied_table_under_1f1b_trains_like_gpipe_and_is_reduced_once():
     for got, want in zip(jax.tree.leaves(runs["1f1b"][1]), jax.tree.leaves(runs["gpipe"][1]), strict=True):
         np.testing.assert_allclose(got, want, atol=2e-5)
     assert (runs["1f1b"][2], runs["gpipe"][2]) == (1, 2)
+
+
+def test_a_table_of_ones_own_is_checked_placed_and_trained():
+    """``zjax.pipeline.parse_table``: orders per stage, placed where their inputs exist; a printed table parses back
+    to itself; a table that breaks a dependency names the stage, the action and what it waits for; the engine
+    runs it (GPipe's loss and gradients)."""
+    zb = schedule_table("zero-bubble", 4, 8)
+    again = pipeline.parse_table(str(zb))
+    assert str(again) == str(zb) and again.bubble() == zb.bubble()
+    check_dependencies(again)
+    # 1F1B's order with the true dependencies (a B waits for the next stage's B, not its W): fewer idle ticks
+    one = pipeline.parse_table(str(schedule_table("1f1b", 4, 8)), name="1f1b-split")
+    check_dependencies(one)
+    assert one.bubble() < schedule_table("1f1b", 4, 8).bubble()
+    mine = pipeline.parse_table(
+        """
+        # two stages, two microbatches
+        stage 0: F0 F1 B0 W0 B1 W1
+        stage 1: F0 B0 F1 W0 B1 W1
+        """,
+        name="mine",
+    )
+    assert (mine.stages, mine.microbatches, mine.chunks) == (2, 2, 1)
+    with pytest.raises(ValueError, match=r"at tick 1 no stage can run .*stage 1's F1 waits for stage 0's F1"):
+        pipeline.parse_table("F0 B0 W0 F1 B1 W1\nF1 F0 B0 W0 B1 W1")
+    with pytest.raises(ValueError, match=r"stage 0: lacks W1: every stage runs F, B and W of each of the 2"):
+        pipeline.parse_table("F0 F1 B0 W0 B1\nF0 B0 W0 F1 B1 W1")
+    with pytest.raises(ValueError, match=r"stage 1: W0 comes before B0"):
+        pipeline.parse_table("F0 B0 W0\nF0 W0 B0")
+    with pytest.raises(ValueError, match=r"'X0' is not an action"):
+        pipeline.parse_table("F0 X0")
+    with pytest.raises(ValueError, match=r"pass microbatches=2, repeats=1"):
+        Pipeline(4, schedule=mine)
+    with pytest.raises(ValueError, match=r"the table 'mine' has 2 stages but the mesh has pp=4"):
+        Pipeline(2, schedule=mine).check(4)
+    mesh = zjax.make_mesh(dp=4, pp=2)
+    params = toy()
+    with jax.set_mesh(mesh):
+        want = jax.jit(jax.value_and_grad(lambda p, t: toy_loss(p, t, Pipeline(2))))(params, TOKENS)
+        got = jax.jit(jax.value_and_grad(lambda p, t: toy_loss(p, t, Pipeline(2, schedule=mine))))(params, TOKENS)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(b))))

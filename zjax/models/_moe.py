@@ -310,7 +310,7 @@ def check_experts_in_pipeline(schedule: Any) -> None:
         return
     if schedule.tabled:
         raise ValueError(
-            f"Decoder: a mixture-of-experts model under the table schedule {schedule.schedule!r} is not supported: "
+            f"Decoder: a mixture-of-experts model under the table schedule {schedule.name!r} is not supported: "
             "its load-balancing loss couples every microbatch's routing, which a schedule that starts backward "
             "passes before the last forward cannot see. Use schedule='gpipe' (or the circular gpipe, repeats > 1)."
         )

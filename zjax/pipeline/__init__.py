@@ -22,5 +22,6 @@ from ._loss import loss as loss
 from ._scan import ITERATION_INPUT as ITERATION_INPUT
 from ._schedule import SCHEDULES as SCHEDULES
 from ._schedule import Table as Table
+from ._schedule import parse_table as parse_table
 from ._schedule import schedule_table as schedule_table
 from ._ticks import seed as seed

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ._schedule import SCHEDULES, schedule_table
+from ._schedule import SCHEDULES, Table, schedule_table
 
 TABLE_SCHEDULES = SCHEDULES[1:]
 """The schedules run by the table engine (:func:`zjax.pipeline.loss`); ``gpipe`` runs as one ``lax.scan``."""
@@ -65,7 +65,7 @@ class Pipeline:
     microbatches: int
     repeats: int = 1
     zero3_gather: str | None = None
-    schedule: str = "gpipe"
+    schedule: str | Table = "gpipe"
     remat: bool = True
     unroll: bool = False
 
@@ -78,8 +78,19 @@ class Pipeline:
             raise ValueError(
                 f"Pipeline: zero3_gather={self.zero3_gather!r} is not a gathering mode; use one of {GATHER_MODES}."
             )
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"Pipeline: schedule={self.schedule!r} is not a schedule; use one of {SCHEDULES}.")
+        if isinstance(self.schedule, Table):  # a table of one's own (zjax.pipeline.parse_table)
+            t = self.schedule
+            if (t.microbatches, t.chunks) != (self.microbatches, self.repeats):
+                raise ValueError(
+                    f"Pipeline: the table {t.schedule!r} runs {t.microbatches} microbatches and {t.chunks} chunks per "
+                    f"stage; pass microbatches={t.microbatches}, repeats={t.chunks} (got {self.microbatches}, "
+                    f"{self.repeats})."
+                )
+        elif self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"Pipeline: schedule={self.schedule!r} is not a schedule; use one of {SCHEDULES}, or a table "
+                "(zjax.pipeline.parse_table)."
+            )
         if self.schedule == "interleaved-1f1b" and self.repeats == 1:
             raise ValueError(
                 "Pipeline: schedule='interleaved-1f1b' interleaves chunks of layers: it needs repeats > 1 (chunks "
@@ -90,9 +101,9 @@ class Pipeline:
                 f"Pipeline: schedule='1f1b' with repeats={self.repeats}: chunks per stage are the interleaved "
                 "schedule; use schedule='interleaved-1f1b' (or 'zero-bubble', which takes repeats too)."
             )
-        if self.schedule in TABLE_SCHEDULES and self.zero3_gather == "chunk":
+        if self.tabled and self.zero3_gather == "chunk":
             raise ValueError(
-                f"Pipeline: schedule={self.schedule!r} gathers weights split over dp once per step "
+                f"Pipeline: schedule={self.name!r} gathers weights split over dp once per step "
                 f"(zero3_gather='step') or per layer as each action runs ('layer', stage 3); "
                 f"zero3_gather='chunk' runs with schedule='gpipe'."
             )
@@ -100,7 +111,12 @@ class Pipeline:
     @property
     def tabled(self) -> bool:
         """Whether the table engine runs this schedule (every schedule but ``gpipe``)."""
-        return self.schedule in TABLE_SCHEDULES
+        return isinstance(self.schedule, Table) or self.schedule in TABLE_SCHEDULES
+
+    @property
+    def name(self) -> str:
+        """The schedule's name (a table's own, ``"custom"`` unless :func:`zjax.pipeline.parse_table` was told)."""
+        return self.schedule.schedule if isinstance(self.schedule, Table) else self.schedule
 
     def for_stage(self, stage: Any, whole_gradients: str | None = None) -> Pipeline:
         """This schedule with its gathering mode settled for ZeRO ``stage`` (a :class:`zjax.Stage`).
@@ -135,7 +151,7 @@ class Pipeline:
         back to ``"step"``)."""
         if self.zero3_gather == "layer" and self.tabled and not stage.shard_parameters:
             return (
-                f"Pipeline: zero3_gather='layer' with schedule={self.schedule!r} gathers each layer's weights split "
+                f"Pipeline: zero3_gather='layer' with schedule={self.name!r} gathers each layer's weights split "
                 f"over dp as its actions run, but stage={stage.level} keeps whole weights on every dp rank. Use "
                 f"stage 3, or zero3_gather='step'."
             )
@@ -158,8 +174,15 @@ class Pipeline:
         return self.microbatches * self.repeats + stages - 1
 
     def table(self, stages: int) -> Any:
-        """The schedule on ticks for ``stages`` (:func:`zjax.pipeline.schedule_table`)."""
-        return schedule_table(self.schedule, stages, self.microbatches, self.repeats)
+        """The schedule on ticks for ``stages`` (:func:`zjax.pipeline.schedule_table`, or the table passed)."""
+        if not isinstance(self.schedule, Table):
+            return schedule_table(self.schedule, stages, self.microbatches, self.repeats)
+        if self.schedule.stages != stages:
+            raise ValueError(
+                f"Pipeline: the table {self.schedule.schedule!r} has {self.schedule.stages} stages but the mesh has "
+                f"pp={stages}; write one line per stage, or use a mesh with pp={self.schedule.stages}."
+            )
+        return self.schedule
 
     def bubble(self, stages: int) -> float:
         """The largest idle fraction of a stage, counted on the schedule's table (F, B and W one tick each;
@@ -169,17 +192,19 @@ class Pipeline:
     def check(self, stages: int, layers: int | None = None, rows: int | None = None) -> None:
         """Raise ``ValueError`` unless this schedule fits ``stages`` (S), ``layers`` (L) and ``rows`` (per dp rank)."""
         m, r = self.microbatches, self.repeats
-        grouped = self.schedule == "gpipe" or r > 1  # stream io, or chunks taken S microbatches at a time
+        if isinstance(self.schedule, Table):  # its own order: any M
+            self.table(stages)
+        grouped = self.schedule == "gpipe" or (r > 1 and not isinstance(self.schedule, Table))  # stream io, groups of S
         if grouped and m < stages:
             raise ValueError(
-                f"Pipeline: microbatches={m} < pp={stages} stages: schedule={self.schedule!r} with repeats={r} "
+                f"Pipeline: microbatches={m} < pp={stages} stages: schedule={self.name!r} with repeats={r} "
                 f"takes microbatches in groups of pp. Use at least {stages} microbatches, or schedule='1f1b' "
                 f"or 'zero-bubble' with repeats=1, which run any number (at a bubble of "
                 f"{schedule_table('1f1b', stages, m).bubble():.0%} here)."
             )
         if grouped and m % stages:
             raise ValueError(
-                f"Pipeline: microbatches={m} is not a multiple of pp={stages}; schedule={self.schedule!r} with "
+                f"Pipeline: microbatches={m} is not a multiple of pp={stages}; schedule={self.name!r} with "
                 f"repeats={r} takes microbatches in groups of pp. Use {m + stages - m % stages} or "
                 f"{m - m % stages}, or schedule='1f1b' or 'zero-bubble' with repeats=1."
             )

@@ -146,7 +146,7 @@ def apply(
         return sequential(stage_fn, layers, x, 1, 1, outputs, side)
     if cfg.tabled:
         raise ValueError(
-            f"zjax.pipeline.apply: schedule={cfg.schedule!r} interleaves each microbatch's forward and backward "
+            f"zjax.pipeline.apply: schedule={cfg.name!r} interleaves each microbatch's forward and backward "
             "passes, so the pipeline must compute the loss: call zjax.pipeline.loss(stage_fn, layers, inputs, "
             "first=..., last=...) instead (zjax.models.lm_loss does), or use schedule='gpipe'."
         )

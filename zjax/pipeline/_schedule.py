@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import numpy as np
 
@@ -106,6 +107,11 @@ def _after(s: int, c: int, s_: int) -> tuple[int, int]:
     return (s + 1, c) if s < s_ - 1 else (0, c + 1)
 
 
+def _action(kind: int, m: int, c: int, v: int) -> str:
+    """An action as a table prints it: ``F3``, or ``F3.1`` (microbatch 3, chunk 1) with chunks."""
+    return f"{ACTIONS[kind]}{m}" + (f".{c}" if v > 1 else "")
+
+
 def _key(kind: int, where: tuple[int, int], m: int) -> tuple[int, int, int, int]:
     return (kind, where[0], m, where[1])
 
@@ -134,33 +140,43 @@ def schedule_table(schedule: str, stages: int, microbatches: int, chunks: int = 
 
 
 def _place(
-    schedule: str, s_: int, m_: int, v: int, orders: list[list[tuple[int, int, int]]], caps: list[int] | None
+    schedule: str,
+    s_: int,
+    m_: int,
+    v: int,
+    orders: list[list[tuple[int, int, int]]],
+    caps: list[int] | None,
+    split: bool = False,
 ) -> Table:
     """Lockstep list scheduling: each stage runs its next action once what it needs was done on an earlier
     tick. With ``caps`` (zero-bubble), W actions are not in the orders: a stage runs its oldest pending W when
-    its next action must wait, or when another forward would hold more than ``caps[s]`` inputs."""
+    its next action must wait, or when another forward would hold more than ``caps[s]`` inputs. ``split`` (a
+    table of one's own): B waits for the next stage's B, not its W, whatever the order holds.
+
+    Raises:
+      ValueError: on a tick where no stage can run its next action (the orders wait on each other).
+    """
     done: dict[tuple[int, int, int, int], int] = {}  # (kind, stage, m, c) -> tick
-    after = B if caps is not None else W
+    after = B if caps is not None or split else W
+
+    def need(kind: int, stage: int, m: int, c: int) -> tuple[int, int, int, int] | None:
+        if kind == F:
+            return None if (stage, c) == (0, 0) else _key(F, _before(stage, c, s_), m)
+        if kind == B:  # the next stage's backward; a fused one (B then W, as one) is done after its W
+            last = (stage, c) == (s_ - 1, v - 1)
+            return (F, stage, m, c) if last else _key(after, _after(stage, c, s_), m)
+        return (B, stage, m, c)
 
     def ready(kind: int, stage: int, m: int, c: int, t: int) -> bool:
-        if kind == F:
-            need = None if (stage, c) == (0, 0) else _key(F, _before(stage, c, s_), m)
-        elif kind == B:  # the next stage's backward; a fused one (B then W, as one) is done after its W
-            last = (stage, c) == (s_ - 1, v - 1)
-            need = (F, stage, m, c) if last else _key(after, _after(stage, c, s_), m)
-        else:
-            need = (B, stage, m, c)
-        return need is None or done.get(need, t) < t
+        needed = need(kind, stage, m, c)
+        return needed is None or done.get(needed, t) < t
 
     cursor = [0] * s_
     pending: list[list[tuple[int, int]]] = [[] for _ in range(s_)]
     live = [0] * s_
     rows: list[list[tuple[int, int, int]]] = []
-    limit = 4 * (m_ * v + s_) * 3 + 8
     while any(cursor[s] < len(orders[s]) or pending[s] for s in range(s_)):
         t = len(rows)
-        if t > limit:
-            raise RuntimeError(f"pipeline schedule {schedule!r} does not finish (S={s_}, M={m_}, v={v}).")
         row = []
         for s in range(s_):
             action = orders[s][cursor[s]] if cursor[s] < len(orders[s]) else None
@@ -182,8 +198,78 @@ def _place(
                 pending[s].append((m, c))
             row.append(run)
         rows.append(row)
+        if all(kind == IDLE for kind, _, _ in row):  # nothing ran, so nothing will: the orders wait on each other
+            waits = []
+            for s in range(s_):
+                if cursor[s] < len(orders[s]):
+                    kind, m, c = orders[s][cursor[s]]
+                    k2, s2, m2, c2 = need(kind, s, m, c) or (kind, s, m, c)
+                    on = _action(k2, m2, c2, v)
+                    waits.append(f"stage {s}'s {_action(kind, m, c, v)} waits for stage {s2}'s {on}")
+            raise ValueError(
+                f"pipeline schedule {schedule!r}: at tick {t} no stage can run its next action ({'; '.join(waits)}, "
+                "which comes later in its stage's order): move the action waited for earlier in its stage's order, "
+                "or the waiting one later."
+            )
     grid = np.asarray(rows, dtype=np.int32)  # [T, S, 3]
     return Table(schedule, s_, m_, v, grid[..., 0], grid[..., 1], grid[..., 2])
+
+
+_TOKEN = re.compile(r"([FBW])(\d+)(?:\.(\d+))?")
+
+
+def parse_table(text: str, name: str = "custom") -> Table:
+    """A schedule of one's own: ``text`` holds one line per stage (``stage s:`` before it is optional), the
+    stage's actions in the order it runs them: ``F3`` (the forward of microbatch 3), ``B3`` (its backward to the
+    stage's input), ``W3`` (to the stage's weights), ``F3.1`` (chunk 1 of the stage's layers, with chunks: chunk
+    ``c`` of stage ``s`` holds the layers ``(c*S + s)*Lps ...``, so a microbatch runs chunk c on stages 0 .. S-1,
+    then chunk c + 1). ``.`` (an idle tick of a printed :class:`Table`) and lines starting with ``#`` are skipped.
+    Each action is placed on the first tick its inputs exist, in its stage's order (``str`` of the result prints
+    the ticks; ``parse_table(str(table))`` gives ``table`` back). ``Pipeline(M, schedule=table)`` runs it.
+
+    Raises:
+      ValueError: a token that is no action; a stage that lacks an action or runs one twice, or runs B before its
+        F or W before its B; orders that wait on each other (the tick, the stages and what each waits for).
+    """
+    orders: list[list[tuple[int, int, int]]] = []
+    for line in text.splitlines():
+        line = line.split(":", 1)[1] if line.strip().startswith("stage") and ":" in line else line
+        if not line.strip() or line.strip().startswith("#"):
+            continue
+        order = []
+        for token in line.split():
+            if set(token) == {"."}:
+                continue
+            match = _TOKEN.fullmatch(token)
+            if match is None:
+                raise ValueError(
+                    f"pipeline table, stage {len(orders)}: {token!r} is not an action; write F, B or W, the "
+                    "microbatch and, with chunks, '.' and the chunk (F3, W3.1), or '.' for an idle tick."
+                )
+            order.append((ACTIONS.index(match[1]), int(match[2]), int(match[3] or 0)))
+        orders.append(order)
+    if not orders or not any(orders):
+        raise ValueError("pipeline table: no actions; write one line per stage, e.g. 'F0 F1 B0 W0 B1 W1'.")
+    m_ = 1 + max(m for order in orders for _, m, _ in order)
+    v = 1 + max(c for order in orders for _, _, c in order)
+    for s, order in enumerate(orders):
+        seen: dict[tuple[int, int, int], int] = {}
+        for i, (kind, m, c) in enumerate(order):
+            if (kind, m, c) in seen:
+                raise ValueError(f"pipeline table, stage {s}: {_action(kind, m, c, v)} appears twice.")
+            if kind != F and (kind - 1, m, c) not in seen:
+                raise ValueError(
+                    f"pipeline table, stage {s}: {_action(kind, m, c, v)} comes before {_action(kind - 1, m, c, v)}; "
+                    "a microbatch's B follows its F on a stage, and its W its B."
+                )
+            seen[(kind, m, c)] = i
+        missing = [(k, m, c) for m in range(m_) for c in range(v) for k in (F, B, W) if (k, m, c) not in seen]
+        if missing:
+            raise ValueError(
+                f"pipeline table, stage {s}: lacks {', '.join(_action(*a, v) for a in missing[:6])}: every stage "
+                f"runs F, B and W of each of the {m_} microbatches" + (f" and {v} chunks." if v > 1 else ".")
+            )
+    return _place(name, len(orders), m_, v, orders, None, split=True)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

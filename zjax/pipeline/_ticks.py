@@ -79,7 +79,7 @@ def _check_reads(
     split = sum(d is not None for d in dims)
     if len(read) < split:
         raise ValueError(
-            f"zjax.pipeline.loss: zero3_gather='layer' under schedule={cfg.schedule!r} gathers each layer's "
+            f"zjax.pipeline.loss: zero3_gather='layer' under schedule={cfg.name!r} gathers each layer's "
             "weights over dp where the stage reads them through zjax.comm.gathered_tree(layer, (..., 'layers')) "
             f"(the model's path of the stacked layers); this stage_fn read {len(read)} of the {split} split "
             "weights so, and would compute on dp shards. Read each layer so in layer_fn (zjax.models.Decoder "
@@ -99,7 +99,7 @@ def _tick_loop(
     (the parameters ``first`` and ``last`` read) whole, ``inputs`` its rows. Returns ``(loss, dw, dep)`` summed
     over its microbatches (one accumulator for ``first`` and ``last``: a tied table's two gradients meet
     there, before the one reduction over the ranks)."""
-    tab = _schedule.schedule_table(cfg.schedule, stages, cfg.microbatches, cfg.repeats)
+    tab = cfg.table(stages)
     plan = _schedule.slots(tab)
     m_ = cfg.microbatches
     mbs, sides = jax.tree.map(lambda a: a.reshape(m_, a.shape[0] // m_, *a.shape[1:]), (inputs, side))

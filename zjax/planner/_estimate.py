@@ -207,7 +207,7 @@ def _pipeline_fields(schedule: Pipeline | None, stages: int) -> dict[str, Any]:
     tab = schedule.table(stages)
     idle = tuple(float(i) / tab.ticks for i in tab.idle())
     kept = tuple(int(n) for n in tab.in_flight())
-    return {"schedule": schedule.schedule, "bubble": idle, "ticks": tab.ticks, "in_flight": kept}
+    return {"schedule": schedule.name, "bubble": idle, "ticks": tab.ticks, "in_flight": kept}
 
 
 def _data_volume(comm: Communication, quantized_grads: bool = False) -> int:

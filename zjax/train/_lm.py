@@ -198,7 +198,7 @@ def run_lm(cfg: RunConfig, argv: Sequence[str] | None = None, log: Callable[...,
             f"{cfg.optim.name} with a {cfg.optim.schedule} schedule")  # fmt: skip
         if plan.pipeline is not None:
             pipe = plan.pipeline
-            say(f"pipeline: {pipe.schedule}, {stages} stages x {model_cfg.layers // stages} layers, "
+            say(f"pipeline: {pipe.name}, {stages} stages x {model_cfg.layers // stages} layers, "
                 f"{pipe.microbatches} microbatches, {pipe.repeats} repeat(s): {pipe.table(stages).ticks} ticks, "
                 f"bubble {pipe.bubble(stages):.1%}")  # fmt: skip
         first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731 (an MoE: (loss, router metrics))
@@ -258,7 +258,7 @@ def figures(cfg: RunConfig, model_cfg: Any, plan: Any, result: Any) -> dict[str,
     return {
         "stage": cfg.plan.stage, "mesh": {name: sizes[name] for name in MESH_AXES}, "processes": jax.process_count(),
         "pipeline": None if pipe is None else {
-            "schedule": pipe.schedule, "microbatches": pipe.microbatches, "repeats": pipe.repeats,
+            "schedule": pipe.name, "microbatches": pipe.microbatches, "repeats": pipe.repeats,
             "zero3_gather": pipe.zero3_gather, "ticks": pipe.table(pp).ticks, "bubble": pipe.bubble(pp),
         },
         "precision": cfg.plan.precision, "quantize_comm": cfg.plan.quantize_comm, "reduce_dtype": cfg.plan.reduce_dtype,
