@@ -69,6 +69,16 @@ def test_tables_keep_dependencies_and_the_bubbles_of_their_papers(stages, microb
     assert list(gpipe.in_flight()) == [m_] * s_
 
 
+def test_the_bubble_in_time_weighs_each_tick_by_its_longest_action():
+    """Lockstep ticks: a tick lasts as long as its longest action; a stage idles through the rest of it."""
+    one = schedule_table("1f1b", 4, 8)
+    np.testing.assert_allclose(one.bubble_time({"F": 1, "B": 1, "W": 1}), one.idle() / one.ticks)
+    mine = pipeline.parse_table("F0 F1 B0 W0 B1 W1\nF0 B0 F1 W0 B1 W1")  # ticks: see test_a_table_of_ones_own
+    # ticks (stage 0 / stage 1): F0/. F1/F0 ./B0 B0/F1 W0/W0 ./B1 B1/W1 W1/.; F=1, B=2, W=3
+    time = 1 + 1 + 2 + 2 + 3 + 2 + 3 + 3
+    np.testing.assert_allclose(mine.bubble_time({"F": 1, "B": 2, "W": 3}), [1 - 12 / time, 1 - 12 / time])
+
+
 def test_1f1b_memory_is_flat_in_microbatches_and_runs_fewer_microbatches_than_stages():
     for m_ in (8, 32, 128):
         for name in ("1f1b", "zero-bubble"):
@@ -454,12 +464,21 @@ def test_plan_reports_each_rows_bubble_and_the_budget_picks_the_smallest(tmp_pat
     assert all(r["pipeline"]["ticks"] == 3 * (8 + 3) for r in rows)
     assert all(r["pipeline"]["inputs_kept_per_stage"] == [4, 3, 2, 1] for r in rows)
     assert "1f1b" in proc.stdout and "27.3%" in proc.stdout
+    for r in rows:  # each action's FLOPs from the compiled branches; B and W each recompute the stage's forward
+        costs = r["pipeline"]["action_flops"]
+        assert 0 < costs["F"] < costs["B"] < costs["W"], costs
+        assert 8 * sum(costs.values()) <= r["flops_per_step"] <= 1.05 * 8 * sum(costs.values())
+        assert r["flops_per_step"] > 4 * r["flops"]  # XLA's cost analysis counts the tick loop's body once
+        want = schedule_table("1f1b", 4, 8).bubble_time(costs)
+        assert r["pipeline"]["bubble_time_per_stage"] == pytest.approx(list(want), abs=1e-4)
     # --budget tries the smaller bubble first: zero-bubble fits a generous budget, so it is the answer
     proc = run(*args, "--stages", "1", "--schedule", "gpipe,zero-bubble,1f1b", "--budget", "1GB", "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     fit = json.loads(out.read_text())["fits"]
-    assert fit["pipeline"] == {"schedule": "zero-bubble", "ticks": 27, "bubble": pytest.approx(3 / 27),
-                               "bubble_per_stage": [0.1111] * 4, "inputs_kept_per_stage": [4] * 4}  # fmt: skip
+    assert {k: v for k, v in fit["pipeline"].items() if "time" not in k and k != "action_flops"} == {
+        "schedule": "zero-bubble", "ticks": 27, "bubble": pytest.approx(3 / 27), "bubble_per_stage": [0.1111] * 4,
+        "inputs_kept_per_stage": [4] * 4,
+    }  # fmt: skip
     assert "schedule zero-bubble" in proc.stdout
     bad = run(*args, "--schedule", "pipedream")
     assert bad.returncode == 2 and "--schedule pipedream: one of" in bad.stderr

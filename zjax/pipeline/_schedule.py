@@ -57,6 +57,14 @@ class Table:
         """The largest idle fraction of any stage: idle ticks / ticks."""
         return float(np.max(self.idle()) / self.ticks)
 
+    def bubble_time(self, costs: dict[str, float]) -> np.ndarray:
+        """Per stage, its idle share of the step's time when an action of kind ``k`` takes ``costs[k]`` (``"F"``,
+        ``"B"``, ``"W"``): the stages run in lockstep, so a tick lasts as long as its longest action, and a stage
+        idles through the rest of every tick (its own idle ticks whole)."""
+        cost = np.asarray([0.0] + [float(costs[a]) for a in ACTIONS[1:]])[self.kind]  # [T, S]
+        time = float(np.sum(np.max(cost, axis=1)))
+        return 1.0 - np.sum(cost, axis=0) / time if time > 0 else np.zeros(self.stages)
+
     def in_flight(self) -> np.ndarray:
         """Per stage, the most microbatch-chunks whose forward ran and whose W has not: the inputs it keeps."""
         live = np.cumsum(self.kind == F, axis=0) - np.cumsum(self.kind == W, axis=0)

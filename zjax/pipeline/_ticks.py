@@ -39,6 +39,9 @@ from . import _schedule
 from ._config import Pipeline
 from ._context import accumulate_dtype, call_stage, data_axes_here, quantize_wire, reduce_wire
 
+ACTION_SCOPE = "zjax_action_"
+"""The name scope of a table schedule's actions (``zjax_action_F``, ``_B``, ``_W``) in the compiled program."""
+
 _SEED: contextvars.ContextVar[Any] = contextvars.ContextVar("zjax_pipeline_seed", default=None)
 
 
@@ -50,6 +53,16 @@ def seed(scale: Any) -> Iterator[None]:
         yield
     finally:
         _SEED.reset(token)
+
+
+def _named(fn: Callable, action: str) -> Callable:
+    """``fn`` traced under the name scope ``zjax_action_<action>`` (its ops' ``op_name`` carries it)."""
+
+    def named(*args: Any) -> Any:
+        with jax.named_scope(f"{ACTION_SCOPE}{action}"):
+            return fn(*args)
+
+    return named
 
 
 def _gathering(stage_fn: Callable, layers: Any, dims: list[int | None]) -> Callable:
@@ -155,7 +168,8 @@ def _tick_loop(
         dw = jax.tree.map(lambda a, g: a.at[c].add(g.astype(a.dtype)), dw, dwc)
         return h_zero, h_zero, h_zero, h_zero, (loss, dw, dep)
 
-    branches = [idle, forward, backward, weights]  # indexed by _schedule.IDLE, F, B, W
+    # indexed by _schedule.IDLE, F, B, W; each action's ops named for the planner (zjax.planner.step_flops)
+    branches = [idle] + [_named(f, a) for f, a in zip((forward, backward, weights), _schedule.ACTIONS[1:], strict=True)]
 
     def tick(carry, columns):
         xbuf, gbuf, fmsg, bmsg, acc = carry

@@ -21,6 +21,7 @@ from ..sharding._mesh import make_mesh
 from ..sharding._rules import Rules
 from ..stages import Stage
 from ._compile import compiled_here, partitioned_hlo
+from ._flops import step_flops
 from ._gpu import cost_analysis, cudnn_for_target, gpu_devices
 from ._hlo import Communication, count_collectives
 from ._models import resolve_model
@@ -138,6 +139,14 @@ def estimate_fn(
         psi = report.num_params
         comm = count_collectives(hlo, dict(device_mesh.shape))
         steps = _timeline(hlo, target)
+        fields = _pipeline_fields(plan.pipeline, stages_pp)
+        pipe = plan.pipeline
+        tab = pipe.table(stages_pp) if pipe is not None and pipe.tabled and fields else None
+        per_step, per_action = step_flops(hlo, pipe.microbatches * pipe.repeats / tab.ticks if pipe and tab else 0.0)
+        if tab is not None and per_action:  # the table's ticks weighed by what each action computes
+            fields["bubble_time"] = tuple(float(b) for b in tab.bubble_time(per_action))
+        elif fields:  # GPipe's scan: every iteration computes alike (its bubbles on zeros), so time is iterations
+            fields["bubble_time"] = fields["bubble"]
         cost = cost_analysis(compiled) or {}
         theory = {
             "params": report.theory["params"],
@@ -178,7 +187,9 @@ def estimate_fn(
                 compute_copy=plan.compute_copy,
                 hpz=plan.hpz,
                 timeline=steps,
-                **_pipeline_fields(plan.pipeline, stages_pp),
+                flops_per_step=per_step,
+                action_flops=per_action,
+                **fields,
             )
         )
     sizes = {k: int(v) for k, v in device_mesh.shape.items()}

@@ -38,6 +38,9 @@ class Row:
     bubble: tuple[float, ...] = ()  # per pipeline stage: idle ticks / ticks of the schedule's table the step runs
     ticks: int = 0  # the table's ticks (the pipeline loop's trip count)
     in_flight: tuple[int, ...] = ()  # per pipeline stage: the most microbatch inputs it keeps (its activations)
+    bubble_time: tuple[float, ...] = ()  # per pipeline stage: its idle share of the step's time (action_flops)
+    action_flops: dict[str, float] = dataclasses.field(default_factory=dict)  # a table schedule's F, B, W each
+    flops_per_step: float | None = None  # per device: every matrix product times its executions (loops' trips)
     mesh: dict[str, int] = dataclasses.field(default_factory=dict)  # the mesh it was compiled for
     # a mixture of experts: the formula's persistent state per device of its "experts" and "dense" parameters
     state_by_group: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -97,8 +100,12 @@ class Row:
                 "bubble": max(self.bubble),
                 "bubble_per_stage": [round(b, 4) for b in self.bubble],
                 "inputs_kept_per_stage": list(self.in_flight),
+                "bubble_time": max(self.bubble_time) if self.bubble_time else None,
+                "bubble_time_per_stage": [round(b, 4) for b in self.bubble_time],
+                "action_flops": dict(self.action_flops),
             },
             "flops": self.flops,
+            "flops_per_step": self.flops_per_step,
             "bytes_accessed": self.bytes_accessed,
             "timeline": None if self.timeline is None else self.timeline.to_dict(),
             "offload": {
