@@ -4,8 +4,9 @@
 
 First, one row per schedule (GPipe, circular, 1F1B, interleaved 1F1B, zero-bubble) at M = 8 and 32
 microbatches of two 128-token sequences (the example's small preset, dp=2 x pp=4, ZeRO-3, bf16): the
-bubble of the table the step runs, compiled temporaries and peak per device, dp and pp bytes per step,
-the step time on this CPU (orders of magnitude only: 8 simulated devices on a few cores) and, with
+bubble of the table the step runs (in ticks, and in time: each tick as long as its longest action, by the
+actions' FLOPs), compiled temporaries and peak per device, dp and pp bytes per step, FLOPs per step (loops
+multiplied out), the step time on this CPU (orders of magnitude only: 8 simulated devices on a few cores) and, with
 ``--gpu-target``, the temporaries XLA:GPU compiles for that GPU.
 
 Compiles the train step of a small decoder (8 layers) for GPipe and the circular schedule on
@@ -38,6 +39,7 @@ zjax.simulate_cpu_devices(8)
 
 from zjax.models import Decoder, DecoderConfig, lm_loss  # noqa: E402
 from zjax.planner._compile import partitioned_hlo  # noqa: E402
+from zjax.planner._flops import step_flops  # noqa: E402
 from zjax.planner._hlo import collectives, spanned_axes  # noqa: E402
 
 CFG = DecoderConfig(vocab=256, embed=128, layers=8, heads=4, head_dim=32, mlp=512, max_len=64)
@@ -182,6 +184,10 @@ def schedule_row(name: str, repeats: int, m_: int, target: str | None) -> dict:
     def axis_bytes(axis: str) -> int:
         return sum(c.volume * c.trips for c in ops if axis in spanned_axes(c.groups, shape))
 
+    table = schedule.table(4)
+    share = m_ * repeats / table.ticks if schedule.tabled else 0.0
+    flops, actions = step_flops(hlo, share)  # the tick loop's actions weighed by their ticks
+    in_time = table.bubble_time(actions) if actions else table.idle() / table.ticks  # GPipe: iterations alike
     times = []
     for _ in range(3):
         start = time.perf_counter()
@@ -195,6 +201,9 @@ def schedule_row(name: str, repeats: int, m_: int, target: str | None) -> dict:
         "bubble": round(schedule.bubble(4), 4),
         "ticks": schedule.table(4).ticks,
         "in_flight_max": int(max(schedule.table(4).in_flight())),
+        "bubble_time": round(float(max(in_time)), 4),
+        "flops_per_step": flops,
+        "action_flops": actions,
         "temp_bytes": report.temp_bytes,
         "peak_bytes": report.peak_bytes,
         "dp_bytes": axis_bytes("dp"),
@@ -215,7 +224,8 @@ def schedules_table(target: str | None) -> list[dict]:
     print(f"schedules: small preset at 8 layers ({SMALL_8.num_params:,} params), dp=2 x pp=4, ZeRO-3, bf16, "
           "2 x 128 tokens per microbatch")  # fmt: skip
     head = f"{'schedule':<22}{'M':>4}{'bubble':>8}{'ticks':>6}{'in flight':>10}{'temp MiB':>10}{'peak MiB':>10}"
-    head += f"{'dp MiB':>8}{'pp MiB':>8}{'CPU s':>7}" + (f"{'GPU temp MiB':>14}" if target else "")
+    head += f"{'dp MiB':>8}{'pp MiB':>8}{'GFLOP':>7}{'time bubble':>12}{'CPU s':>7}"
+    head += f"{'GPU temp MiB':>14}" if target else ""
     print(head)
     for name, repeats in SCHEDULES:
         for m_ in (8, 32):
@@ -225,8 +235,8 @@ def schedules_table(target: str | None) -> list[dict]:
             print(
                 f"{label:<22}{m_:>4}{r['bubble']:>8.1%}{r['ticks']:>6}{r['in_flight_max']:>10}"
                 f"{r['temp_bytes'] / 2**20:>10.2f}{r['peak_bytes'] / 2**20:>10.2f}{r['dp_bytes'] / 2**20:>8.2f}"
-                f"{r['pp_bytes'] / 2**20:>8.2f}{r['cpu_step_seconds']:>7.2f}"
-                + (f"{r['gpu_temp_bytes'] / 2**20:>14.2f}" if target else "")
+                f"{r['pp_bytes'] / 2**20:>8.2f}{r['flops_per_step'] / 1e9:>7.2f}{r['bubble_time']:>12.1%}"
+                f"{r['cpu_step_seconds']:>7.2f}" + (f"{r['gpu_temp_bytes'] / 2**20:>14.2f}" if target else "")
             )
     return out
 

@@ -15,9 +15,11 @@ The gradients are made in the forward pass (the schedule interleaves F, B and W)
 :func:`seed` (the train step's loss scale) so that fp16 loss scaling protects them as it protects the
 GPipe engine's. Without differentiation (``eval_step``) the loss runs the forward-only scan engine.
 
-The data axes are manual here: every data-parallel rank keeps whole weights and whole gradients for
-the step (gathered over ``dp`` once at the start at stages 2 and 3, reduced once at the end): ZeRO's
-traffic, with the memory of stage 1 for the layers during the step (``zero3_gather="step"``).
+The data axes are manual here. With ``zero3_gather="step"`` every data-parallel rank keeps whole weights
+and whole gradients for the step (gathered over ``dp`` once at the start at stages 2 and 3, reduced once at
+the end): ZeRO's traffic, with the memory of stage 1 for the layers during the step. With ``"layer"``
+(stage 3) the layers stay ``dp`` shards: each action gathers each layer as the stage reads it and each W
+reduce-scatters its gradient (:func:`zjax.comm.shard_reads`).
 """
 
 from __future__ import annotations
@@ -168,7 +170,7 @@ def _tick_loop(
         dw = jax.tree.map(lambda a, g: a.at[c].add(g.astype(a.dtype)), dw, dwc)
         return h_zero, h_zero, h_zero, h_zero, (loss, dw, dep)
 
-    # indexed by _schedule.IDLE, F, B, W; each action's ops named for the planner (zjax.planner.step_flops)
+    # indexed by _schedule.IDLE, F, B, W; each action's ops named for the planner's FLOPs per action
     branches = [idle] + [_named(f, a) for f, a in zip((forward, backward, weights), _schedule.ACTIONS[1:], strict=True)]
 
     def tick(carry, columns):
