@@ -33,7 +33,7 @@ SCHEDULES = {  # name: (schedule, repeats)
     "interleaved": ("interleaved-1f1b", 2),
     "zero-bubble": ("zero-bubble", 1),
 }
-FAST = {("zero-bubble", 4, 3), ("circular", 2, 2), ("interleaved", 2, 0)}
+FAST = {("zero-bubble", 4, 3)}  # tests/test_objective.py runs GPipe and 1F1B fast on packed rows too
 
 
 def _grid():
@@ -109,7 +109,8 @@ def test_experts_in_a_pipeline_count_only_the_masked_tokens_of_each_microbatch(m
     assert relative(got, jax.tree.map(np.asarray, grads)) <= FP32
     assert abs(float(metrics["loss"]) - float(loss)) <= FP32 * float(loss)
     np.testing.assert_array_equal(metrics["aux"]["expert_tokens"], aux["expert_tokens"])
-    np.testing.assert_allclose(metrics["aux"]["load_balance"], aux["load_balance"], rtol=1e-5)
+    for key in ("load_balance", "z_loss", "ce", "dropped"):
+        np.testing.assert_allclose(metrics["aux"][key], aux[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 QGZ_1F1B = {
@@ -117,6 +118,7 @@ QGZ_1F1B = {
 }  # fmt: skip
 
 
+@pytest.mark.slow  # fast budget; the slow step runs the numbers below too
 def test_quantized_gathers_and_reductions_run_per_layer_inside_a_table_schedule():
     """qwZ and qgZ under 1F1B at stage 3 (``zero3_gather="layer"``): inside the tick loop each layer crosses dp as
     int8 blocks both ways (its gather, and its gradient's reduce-scatter after each W)."""
@@ -132,7 +134,7 @@ def test_quantized_gathers_and_reductions_run_per_layer_inside_a_table_schedule(
     assert ("all-gather", "s8") in looped and ("all-to-all", "s8") in looped, looped
 
 
-@pytest.mark.slow  # the fast test above checks the int8 wire; this one the numbers
+@pytest.mark.slow  # the test above checks the int8 wire; this one the numbers
 def test_quantized_reductions_in_a_table_schedule_compute_the_one_device_objective(want):
     batch, loss, grads = want
     got, metrics = applied(zjax.Plan(zjax.make_mesh(dp=4, pp=2), **QGZ_1F1B), FOUR, batch)

@@ -217,6 +217,7 @@ def test_zero3_layer_gathers_run_inside_the_table_schedules():
             )
 
 
+@pytest.mark.slow  # fast: the loop's per-layer gathers and no whole-stage gather (the test above)
 def test_zero3_layer_gathers_keep_no_whole_stage_under_1f1b():
     """The decoder under 1F1B at stage 3: gathering per layer instead of once per step saves, per device, at least
     the whole stage's weights and its fp32 gradient accumulators less their dp shards (compiled temporaries)."""

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from ..sharding._axes import PP
 from . import _ticks
 from ._config import Pipeline
-from ._context import current, data_axes_here, mesh_sizes, own_reads
+from ._context import current, data_axes_here, own_reads
 from ._engine import _dp_dim, _layer_count, apply, by_visit
 
 
@@ -77,8 +77,8 @@ def loss(
 
     side = jax.tree.map(jax.lax.stop_gradient, side)
 
-    sizes_ = mesh_sizes()
-    dims = [_dp_dim(w.shape, sizes_) for w in jax.tree.leaves(layers)] if cfg.zero3_gather == "layer" else None
+    dims = [_dp_dim(w.shape, sizes) for w in jax.tree.leaves(layers)] if cfg.zero3_gather == "layer" else None
+    dims = dims if dims and any(d is not None for d in dims) else None  # nothing split over dp: as "step"
     staged = stage_fn if dims else own_reads(stage_fn)  # "layer": the table engine gathers each layer read
 
     def table_run(layers, ep, inputs, scale, side):

@@ -147,27 +147,28 @@ def _callees(attrs: str) -> list[str]:
     return names
 
 
-def _volume(comps: dict[str, list[_Instr]], name: str, seen: frozenset[str] = frozenset()) -> int:
-    """Result bytes of the collectives computation ``name`` runs, loops' trips multiplied out, a conditional's
-    largest branch (a table schedule's actions hold their collectives in layer loops): to pick a branch."""
-    total, inner = 0, seen | {name}
-    for instr in comps.get(name, []):
-        body = re.search(r"body=%?([\w.\-]+)", instr.rest) if instr.opcode == "while" else None
-        callees = [c for c in ([body.group(1)] if body else _callees(instr.rest)) if c in comps and c not in inner]
-        parts = [_volume(comps, c, inner) for c in callees]
-        if instr.opcode.removesuffix("-start") in KINDS:
-            total += _bytes(instr.type_text)
-        elif body and parts:
-            total += _trip_count(instr, comps) * parts[0]
-        elif parts and instr.opcode in ("call", "conditional"):  # a conditional runs one branch
-            total += sum(parts) if instr.opcode == "call" else max(parts)
-    return total
+def _volume(comps: dict[str, list[_Instr]], name: str, memo: dict[str, int]) -> int:
+    """Bytes of the collectives ``name`` runs (loops' trips multiplied out, a conditional's largest branch)."""
+    if name not in memo:
+        memo[name], total = 0, 0  # HLO computations do not recurse
+        for instr in comps.get(name, []):
+            body = re.search(r"body=%?([\w.\-]+)", instr.rest) if instr.opcode == "while" else None
+            parts = [_volume(comps, c, memo) for c in ([body.group(1)] if body else _callees(instr.rest)) if c in comps]
+            if instr.opcode.removesuffix("-start") in KINDS:
+                total += _bytes(instr.type_text)
+            elif body and parts:
+                total += _trip_count(instr, comps) * parts[0]
+            elif parts and instr.opcode in ("call", "conditional"):  # a conditional runs one branch
+                total += sum(parts) if instr.opcode == "call" else max(parts)
+        memo[name] = total
+    return memo[name]
 
 
 def _multiplicities(comps: dict[str, list[_Instr]], entry: str) -> tuple[dict[str, int], set[str]]:
     """Trips per step of every computation reachable from ``entry``, and those inside a ``while`` body."""
     mult: dict[str, int] = defaultdict(int)
     looped: set[str] = set()
+    volumes: dict[str, int] = {}
 
     def visit(name: str, factor: int, in_loop: bool) -> None:
         mult[name] += factor
@@ -186,7 +187,7 @@ def _multiplicities(comps: dict[str, list[_Instr]], entry: str) -> tuple[dict[st
                 # one branch runs per execution: count the one that communicates most, not all of them
                 branches = [c for c in _callees(instr.rest) if c in comps and c != name]
                 if branches:
-                    visit(max(branches, key=lambda c: _volume(comps, c)), factor, in_loop)
+                    visit(max(branches, key=lambda c: _volume(comps, c, volumes)), factor, in_loop)
 
     visit(entry, 1, False)
     return mult, looped
