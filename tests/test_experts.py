@@ -214,7 +214,7 @@ def test_every_stage_and_ep_trains_the_same(stage, mesh_axes):
 
 @pytest.mark.parametrize(
     ("stage", "mesh_axes", "gather"),
-    # the fast case of this mesh is tests/test_pipeline_objective.py's (with a loss mask, against one device)
+    # tests/test_pipeline_objective.py runs this mesh with a loss mask against one device
     [pytest.param(3, {"dp": 2, "ep": 2, "pp": 2}, "step", marks=pytest.mark.slow),
      pytest.param(3, {"dp": 4, "pp": 2}, "layer", marks=pytest.mark.slow),
      pytest.param(0, {"dp": 4, "pp": 2}, "step", marks=pytest.mark.slow),

@@ -24,7 +24,6 @@ from ._objective import SGD, applied, initial, reference, relative, uneven_batch
 from .test_experts import TINY as TINY_MOE
 
 ROWS, FP32 = 32, 3e-5
-SLOW = pytest.mark.slow
 FOUR = dataclasses.replace(TINY, layers=4)  # pp=4, or pp=2 with two chunks per stage
 SCHEDULES = {  # name: (schedule, repeats)
     "gpipe": ("gpipe", 1),
@@ -83,15 +82,18 @@ OTHERS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("name", [n if n == "cp-ring-zero-bubble" else pytest.param(n, marks=SLOW) for n in OTHERS])
+@pytest.mark.slow  # fast budget: the grid's zero-bubble case runs every engine piece but these options
+@pytest.mark.parametrize("name", list(OTHERS))
 def test_gathering_modes_reductions_and_context_parallelism_in_a_pipeline(want, name):
-    """The fast grid runs every engine; these are its other options (the ring inside a table schedule fast)."""
+    """The grid's other options: stage 3's chunk gathers, reduce_dtype, tp, and cp (the ring inside a table
+    schedule runs its steps as all-gathers on XLA:CPU)."""
     mesh, kw, mode = OTHERS[name]
     cfg = FOUR if mode is None else dataclasses.replace(FOUR, context_mode=mode)
     _check(zjax.Plan(zjax.make_mesh(**mesh), precision="fp32", **kw), cfg, want)
 
 
-@pytest.mark.parametrize("mesh", [{"dp": 2, "ep": 2, "pp": 2}, pytest.param({"dp": 4, "pp": 2}, marks=SLOW)])
+@pytest.mark.slow  # fast budget (the suite's 10 minutes)
+@pytest.mark.parametrize("mesh", [{"dp": 2, "ep": 2, "pp": 2}, {"dp": 4, "pp": 2}])
 def test_experts_in_a_pipeline_count_only_the_masked_tokens_of_each_microbatch(mesh):
     """The routers' mask (the loss mask) and the packed rows travel with each microbatch: the load-balancing
     statistics, the gradients and the loss are the one-device model's."""
