@@ -100,7 +100,7 @@ class PlanConfig:
             if self.pipeline is not None and self.grads_wire is not None and not per_action:
                 raise ValueError(
                     f"Plan: quantized_comm={self.quantized_comm!r} under pipeline schedule="
-                    f"{self.pipeline.schedule!r}, zero3_gather={self.pipeline.zero3_gather!r}: its gradients reduce in "
+                    f"{self.pipeline.name!r}, zero3_gather={self.pipeline.zero3_gather!r}: its gradients reduce in "
                     "the compute dtype; they reduce quantized in the table schedules' per-layer mode (1f1b, "
                     "interleaved-1f1b or zero-bubble with zero3_gather='layer', their default at stage 3). Use one of "
                     "those, or quantized_comm='weights' (or 'weights:int4'), or None."
