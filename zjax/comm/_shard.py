@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ..sharding._axes import REPLICA
+from ..sharding import REPLICA
 from ..sharding._mesh import mesh_platform
 from ._quantize import Wire, all_gather
 from ._reduce import Reduction, reduce

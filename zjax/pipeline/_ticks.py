@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ..comm import Reduction, shard_reads
-from ..sharding._axes import DP, PP
+from ..sharding import DP, PP
 from . import _schedule
 from ._config import Pipeline
 from ._context import accumulate_dtype, call_stage, data_axes_here, quantize_wire, reduce_wire
