@@ -179,14 +179,14 @@ def schedule_row(name: str, repeats: int, m_: int, target: str | None) -> dict:
     compiled, hlo = partitioned_hlo(step.lower(state, batch))
     report = step.memory_report(state, batch, compiled=compiled)
     shape = dict(plan.mesh.shape)
-    ops = collectives(hlo)
-
-    def axis_bytes(axis: str) -> int:
-        return sum(c.volume * c.trips for c in ops if axis in spanned_axes(c.groups, shape))
-
     table = schedule.table(4)
     share = m_ * repeats / table.ticks if schedule.tabled else 0.0
-    flops, actions = step_flops(hlo, share)  # the tick loop's actions weighed by their ticks
+    ops = collectives(hlo, share)  # each action of the tick loop on its share of the ticks
+
+    def axis_bytes(axis: str) -> int:
+        return round(sum(c.volume * c.trips for c in ops if axis in spanned_axes(c.groups, shape)))
+
+    flops, actions = step_flops(hlo, share, 1 / (4 * repeats))  # the tick loop's actions weighed by their ticks
     in_time = table.bubble_time(actions) if actions else table.idle() / table.ticks  # GPipe: iterations alike
     times = []
     for _ in range(3):

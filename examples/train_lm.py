@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--pipeline-schedule", "--schedule", dest="schedule", choices=zjax.pipeline.SCHEDULES, default="gpipe",
         help="the pipeline's schedule (--schedule: the same)")  # fmt: skip
     add("--zero3-gather", choices=("step", "layer", "chunk"), default=None, help="pipeline weight gathering")
+    add("--recompute", choices=zjax.pipeline.RECOMPUTE, default="once",
+        help="table schedules under full remat: B recomputes once for B and W, or per-action (least memory)")  # fmt: skip
     add("--lr", type=float, default=3e-3)
     add("--lr-schedule", choices=zjax.train.SCHEDULES, default="cosine", help="after a warm-up of a tenth of the steps")
     add("--optimizer", choices=zjax.train.OPTIMIZERS, default="adamw", help="fused_adamw: zjax.pallas's kernel")
@@ -82,7 +84,7 @@ SECTIONS = {  # the example's flags -> zjax train's settings
     "plan": {"stage": "stage", "precision": "precision", "accum": "accum", "offload": "offload",
              "quantize_comm": "quantize_comm", "reduce_dtype": "reduce_dtype", "hpz": "hpz"},
     "pipeline": {"schedule": "schedule", "microbatches": "microbatches", "repeats": "repeats",
-                 "zero3_gather": "zero3_gather"},
+                 "zero3_gather": "zero3_gather", "recompute": "recompute"},
     "optim": {"optimizer": "name", "lr": "lr", "lr_schedule": "schedule", "weight_decay": "weight_decay",
               "clip_norm": "clip_norm"},
     "output": {"metrics_json": "metrics_json", "save_hf": "save_hf"},

@@ -15,7 +15,8 @@ import zjax
 from zjax import pipeline
 from zjax.models import Decoder, DecoderConfig, lm_loss
 from zjax.pipeline import Pipeline, schedule_table
-from zjax.pipeline._schedule import B, F, W, slots
+from zjax.pipeline._schedule import B, F, W
+from zjax.pipeline._slots import slots
 from zjax.planner._compile import partitioned_hlo
 from zjax.planner._hlo import collectives, spanned_axes
 
@@ -83,8 +84,11 @@ def test_1f1b_memory_is_flat_in_microbatches_and_runs_fewer_microbatches_than_st
     for m_ in (8, 32, 128):
         for name in ("1f1b", "zero-bubble"):
             plan = slots(schedule_table(name, 4, m_))
-            assert (plan.n_x, plan.n_g) <= (4, 4)
+            assert max(plan.n_x, plan.n_g, plan.n_r) <= 4
         assert slots(schedule_table("gpipe", 4, m_)).n_x == m_
+        # B keeps what its W needs: under 1F1B the W is the next tick, so one slot; the forward keeps it until W
+        assert (slots(schedule_table("1f1b", 4, m_), "B").n_r, slots(schedule_table("1f1b", 4, m_), "F").n_r) == (1, 4)
+        assert slots(schedule_table("1f1b", 4, m_), "F").n_x == 1  # the forward's residuals hold what B needs
     tab = schedule_table("1f1b", 4, 2)  # fewer microbatches than stages: legal, just bubbly
     check_dependencies(tab)
     assert tab.bubble() == pytest.approx(3 / 5)
@@ -158,6 +162,43 @@ def test_every_schedule_gives_gpipes_loss_and_gradients(mesh_kw, cfgs):
             np.testing.assert_allclose(jax.jit(lambda p, t: toy_loss(p, t, cfg))(params, TOKENS), value, rtol=1e-6)  # noqa: B023
 
 
+def toy_layer(layer, h):
+    return h + jnp.tanh(h @ layer["w"] + layer["b"])
+
+
+@pytest.mark.parametrize(("remat", "recompute", "b", "w"), [
+    ("full", "once", 2, 2),  # B recomputes the stage keeping its products; W pulls back from them
+    pytest.param("full", "per-action", 2, 3, marks=pytest.mark.slow),  # B and W each recompute from layer inputs
+    pytest.param("none", "once", 1, 2, marks=pytest.mark.slow),  # the forward keeps everything: B is dx's chain
+])  # fmt: skip
+def test_no_action_runs_the_forward_again_unless_asked(remat, recompute, b, w):
+    """Each action's products (FLOPs of the compiled branches, in units of one layer's forward over a
+    microbatch): W needs the backward chain through the stage as B does (its weights' gradients sit along it),
+    but no action recomputes a forward that an earlier one kept. The gradients are GPipe's in every mode."""
+    from zjax.pipeline._stash import Stash, keep_of
+    from zjax.planner._flops import step_flops
+
+    mesh, cfg = zjax.make_mesh(dp=2, pp=4), Pipeline(8, schedule="zero-bubble", recompute=recompute)
+    fn, params = pipeline.scan_layers(toy_layer, remat), toy()
+    with jax.set_mesh(mesh):
+        reference = jax.jit(jax.grad(lambda p, t: toy_loss(p, t, Pipeline(4))))(params, TOKENS)
+        run = jax.jit(jax.grad(lambda p, t: toy_loss(p, t, cfg, fn)))
+        for got, want in zip(jax.tree.leaves(run(params, TOKENS)), jax.tree.leaves(reference), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(want))))
+        _, hlo = partitioned_hlo(run.lower(params, TOKENS))
+    tab = cfg.table(4)
+    _, costs = step_flops(hlo, cfg.microbatches / tab.ticks, 1 / 4)
+    unit = 2 * (len(TOKENS) // 2 // cfg.microbatches) * (TOKENS.shape[1] - 1) * E * E * (L // 4)
+    assert costs["B"] == pytest.approx(b * unit, rel=0.01), (costs, unit)
+    assert costs["W"] == pytest.approx(w * unit, rel=0.01), (costs, unit)
+    # the weights are not among what is kept per microbatch: the pullback reads them from the stage again
+    mode, saving = keep_of(fn, recompute)
+    x = jax.ShapeDtypeStruct((4, TOKENS.shape[1] - 1, E), jnp.float32)
+    kept = Stash.of(saving, jax.tree.map(lambda a: a[: L // 4], params[0]), x, None).kept
+    assert mode == ("B" if (remat, recompute) == ("full", "once") else "F")
+    assert all(k.shape != (L // 4, E, E) for k in kept), kept
+
+
 def test_the_seed_scales_the_gradients_made_in_the_forward_pass_and_only_them():
     """The train step seeds the engine with its loss scale: the loss is unscaled, its gradient the
     cotangent's (here loss x 1024 differentiated under seed 1024, as the step does)."""
@@ -207,7 +248,8 @@ def test_zero3_layer_gathers_run_inside_the_table_schedules():
             for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(reference[1]), strict=True):
                 np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(want))))
         _, hlo = partitioned_hlo(jax.jit(run).lower(params, TOKENS))
-        ops = [(c.kind, c.in_loop) for c in collectives(hlo) if "dp" in spanned_axes(c.groups, shape)]
+        share = cfg.microbatches / cfg.table(4).ticks  # every action's collectives, on its share of the ticks
+        ops = [(c.kind, c.in_loop) for c in collectives(hlo, share) if "dp" in spanned_axes(c.groups, shape)]
         assert ("all-gather", True) in ops  # per layer, per action
         assert {("reduce-scatter", True), ("all-reduce", True)} & set(ops)  # each W's gradient into its shard
         assert ("all-gather", False) not in ops  # no whole stage gathered before the loop
@@ -247,6 +289,27 @@ def decoder_task():
 
 def batch(seed: int, rows: int = 32) -> np.ndarray:
     return np.random.RandomState(seed).randint(0, CFG.vocab, (rows, 17)).astype(np.int32)
+
+
+def test_a_decoders_actions_compute_no_forward_twice():
+    """The Decoder through zero-bubble (full remat): B recomputes the stage once and computes no weight gradient,
+    W pulls back from what B kept (the chain to each weight, and its gradient); ``recompute="per-action"`` makes W
+    recompute the forward too. In F-equivalents of the compiled branches' products (XLA keeps a loop output it
+    does not need, so without the engine's cut, B would compute the weights' products too: 2.9 F)."""
+    from zjax.planner._flops import step_flops
+
+    init_fn, loss_fn = decoder_task()
+    costs = {}
+    for recompute in ("once", "per-action"):
+        pipe = Pipeline(8, schedule="zero-bubble", recompute=recompute)
+        plan = zjax.Plan(zjax.make_mesh(dp=2, pp=4), stage=1, precision="fp32", pipeline=pipe)
+        state = plan.abstract_state(init_fn, optax.sgd(0.1), jax.random.key(0))
+        _, hlo = partitioned_hlo(plan.train_step(loss_fn).lower(state, jax.ShapeDtypeStruct((32, 17), jnp.int32)))
+        _, costs[recompute] = step_flops(hlo, pipe.microbatches / pipe.table(4).ticks, 1 / 4)
+    once, each = costs["once"], costs["per-action"]
+    assert once["B"] <= 2.1 * once["F"] and once["W"] <= 2.1 * once["F"], once
+    # per-action: B recomputes what dx needs (not each layer's last product), and W recomputes it again
+    assert each["B"] <= once["B"] and each["W"] >= once["W"] + 0.6 * once["F"], (once, each)
 
 
 def train(plan: zjax.Plan, steps: int = 2):
@@ -465,9 +528,9 @@ def test_plan_reports_each_rows_bubble_and_the_budget_picks_the_smallest(tmp_pat
     assert all(r["pipeline"]["ticks"] == 3 * (8 + 3) for r in rows)
     assert all(r["pipeline"]["inputs_kept_per_stage"] == [4, 3, 2, 1] for r in rows)
     assert "1f1b" in proc.stdout and "27.3%" in proc.stdout
-    for r in rows:  # each action's FLOPs from the compiled branches; B and W each recompute the stage's forward
+    for r in rows:  # each action's FLOPs from the compiled branches: no action runs the forward twice
         costs = r["pipeline"]["action_flops"]
-        assert 0 < costs["F"] < costs["B"] < costs["W"], costs
+        assert 0 < costs["F"] < costs["W"] <= costs["B"] <= 2.1 * costs["F"], costs
         assert 8 * sum(costs.values()) <= r["flops_per_step"] <= 1.05 * 8 * sum(costs.values())
         assert r["flops_per_step"] > 4 * r["flops"]  # XLA's cost analysis counts the tick loop's body once
         want = schedule_table("1f1b", 4, 8).bubble_time(costs)

@@ -11,7 +11,7 @@ from pathlib import Path
 from ._extras import MissingExtra, require
 from ._jsonfile import write_json_atomic
 from ._quiet import filtered_stderr
-from .pipeline._config import GATHER_MODES
+from .pipeline._config import GATHER_MODES, RECOMPUTE
 
 
 def parse_bytes(text: str) -> float:
@@ -196,6 +196,13 @@ def plan_parser(sub) -> None:
         help="pipeline at stages 2-3: weights gathered once per step, per use, or per repeat's chunk (stage 3) "
         "(default: layer at 2-3, step below)",
     )
+    p.add_argument(
+        "--recompute",
+        choices=RECOMPUTE,
+        default="once",
+        help="table schedules under full/nested remat: B recomputes the stage once for B and W (GPipe's FLOPs), or "
+        "B and W each recompute it (per-action: the least memory)",
+    )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None, help="PNG bar chart of memory by category")
 
@@ -259,6 +266,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 args.microbatches or 2 * pp,
                 repeats=args.repeats,
                 zero3_gather=args.zero3_gather,
+                recompute=args.recompute,
                 schedule=names[0] if args.budget is None else "gpipe",  # --budget: fit tries each name
             )
         except ValueError as e:

@@ -4,6 +4,7 @@ plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, quantized_comm="weights+grads") 
 plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, quantized_comm="weights+grads:int4")  # ZeRO++'s int4 gradients
 """
 
+from ._gather import GATHERED as GATHERED
 from ._gather import QUANTIZED_COMM as QUANTIZED_COMM
 from ._gather import gather_unread as gather_unread
 from ._gather import gathered as gathered

@@ -28,6 +28,7 @@ from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from ..sharding._axes import REPLICA
@@ -36,6 +37,10 @@ from ._quantize import PARTS, Wire, all_gather
 from ._qwz import pinned_gather, quantized_gather
 from ._reduce import Reduction, reduce_all
 from ._shard import shard_gather
+
+GATHERED = "zjax_gathered"
+"""The :func:`jax.ad_checkpoint.checkpoint_name` of a layer weight gathered by :func:`shard_reads` (a remat policy
+saving every activation but these re-gathers the weights in the backward pass rather than keeping them)."""
 
 QUANTIZED_COMM = (*PARTS, "+".join(PARTS))
 """What ``Plan(quantized_comm=...)`` can quantize: ZeRO-3's weight gathers, its gradient reductions, or both (each
@@ -246,7 +251,8 @@ def _shard_gather(x: jax.Array, shards: _Shards, path: tuple[str, ...]) -> jax.A
     shards.read.add(key)
     if not shards.gather:
         return x
-    return shard_gather(x, shards.axis, shards.dims[key], shards.wire, shards.reduction)
+    # named, so that a stage that keeps its activations for the backward pass re-gathers this instead of keeping it
+    return checkpoint_name(shard_gather(x, shards.axis, shards.dims[key], shards.wire, shards.reduction), GATHERED)
 
 
 def gathered(value: Any, path: Sequence[str], now: bool = False) -> Any:

@@ -11,6 +11,7 @@ Example (inside a model's loss; the plan sets the schedule)::
 """
 
 from ._config import GATHER_MODES as GATHER_MODES
+from ._config import RECOMPUTE as RECOMPUTE
 from ._config import TABLE_SCHEDULES as TABLE_SCHEDULES
 from ._config import Pipeline as Pipeline
 from ._context import current as current
@@ -25,4 +26,5 @@ from ._schedule import Table as Table
 from ._schedule import parse_table as parse_table
 from ._schedule import schedule_table as schedule_table
 from ._ticks import ACTION_SCOPE as ACTION_SCOPE
+from ._ticks import ENDS_SCOPE as ENDS_SCOPE
 from ._ticks import seed as seed

@@ -10,6 +10,9 @@ from ._schedule import SCHEDULES, Table, schedule_table
 TABLE_SCHEDULES = SCHEDULES[1:]
 """The schedules run by the table engine (:func:`zjax.pipeline.loss`); ``gpipe`` runs as one ``lax.scan``."""
 
+RECOMPUTE = ("once", "per-action")
+"""How the table schedules' B and W recompute layers that the remat policy recomputes whole (see ``Pipeline``)."""
+
 GATHER_MODES = ("step", "layer", "chunk")
 """How dp-split weights meet the pipeline: once per step, per use inside the loop, or per repeat's chunk
 (see ``Pipeline``)."""
@@ -56,8 +59,15 @@ class Pipeline:
         default there): every F, B and W action gathers each layer of its chunk over ``dp`` as it applies
         it (int8 with qwZ) and reduce-scatters the layer's gradient into a ``dp``-split fp32 accumulator
         after each W, so a stage never holds more than one whole layer and its gradient at a time.
-      remat: rematerialize each iteration in the backward pass, saving only its input (the table
-        schedules always recompute a stage's forward pass from its kept input).
+      remat: rematerialize each iteration of GPipe's scan in the backward pass, saving only its input (the
+        table schedules keep what the model's remat policy saves).
+      recompute: the table schedules' backward passes under a remat policy that recomputes whole layers
+        (``full``, ``nested``; :func:`zjax.pipeline.scan_layers`). ``"once"`` (the default): each forward
+        keeps the stage's input, B recomputes the stage keeping its matmul outputs and W pulls back from them,
+        so a step computes GPipe's FLOPs; a stage holds its layers' matmul outputs for each microbatch from
+        its B to its W (one tick under 1F1B, a few under zero-bubble). ``"per-action"``: B and W each
+        recompute the stage from its kept layer inputs: one forward pass more per microbatch, the least
+        memory. Any other policy's forward keeps what the policy saves, and B and W pull back from it.
       unroll: unroll the loop (for FLOP accounting: compiled cost analysis counts a loop body once;
         unrolled programs grow with M, so never for training).
     """
@@ -68,12 +78,15 @@ class Pipeline:
     schedule: str | Table = "gpipe"
     remat: bool = True
     unroll: bool = False
+    recompute: str = "once"
 
     def __post_init__(self) -> None:
         for name in ("microbatches", "repeats"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Pipeline: {name}={value!r} must be a positive int.")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"Pipeline: recompute={self.recompute!r} is not one of {RECOMPUTE}.")
         if self.zero3_gather is not None and self.zero3_gather not in GATHER_MODES:
             raise ValueError(
                 f"Pipeline: zero3_gather={self.zero3_gather!r} is not a gathering mode; use one of {GATHER_MODES}."

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ..comm import GATHERED
 from ..remat import RematPolicy, nested_scan
 from ..sharding._axes import DP, PP
 from ..stages._placement import add_axis
@@ -76,6 +77,27 @@ def scan_layers(
         h, sums = jax.lax.scan(body, h, stage_layers)
         return (h, sums) if outputs else h
 
+    def saving(keeps: Any) -> Callable[..., Any]:
+        """The stage keeping what ``keeps`` saves of each layer (its gathered weights are re-gathered)."""
+
+        def stage(stage_layers: Any, h: jax.Array, *side: Any) -> Any:
+            def body(h: jax.Array, layer: Any) -> tuple[jax.Array, Any]:
+                out = layer_fn(layer, h, *side)
+                return out if outputs else (out, None)
+
+            h, sums = jax.lax.scan(jax.checkpoint(body, policy=keeps, prevent_cse=False), h, stage_layers)
+            return (h, sums) if outputs else h
+
+        return stage
+
+    # the table engine's residuals (zjax.pipeline.Pipeline.recompute): layers recomputed whole are recomputed
+    # once, by B, which keeps their matmul outputs for W; any other policy's forward keeps what it saves
+    cp = jax.checkpoint_policies
+    if policy.kind in ("full", "nested"):
+        once = ("B", saving(cp.dots_saveable))
+        stage_fn.zjax_keep = {"once": once, "per-action": ("F", stage_fn)}  # type: ignore[attr-defined]
+    elif not policy.remat:
+        stage_fn.zjax_keep = ("F", saving(cp.save_anything_except_these_names(GATHERED)))  # type: ignore[attr-defined]
     return stage_fn
 
 

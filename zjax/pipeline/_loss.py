@@ -15,6 +15,7 @@ from . import _ticks
 from ._config import Pipeline
 from ._context import current, data_axes_here, own_reads
 from ._engine import _dp_dim, _layer_count, apply, by_visit
+from ._stash import keep_of
 
 
 def loss(
@@ -80,10 +81,12 @@ def loss(
     dims = [_dp_dim(w.shape, sizes) for w in jax.tree.leaves(layers)] if cfg.zero3_gather == "layer" else None
     dims = dims if dims and any(d is not None for d in dims) else None  # nothing split over dp: as "step"
     staged = stage_fn if dims else own_reads(stage_fn)  # "layer": the table engine gathers each layer read
+    mode, saving = keep_of(stage_fn, cfg.recompute)
+    keep = (mode, saving if dims else own_reads(saving))
 
     def table_run(layers, ep, inputs, scale, side):
         stacked = by_visit(layers, cfg.repeats, stages)
-        value, dw, dep = _ticks.run(staged, first, last, cfg, stacked, ep, inputs, scale, side, dims)
+        value, dw, dep = _ticks.run(staged, first, last, cfg, stacked, ep, inputs, scale, side, dims, keep)
         dw = jax.tree.map(lambda g, w: g.reshape(w.shape), dw, layers)
         return value, (dw, dep)
 

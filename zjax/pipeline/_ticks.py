@@ -5,10 +5,13 @@ scalar) as one ``lax.scan`` over the table's ticks, inside a ``shard_map`` manua
 data axes. On every tick each stage looks up its action (:mod:`._schedule`) and runs it in a
 ``lax.switch``: F applies the stage's chunk to a microbatch (stage 0 starts from ``first``, the last
 stage ends in ``last`` and its gradient), B pulls the output gradient back to the stage's input, W to
-its weights, both by ``jax.vjp`` on the stage's function recomputed from the kept input. Then every
-stage sends its F output forward and its B output backward (two ``ppermute``s over ``pp``). Inputs
-and gradients wait in slot buffers sized by the table, so memory follows the schedule's microbatches
-in flight, not the number of microbatches.
+its weights. B and W pull back through one ``jax.vjp`` per microbatch (:mod:`._stash`): the forward's
+(it keeps what the remat policy saves), or, when the policy saves nothing but the layers' inputs, B's
+(B recomputes the stage once, keeping every activation for its W), so no action runs the forward a
+second time. Then every stage sends its F output forward and its B output backward (two ``ppermute``s
+over ``pp``). Inputs, gradients and residuals wait in slot buffers sized by the table
+(:mod:`._slots`), so memory follows the schedule's microbatches in flight, not the number of
+microbatches.
 
 The gradients are made in the forward pass (the schedule interleaves F, B and W), so :func:`loss` is a
 ``custom_vjp`` whose backward pass only scales them by the loss's cotangent. They are seeded with
@@ -37,12 +40,27 @@ from jax.sharding import PartitionSpec as P
 
 from ..comm import Reduction, shard_reads
 from ..sharding import DP, PP
-from . import _schedule
+from . import _schedule, _slots
 from ._config import Pipeline
 from ._context import accumulate_dtype, call_stage, data_axes_here, quantize_wire, reduce_wire
+from ._slots import Keep
+from ._stash import Stash, pullback, pulled
 
 ACTION_SCOPE = "zjax_action_"
 """The name scope of a table schedule's actions (``zjax_action_F``, ``_B``, ``_W``) in the compiled program."""
+
+ENDS_SCOPE = "zjax_ends"
+"""The name scope, inside a table schedule's actions, of what only the first or the last stage runs (``first``,
+``last`` and their gradients): the conditional branches that run on ``1 / (S x repeats)`` of the actions."""
+
+
+def _ends(fn: Callable) -> Callable:
+    def named(*args: Any) -> Any:
+        with jax.named_scope(ENDS_SCOPE):
+            return fn(*args)
+
+    return named
+
 
 _SEED: contextvars.ContextVar[Any] = contextvars.ContextVar("zjax_pipeline_seed", default=None)
 
@@ -108,35 +126,51 @@ def _zeros(tree: Any, dtype: Any = None) -> Any:
 
 def _tick_loop(
     stage_fn: Callable, first: Callable, last: Callable, cfg: Pipeline, stages: int,
-    w: Any, ep: Any, inputs: Any, scale: jax.Array, side: Any = None,
+    w: Any, ep: Any, inputs: Any, scale: jax.Array, side: Any = None, keep: tuple[Keep, Callable] | None = None,
 ) -> tuple:  # fmt: skip
     """One device's part of the schedule (inside the manual region): ``w`` its chunks ``[v, Lps, ...]``, ``ep``
     (the parameters ``first`` and ``last`` read) whole, ``inputs`` its rows. Returns ``(loss, dw, dep)`` summed
     over its microbatches (one accumulator for ``first`` and ``last``: a tied table's two gradients meet
-    there, before the one reduction over the ranks)."""
+    there, before the one reduction over the ranks). ``keep``: which action makes the residuals B and W pull
+    back from, and the stage function whose pullback they are (:func:`zjax.pipeline.scan_layers` says)."""
+    mode, saving = keep or ("F", stage_fn)
     tab = cfg.table(stages)
-    plan = _schedule.slots(tab)
+    plan = _slots.slots(tab, mode)
     m_ = cfg.microbatches
     mbs, sides = jax.tree.map(lambda a: a.reshape(m_, a.shape[0] // m_, *a.shape[1:]), (inputs, side))
     probe = jax.eval_shape(first, ep, jax.tree.map(lambda a: a[0], mbs))
     h_zero = jnp.zeros(probe.shape, probe.dtype)
+    chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), w)
+    with nn.logical_axis_rules(()):
+        stash = Stash.of(saving, chunk, probe, jax.tree.map(lambda a: a[0], sides))
     ring = cfg.repeats > 1
     fwd_pairs = [(i, (i + 1) % stages) for i in range(stages if ring else stages - 1)]
     bwd_pairs = [((i + 1) % stages, i) for i in range(stages if ring else stages - 1)]
     stage = jax.lax.axis_index(PP)
     columns = {
         "kind": tab.kind, "micro": tab.micro, "chunk": tab.chunk, "recv_x": plan.recv_x, "recv_g": plan.recv_g,
-        "read_x": plan.read_x, "read_g": plan.read_g, "store_x": plan.store_x, "store_g": plan.store_g,
-        "first": plan.first, "last": plan.last,
+        "read_x": plan.read_x, "read_g": plan.read_g, "read_r": plan.read_r, "store_x": plan.store_x,
+        "store_g": plan.store_g, "store_r": plan.store_r, "first": plan.first, "last": plan.last,
     }  # fmt: skip
     xs = {k: jnp.asarray(v) for k, v in columns.items()}
 
-    def idle(row, mb, sd, wc, x, dy, acc):
-        return h_zero, h_zero, h_zero, h_zero, acc
+    # the residuals stay in their buffers: read and written inside the action that uses them, by slot
+    def keep_res(rbuf: list, row: Any, pull: Callable, wc: Any) -> list:
+        return [b.at[row["store_r"]].set(a) for b, a in zip(rbuf, stash.split(pull, wc), strict=True)]
 
-    def forward(row, mb, sd, wc, x, dy, acc):
-        x = jax.lax.cond(row["first"], lambda: first(ep, mb).astype(h_zero.dtype), lambda: x)
-        y = call_stage(stage_fn, wc, x, sd)
+    def read_res(rbuf: list, row: Any, wc: Any) -> Callable:
+        return stash.join([b[row["read_r"]] for b in rbuf], wc)
+
+    def idle(row, mb, sd, wc, x, dy, rbuf, acc):
+        return h_zero, h_zero, h_zero, h_zero, rbuf, acc
+
+    def forward(row, mb, sd, wc, x, dy, rbuf, acc):
+        x = jax.lax.cond(row["first"], _ends(lambda: first(ep, mb).astype(h_zero.dtype)), lambda: x)
+        if mode == "F":  # the forward keeps what the remat policy saves
+            y, pull = pullback(saving, wc, x, sd)
+            rbuf = keep_res(rbuf, row, pull, wc)
+        else:
+            y = call_stage(stage_fn, wc, x, sd)
 
         def with_loss():
             value, pull = jax.vjp(lambda ep_, y_: last(ep_, y_, mb), ep, y)
@@ -144,67 +178,71 @@ def _tick_loop(
             return value.astype(jnp.float32), jax.tree.map(lambda a: a.astype(jnp.float32), dep), dy
 
         value, dep, dy = jax.lax.cond(
-            row["last"], with_loss, lambda: (jnp.float32(0), _zeros(ep, jnp.float32), jnp.zeros_like(y))
+            row["last"], _ends(with_loss), lambda: (jnp.float32(0), _zeros(ep, jnp.float32), jnp.zeros_like(y))
         )
         loss, dw, dep_acc = acc
-        return y, h_zero, x, dy, (loss + value, dw, jax.tree.map(jnp.add, dep_acc, dep))
+        return y, h_zero, x, dy, rbuf, (loss + value, dw, jax.tree.map(jnp.add, dep_acc, dep))
 
-    def backward(row, mb, sd, wc, x, dy, acc):
-        _, pull = jax.vjp(lambda x_: call_stage(stage_fn, wc, x_, sd), x)
-        (dx,) = pull(dy)
+    def backward(row, mb, sd, wc, x, dy, rbuf, acc):
+        if mode == "F":
+            pull = read_res(rbuf, row, wc)
+        else:  # B recomputes the stage keeping what its W needs
+            _, pull = pullback(saving, wc, x, sd)
+            rbuf = keep_res(rbuf, row, pull, wc)
+        dx = pulled(pull, dy, 1)
 
         def into_first():
             _, pull_first = jax.vjp(lambda ep_: first(ep_, mb).astype(h_zero.dtype), ep)
             (dep,) = pull_first(dx)
             return jax.tree.map(lambda a: a.astype(jnp.float32), dep)
 
-        dep = jax.lax.cond(row["first"], into_first, lambda: _zeros(ep, jnp.float32))
+        dep = jax.lax.cond(row["first"], _ends(into_first), lambda: _zeros(ep, jnp.float32))
         loss, dw, dep_acc = acc
-        return h_zero, dx, h_zero, h_zero, (loss, dw, jax.tree.map(jnp.add, dep_acc, dep))
+        return h_zero, dx, h_zero, h_zero, rbuf, (loss, dw, jax.tree.map(jnp.add, dep_acc, dep))
 
-    def weights(row, mb, sd, wc, x, dy, acc):
-        _, pull = jax.vjp(lambda w_: call_stage(stage_fn, w_, x, sd), wc)
-        (dwc,) = pull(dy)
+    def weights(row, mb, sd, wc, x, dy, rbuf, acc):
+        dwc = pulled(read_res(rbuf, row, wc), dy, 0)
         loss, dw, dep = acc
         c = row["chunk"]
         dw = jax.tree.map(lambda a, g: a.at[c].add(g.astype(a.dtype)), dw, dwc)
-        return h_zero, h_zero, h_zero, h_zero, (loss, dw, dep)
+        return h_zero, h_zero, h_zero, h_zero, rbuf, (loss, dw, dep)
 
     # indexed by _schedule.IDLE, F, B, W; each action's ops named for the planner's FLOPs per action
     branches = [idle] + [_named(f, a) for f, a in zip((forward, backward, weights), _schedule.ACTIONS[1:], strict=True)]
 
     def tick(carry, columns):
-        xbuf, gbuf, fmsg, bmsg, acc = carry
+        xbuf, gbuf, rbuf, fmsg, bmsg, acc = carry
         row = jax.tree.map(lambda a: a[stage], columns)
         xbuf = xbuf.at[row["recv_x"]].set(fmsg)
         gbuf = gbuf.at[row["recv_g"]].set(bmsg)
         mb, sd = jax.tree.map(lambda a: a[row["micro"]], (mbs, sides))
         wc = jax.tree.map(lambda a: a[row["chunk"]], w)
-        y, dx, x_new, dy_new, acc = jax.lax.switch(
-            row["kind"], branches, row, mb, sd, wc, xbuf[row["read_x"]], gbuf[row["read_g"]], acc
+        y, dx, x_new, dy_new, rbuf, acc = jax.lax.switch(
+            row["kind"], branches, row, mb, sd, wc, xbuf[row["read_x"]], gbuf[row["read_g"]], rbuf, acc
         )
         xbuf = xbuf.at[row["store_x"]].set(x_new)
         gbuf = gbuf.at[row["store_g"]].set(dy_new)
         fmsg = jax.lax.ppermute(y, PP, fwd_pairs) if fwd_pairs else h_zero
         bmsg = jax.lax.ppermute(dx, PP, bwd_pairs) if bwd_pairs else h_zero
-        return (xbuf, gbuf, fmsg, bmsg, acc), None
+        return (xbuf, gbuf, rbuf, fmsg, bmsg, acc), None
 
     acc = (jnp.float32(0), _zeros(w, jnp.float32), _zeros(ep, jnp.float32))
     carry = (
         jnp.zeros((plan.n_x + 1, *probe.shape), probe.dtype),  # + 1: the scratch slot
         jnp.zeros((plan.n_g + 1, *probe.shape), probe.dtype),
+        [jnp.zeros((plan.n_r, *a.shape), a.dtype) for a in stash.kept],
         h_zero,
         h_zero,
         acc,
     )
     with nn.logical_axis_rules(()):  # the model's activation constraints do not apply per stage
-        (_, _, _, _, acc), _ = jax.lax.scan(tick, carry, xs)
+        (*_, acc), _ = jax.lax.scan(tick, carry, xs)
     return acc
 
 
 def run(
     stage_fn: Callable, first: Callable, last: Callable, cfg: Pipeline, stacked: Any, ep: Any, inputs: Any,
-    scale: jax.Array, side: Any = None, dims: list[int | None] | None = None,
+    scale: jax.Array, side: Any = None, dims: list[int | None] | None = None, keep: tuple[Keep, Callable] | None = None,
 ) -> tuple:  # fmt: skip
     """The schedule over the mesh: ``(loss, dw, dep)`` with ``stacked`` leaves ``[R, S, Lps, ...]``;
     gradients seeded with ``scale``, accumulated in fp32 on each rank and summed over the ranks in the
@@ -213,7 +251,11 @@ def run(
     ``dims`` (``zero3_gather="layer"``): per leaf of ``stacked`` (``jax.tree.leaves`` order), the dim of the
     natural ``[L, ...]`` layout split over ``dp`` (``None``: whole). Those leaves enter as their ``dp`` shards,
     the stage reads each layer through :func:`zjax.comm.gathered_tree` (gathered over ``dp`` per action,
-    :func:`zjax.comm.shard_reads`) and their gradients accumulate as shards."""
+    :func:`zjax.comm.shard_reads`) and their gradients accumulate as shards.
+
+    ``keep``: ``("F", fn)`` (the default, with ``stage_fn``): each forward keeps the residuals of ``fn``'s pullback
+    (what its remat policy saves) and B and W pull back from them; ``("B", fn)``: each forward keeps its input,
+    and B recomputes the stage as ``fn`` (which saves every activation), keeping the residuals for its W."""
     sizes = dict(jax.sharding.get_abstract_mesh().shape)
     stages = sizes.get(PP, 1)
     data = data_axes_here(sizes)
@@ -244,13 +286,14 @@ def run(
         layer_dims = [None if d is None else d - 1 for d in dims]
         _check_reads(stage_fn, first, cfg, stacked, layer_dims, ep, (inputs, side), n)
         stage_fn = _gathering(stage_fn, stacked, layer_dims)
+        keep = None if keep is None else (keep[0], _gathering(keep[1], stacked, layer_dims))
     ep_in, ep_spec = copies(ep, n * stages, lambda a: P(every, *free(a.ndim - 1)))
     in_rows = jax.tree.map(lambda a: P(lead), (inputs, side))
 
     def body(w, ep, rows, scale):
         w = jax.tree.map(lambda a: a[0, :, 0], w)  # [R, Lps, ...]: this stage's chunks
         ep = jax.tree.map(lambda a: a[0], ep)
-        loss, dw, dep = _tick_loop(stage_fn, first, last, cfg, stages, w, ep, *rows[:1], scale, rows[1])
+        loss, dw, dep = _tick_loop(stage_fn, first, last, cfg, stages, w, ep, rows[0], scale, rows[1], keep)
         return loss[None], jax.tree.map(lambda a: a[None, :, None], dw), jax.tree.map(lambda a: a[None], dep)
 
     loss, dw, dep = jax.shard_map(

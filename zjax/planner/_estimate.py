@@ -137,12 +137,13 @@ def estimate_fn(
             compiled, hlo = partitioned_hlo(step.lower(state, batch))
         report = step.memory_report(state, batch, compiled=compiled)
         psi = report.num_params
-        comm = count_collectives(hlo, dict(device_mesh.shape))
-        steps = _timeline(hlo, target)
         fields = _pipeline_fields(plan.pipeline, stages_pp)
         pipe = plan.pipeline
         tab = pipe.table(stages_pp) if pipe is not None and pipe.tabled and fields else None
-        per_step, per_action = step_flops(hlo, pipe.microbatches * pipe.repeats / tab.ticks if pipe and tab else 0.0)
+        share, ends = (pipe.microbatches * pipe.repeats / tab.ticks, 1 / (stages_pp * pipe.repeats)) if tab else (0, 0)
+        comm = count_collectives(hlo, dict(device_mesh.shape), share)  # a table's actions on their share of ticks
+        steps = _timeline(hlo, target)
+        per_step, per_action = step_flops(hlo, share, ends)
         if tab is not None and per_action:  # the table's ticks weighed by what each action computes
             fields["bubble_time"] = tuple(float(b) for b in tab.bubble_time(per_action))
         elif fields:  # GPipe's scan: every iteration computes alike (its bubbles on zeros), so time is iterations

@@ -5,24 +5,27 @@ over iterations, the table engine's scan over ticks). Here the matrix products (
 GEMMs) of every computation are counted with their executions per step: a loop body times its trips, and a
 table schedule's tick loop per action: its ``lax.switch`` branches carry the name scope of their action (F, B or
 W, :data:`zjax.pipeline.ACTION_SCOPE`), so each branch counts once per tick that runs it (``M x chunks`` each,
-per stage). Any other conditional counts its costliest branch (the first stage's embedding and the last's loss
-inside F and B: every stage is charged them, an upper bound). Elementwise work is not counted.
+per stage). Inside an action, a branch in :data:`zjax.pipeline.ENDS_SCOPE` (the first stage's embedding, the last's
+loss) counts on its share of the actions (``1 / (S x chunks)``: per device, averaged over the stages), the other
+branch on the rest; any other conditional counts its costliest branch. Elementwise work is not counted.
 """
 
 from __future__ import annotations
 
 import re
 
-from ..pipeline import ACTION_SCOPE
-from ._hlo import _callees, _Instr, _parse, _trip_count
+from ..pipeline import ENDS_SCOPE
+from ._hlo import ACTION, _callees, _Instr, _parse, _trip_count
 from ._timeline import _dot_flops, _gemm_flops
 
-_LABEL = re.compile(r'op_name="[^"]*' + ACTION_SCOPE + r"([FBW])\b")
+_ENDS = re.compile(r'op_name="[^"]*' + ENDS_SCOPE + r"\b")
 
 
-def step_flops(hlo_text: str, share: float = 0.0) -> tuple[float, dict[str, float]]:
+def step_flops(hlo_text: str, share: float = 0.0, ends: float = 0.0) -> tuple[float, dict[str, float]]:
     """``(FLOPs per step and device, FLOPs of one F, B and W action)`` of a module's text; ``share``: the fraction
-    of a table schedule's ticks on which a stage runs each action kind (``M x chunks / ticks``; 0: no table)."""
+    of a table schedule's ticks on which a stage runs each action kind (``M x chunks / ticks``; 0: no table);
+    ``ends``: the fraction of the actions that run a branch in :data:`zjax.pipeline.ENDS_SCOPE` (``1 / (S x
+    chunks)``; 0: its costliest branch)."""
     comps, entry = _parse(hlo_text)
     if entry is None:
         raise ValueError("step_flops: no ENTRY computation found in the HLO text.")
@@ -32,7 +35,7 @@ def step_flops(hlo_text: str, share: float = 0.0) -> tuple[float, dict[str, floa
 
     def label(comp: str) -> str | None:
         for instr in comps.get(comp, []):
-            found = _LABEL.search(instr.rest)
+            found = ACTION.search(instr.rest)
             if found:
                 return found.group(1)
         return None
@@ -58,9 +61,13 @@ def step_flops(hlo_text: str, share: float = 0.0) -> tuple[float, dict[str, floa
         if instr.opcode != "conditional":
             return total + sum(flops(c) for c in callees)
         labels = {c: label(c) for c in callees}
-        if share and any(labels.values()):  # the tick loop's switch: each action on its share of the ticks
+        if share and len({a for a in labels.values() if a is not None}) > 1:  # the tick loop's switch
             per_action.update({a: flops(c) for c, a in labels.items() if a is not None})
             return total + share * sum(flops(c) for c, a in labels.items() if a is not None)
+        marked = [c for c in callees if any(_ENDS.search(i.rest) for i in comps.get(c, []))]
+        rest = [c for c in callees if c not in marked]
+        if ends and marked and rest:  # inside an action: the first or the last stage's part, on its share
+            return total + ends * max(map(flops, marked)) + (1 - ends) * max(map(flops, rest))
         return total + max((flops(c) for c in callees), default=0.0)
 
     return flops(entry), per_action

@@ -19,7 +19,9 @@ import math
 import re
 from collections import defaultdict
 
-import numpy as np
+from ..pipeline import ACTION_SCOPE
+from ._groups import replica_groups as replica_groups
+from ._groups import spanned_axes as spanned_axes
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
 _DTYPE_BYTES: dict[str, float] = {
@@ -39,60 +41,6 @@ def _bytes(type_text: str) -> int:
         if dtype in _DTYPE_BYTES:  # sub-byte types pack: 2 x int4 per byte, rounded up per array
             total += math.ceil(math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dtype])
     return int(total)
-
-
-_MESH_GROUPS = re.compile(
-    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([0-9,]*)\](?:T\(([0-9,]*)\))?\))?\s*\{([^}]*)\}"
-)
-
-
-def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
-    ids = np.arange(math.prod(dims)).reshape(dims)
-    return ids.transpose(perm) if perm else ids
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def replica_groups(attrs: str, num_devices: int) -> list[list[int]]:
-    """The device groups of a collective's ``replica_groups`` (every HLO text format), as partition ids.
-
-    Formats: ``{{0,1},{2,3}}``; the iota form ``[G,S]<=[dims]T(perm)``; the mesh form
-    ``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`` with an optional ``device_ids=([dims]T(perm))``;
-    and ``{}`` (one group of all devices).
-    """
-    m = _MESH_GROUPS.search(attrs)
-    if m:
-        pairs = re.findall(r"'?([\w.]+)'?=(\d+)", m.group(1))
-        names, sizes = [n for n, _ in pairs], [int(v) for _, v in pairs]
-        ids = _iota(_ints(m.group(2)), _ints(m.group(3)) or None) if m.group(2) else np.arange(math.prod(sizes))
-        ids = ids.reshape(sizes)
-        over = [names.index(a.strip().strip("'")) for a in m.group(4).split(",") if a.strip()]
-        rest = [i for i in range(len(names)) if i not in over]
-        size = math.prod(sizes[i] for i in over)
-        return ids.transpose(rest + over).reshape(-1, size).tolist()
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]*)\](?:T\(([0-9,]*)\))?", attrs)
-    if m:
-        ids = _iota(_ints(m.group(3)), _ints(m.group(4)) if m.group(4) else None)
-        return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
-    m = re.search(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}", attrs)
-    if m and m.group(1):
-        return [_ints(g) for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
-    permute = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attrs)
-    if permute:
-        return [_ints(g) for g in re.findall(r"\{([0-9,]*)\}", permute.group(1))]
-    return [list(range(num_devices))]
-
-
-def spanned_axes(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
-    """The mesh axes along which some group's devices differ (partition id = position in the mesh)."""
-    names, sizes = list(mesh_shape), list(mesh_shape.values())
-    varies = set()
-    for group in groups:
-        coords = np.array(np.unravel_index(np.array(group), sizes)).T
-        varies |= {names[i] for i in range(len(names)) if len(set(coords[:, i].tolist())) > 1}
-    return tuple(n for n in names if n in varies)
 
 
 @dataclasses.dataclass
@@ -164,13 +112,24 @@ def _volume(comps: dict[str, list[_Instr]], name: str, memo: dict[str, int]) -> 
     return memo[name]
 
 
-def _multiplicities(comps: dict[str, list[_Instr]], entry: str) -> tuple[dict[str, int], set[str]]:
-    """Trips per step of every computation reachable from ``entry``, and those inside a ``while`` body."""
-    mult: dict[str, int] = defaultdict(int)
+ACTION = re.compile(r'op_name="[^"]*' + ACTION_SCOPE + r"([FBW])\b")
+"""A table schedule's action in an instruction's ``op_name`` (its group: the action's letter)."""
+
+
+def _action(instrs: list[_Instr]) -> str | None:
+    return next((m.group(1) for i in instrs if (m := ACTION.search(i.rest))), None)
+
+
+def _multiplicities(
+    comps: dict[str, list[_Instr]], entry: str, share: float = 0.0
+) -> tuple[dict[str, float], set[str]]:
+    """Trips per step of every computation reachable from ``entry``, and those inside a ``while`` body. ``share``: a
+    table schedule's tick loop runs each action's branch on that share of its trips (0: its costliest branch)."""
+    mult: dict[str, float] = defaultdict(float)
     looped: set[str] = set()
     volumes: dict[str, int] = {}
 
-    def visit(name: str, factor: int, in_loop: bool) -> None:
+    def visit(name: str, factor: float, in_loop: bool) -> None:
         mult[name] += factor
         if in_loop:
             looped.add(name)
@@ -186,7 +145,11 @@ def _multiplicities(comps: dict[str, list[_Instr]], entry: str) -> tuple[dict[st
             elif instr.opcode == "conditional":
                 # one branch runs per execution: count the one that communicates most, not all of them
                 branches = [c for c in _callees(instr.rest) if c in comps and c != name]
-                if branches:
+                acts = {c: _action(comps[c]) for c in branches}
+                if share and len(set(acts.values()) - {None}) > 1:  # the tick loop's switch: every action runs
+                    for c in (c for c, a in acts.items() if a):
+                        visit(c, factor * share, in_loop)
+                elif branches:
                     visit(max(branches, key=lambda c: _volume(comps, c, volumes)), factor, in_loop)
 
     visit(entry, 1, False)
@@ -202,7 +165,7 @@ class Collective:
     bytes: int  # size of its result
     volume: int  # ZeRO-paper volume per execution
     wire: int  # ring bytes sent per device per execution
-    trips: int  # executions per step (while-loop trips multiplied out)
+    trips: float  # executions per step (while-loop trips multiplied out; a table's actions on their share of ticks)
     in_loop: bool
     groups: list[list[int]]
     computation: str = ""  # the HLO computation it sits in (a while body, for loop collectives)
@@ -222,12 +185,13 @@ def _num_devices(text: str) -> int:
     return int(m.group(1)) if m else 1
 
 
-def collectives(hlo_text: str) -> list[Collective]:
-    """Every collective of an HLO module's text, with its bytes, trips per step and device groups."""
+def collectives(hlo_text: str, share: float = 0.0) -> list[Collective]:
+    """Every collective of an HLO module's text, with its bytes, trips per step and device groups (``share``: of a
+    table schedule's ticks, those that run each action, ``M x chunks / ticks``; 0: its costliest action each tick)."""
     comps, entry = _parse(hlo_text)
     if entry is None:
         raise ValueError("count_collectives: no ENTRY computation found in the HLO text.")
-    mult, looped = _multiplicities(comps, entry)
+    mult, looped = _multiplicities(comps, entry, share)
     devices = _num_devices(hlo_text)
     out = []
     for comp, instrs in comps.items():
@@ -372,13 +336,14 @@ class Communication:
         return sum(v for axes, v in self.by_axes.items() if axis in axes)
 
 
-def count_collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None) -> Communication:
+def count_collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None, share: float = 0.0) -> Communication:
     """Collective bytes per device per step of an HLO module's text.
 
     Args:
       hlo_text: the module (see :func:`partitioned_hlo`).
       mesh_shape: the mesh's ``{axis: size}`` in order (``dict(mesh.shape)``); with it, volumes are
         also broken down by the axes each collective spans.
+      share: a table schedule's ``M x chunks / ticks`` (:func:`collectives`).
     """
     volume: dict[str, int] = dict.fromkeys(KINDS, 0)
     wire: dict[str, int] = dict.fromkeys(KINDS, 0)
@@ -386,7 +351,7 @@ def count_collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None) -
     by_axes: dict[tuple[str, ...], int] = defaultdict(int)
     overlapped: dict[tuple[str, ...], int] = defaultdict(int)
     all_to_all: dict[tuple[str, ...], int] = defaultdict(int)
-    for c in collectives(hlo_text):
+    for c in collectives(hlo_text, share):
         volume[c.kind] += c.volume * c.trips
         wire[c.kind] += c.wire * c.trips
         count[c.kind] += c.trips
@@ -397,4 +362,5 @@ def count_collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None) -
             overlapped[axes] += c.volume * c.trips
         if c.kind in ("all-to-all", "ragged-all-to-all"):
             all_to_all[axes] += c.volume * c.trips
-    return Communication(volume, wire, count, dict(by_axes), dict(overlapped), dict(all_to_all))
+    whole = lambda d: {k: round(v) for k, v in d.items()}  # noqa: E731 - a table's shares make fractions
+    return Communication(*map(whole, (volume, wire, count, by_axes, overlapped, all_to_all)))

@@ -90,7 +90,7 @@ def check(cfg: RunConfig) -> None:
             )
     if stages > 1:
         Pipeline(micro, repeats=cfg.pipeline.repeats, zero3_gather=cfg.pipeline.zero3_gather,
-                 schedule=cfg.pipeline.schedule).check(stages)  # fmt: skip
+                 schedule=cfg.pipeline.schedule, recompute=cfg.pipeline.recompute).check(stages)  # fmt: skip
 
 
 def check_devices(cfg: RunConfig, devices: int) -> dict[str, int]:
@@ -164,7 +164,7 @@ def run_lm(cfg: RunConfig, argv: Sequence[str] | None = None, log: Callable[...,
         stages, pipeline, p = sizes.get("pp", 1), None, cfg.pipeline
         if stages > 1 or p.microbatches is not None:
             pipeline = Pipeline(p.microbatches or 2 * stages, repeats=p.repeats, zero3_gather=p.zero3_gather,
-                                     schedule=p.schedule)  # fmt: skip
+                                schedule=p.schedule, recompute=p.recompute)  # fmt: skip
             chunks = stages * p.repeats
             if model_cfg.layers % chunks and cfg.model.hf is not None:
                 raise ValueError(

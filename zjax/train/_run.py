@@ -133,15 +133,16 @@ class PlanSection:
 class PipelineSection:
     """``[pipeline]``, used on a mesh with ``pp > 1``: ``schedule`` (gpipe, 1f1b, interleaved-1f1b, zero-bubble),
     ``microbatches`` (default 2 x pp), ``repeats`` (chunks of layers per stage), ``zero3_gather`` (step, layer,
-    chunk)."""
+    chunk), ``recompute`` (once, per-action: :class:`zjax.Pipeline`'s)."""
 
     schedule: str = "gpipe"
     microbatches: int | None = None
     repeats: int = 1
     zero3_gather: str | None = None
+    recompute: str = "once"
 
     def __post_init__(self) -> None:
-        from ..pipeline import SCHEDULES
+        from ..pipeline import RECOMPUTE, SCHEDULES
         from ..pipeline._config import GATHER_MODES
 
         _one_of("pipeline.schedule", self.schedule, SCHEDULES)
@@ -150,6 +151,7 @@ class PipelineSection:
             _at_least("pipeline.microbatches", self.microbatches, 1)
         if self.zero3_gather is not None:
             _one_of("pipeline.zero3_gather", self.zero3_gather, GATHER_MODES)
+        _one_of("pipeline.recompute", self.recompute, RECOMPUTE)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,117 @@
+"""Where the table engine keeps what each microbatch's actions hand each other, per tick and stage.
+
+Three buffers per stage, each a few slots that microbatches take turns in (an interval colouring of their
+lifetimes): ``x``, a stage input from its arrival to the action that last reads it; ``g``, an output gradient
+from its arrival to the W; ``r``, the residuals of the stage's backward pass (what ``jax.vjp`` keeps) from the
+action that makes them to the W. Which action makes them is the engine's ``keep``: ``"F"`` (the forward keeps
+what the remat policy saves; B and W pull back from it) or ``"B"`` (the forward keeps only the input; B recomputes
+the stage keeping everything, so W recomputes nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import numpy as np
+
+from ._schedule import B, F, Table, W, _after, _before, _key
+
+Keep = Literal["F", "B"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Slots:
+    """The slot plan of a table, per tick and stage: ``recv_*`` (the slot an arriving message goes to), ``read_*``
+    (the slot the action reads), ``store_*`` (the slot an action's own result goes to: a first stage's input, a
+    last stage's loss gradient, the residuals). Slot ``n_x`` / ``n_g`` is scratch (writes there are dropped);
+    ``store_r`` is -1 where nothing is kept. ``first``/``last`` flag the actions that start from the inputs or
+    end in the loss."""
+
+    n_x: int
+    n_g: int
+    n_r: int
+    recv_x: np.ndarray
+    recv_g: np.ndarray
+    read_x: np.ndarray
+    read_g: np.ndarray
+    read_r: np.ndarray
+    store_x: np.ndarray
+    store_g: np.ndarray
+    store_r: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+
+
+def _colour(intervals: list[tuple[int, int, object]]) -> tuple[dict[object, int], int]:
+    """Interval-graph colouring: a slot per key, reused once its interval (inclusive ticks) is over."""
+    free: list[int] = []
+    busy: list[tuple[int, int]] = []  # (end, slot)
+    slot_of: dict[object, int] = {}
+    count = 0
+    for start, end, key in sorted(intervals, key=lambda x: (x[0], x[1])):
+        for item in sorted(busy):
+            if item[0] < start:
+                busy.remove(item)
+                free.append(item[1])
+        if free:
+            slot = min(free)
+            free.remove(slot)
+        else:
+            slot, count = count, count + 1
+        busy.append((end, slot))
+        slot_of[key] = slot
+    return slot_of, count
+
+
+@functools.lru_cache(maxsize=64)
+def slots(tab: Table, keep: Keep = "B") -> Slots:
+    """The buffers' slot plan for ``tab`` when ``keep`` makes the residuals (static: the engine indexes it per
+    tick)."""
+    s_, v, shape = tab.stages, tab.chunks, tab.kind.shape
+    at: dict[tuple[int, int, int, int], int] = {}
+    for t in range(tab.ticks):
+        for s in range(s_):
+            if tab.kind[t, s]:
+                at[(int(tab.kind[t, s]), s, int(tab.micro[t, s]), int(tab.chunk[t, s]))] = t
+    is_first = lambda s, c: s == 0 and c == 0  # noqa: E731
+    is_last = lambda s, c: s == s_ - 1 and c == v - 1  # noqa: E731
+    lives: list[tuple[list, list, list]] = [([], [], []) for _ in range(s_)]  # x, g, r intervals per stage
+    for (kind, s, m, c), t in at.items():
+        if kind != W:
+            continue
+        t_f, t_b = at[(F, s, m, c)], at[(B, s, m, c)]
+        # an input from its arrival (a first stage's from its own forward) until the action that last reads it
+        x_start = t_f if is_first(s, c) else at[_key(F, _before(s, c, s_), m)] + 1
+        g_start = t_f if is_last(s, c) else at[_key(B, _after(s, c, s_), m)] + 1
+        lives[s][0].append((x_start, t_f if keep == "F" else t_b, (m, c)))
+        lives[s][1].append((g_start, t, (m, c)))
+        lives[s][2].append((t_f if keep == "F" else t_b, t, (m, c)))
+    colours = [tuple(_colour(iv) for iv in stage) for stage in lives]
+    n_x, n_g = (max([1] + [stage[i][1] for stage in colours]) for i in (0, 1))
+    n_r = max([0] + [stage[2][1] for stage in colours])
+    recv_x, read_x, store_x = (np.full(shape, n_x, np.int32) for _ in range(3))
+    recv_g, read_g, store_g = (np.full(shape, n_g, np.int32) for _ in range(3))
+    read_r, store_r = np.zeros(shape, np.int32), np.full(shape, -1, np.int32)
+    first, last = np.zeros(shape, bool), np.zeros(shape, bool)
+    for (kind, s, m, c), t in at.items():
+        (x_of, _), (g_of, _), (r_of, _) = colours[s]
+        first[t, s], last[t, s] = is_first(s, c), is_last(s, c)
+        read_x[t, s], read_r[t, s] = x_of[(m, c)], r_of[(m, c)]
+        if kind != F:
+            read_g[t, s] = g_of[(m, c)]
+        if kind == (F if keep == "F" else B):
+            store_r[t, s] = r_of[(m, c)]
+        if kind == F:
+            if is_first(s, c):
+                store_x[t, s] = x_of[(m, c)]
+            if is_last(s, c):
+                store_g[t, s] = g_of[(m, c)]
+            else:
+                nxt, nc = _after(s, c, s_)  # the next stage (or stage 0's next chunk) receives it at t + 1
+                recv_x[t + 1, nxt] = colours[nxt][0][0][(m, nc)]
+        if kind == B and not is_first(s, c):
+            prv, pc = _before(s, c, s_)
+            recv_g[t + 1, prv] = colours[prv][1][0][(m, pc)]
+    return Slots(n_x, n_g, n_r, recv_x, recv_g, read_x, read_g, read_r, store_x, store_g, store_r, first, last)
