@@ -7,11 +7,11 @@ data axes. On every tick each stage looks up its action (:mod:`._schedule`) and 
 stage ends in ``last`` and its gradient), B pulls the output gradient back to the stage's input, W to
 its weights. B and W pull back through one ``jax.vjp`` per microbatch (:mod:`._stash`): the forward's
 (it keeps what the remat policy saves), or, when the policy saves nothing but the layers' inputs, B's
-(B recomputes the stage once, keeping every activation for its W), so no action runs the forward a
-second time. Then every stage sends its F output forward and its B output backward (two ``ppermute``s
-over ``pp``). Inputs, gradients and residuals wait in slot buffers sized by the table
-(:mod:`._slots`), so memory follows the schedule's microbatches in flight, not the number of
-microbatches.
+(B recomputes the stage once, keeping its matrix products for its W), so no action runs a forward that
+another kept, and each computes only its part of the backward pass. Then every stage sends its F
+output forward and its B output backward (two ``ppermute``s over ``pp``). Inputs, gradients and
+residuals wait in slot buffers sized by the table (:mod:`._slots`), so memory follows the schedule's
+microbatches in flight, not the number of microbatches.
 
 The gradients are made in the forward pass (the schedule interleaves F, B and W), so :func:`loss` is a
 ``custom_vjp`` whose backward pass only scales them by the loss's cotangent. They are seeded with
@@ -227,7 +227,7 @@ def _tick_loop(
         return (xbuf, gbuf, rbuf, fmsg, bmsg, acc), None
 
     acc = (jnp.float32(0), _zeros(w, jnp.float32), _zeros(ep, jnp.float32))
-    carry = (
+    carry: tuple = (
         jnp.zeros((plan.n_x + 1, *probe.shape), probe.dtype),  # + 1: the scratch slot
         jnp.zeros((plan.n_g + 1, *probe.shape), probe.dtype),
         [jnp.zeros((plan.n_r, *a.shape), a.dtype) for a in stash.kept],
@@ -255,7 +255,7 @@ def run(
 
     ``keep``: ``("F", fn)`` (the default, with ``stage_fn``): each forward keeps the residuals of ``fn``'s pullback
     (what its remat policy saves) and B and W pull back from them; ``("B", fn)``: each forward keeps its input,
-    and B recomputes the stage as ``fn`` (which saves every activation), keeping the residuals for its W."""
+    and B recomputes the stage as ``fn`` (which saves what W needs), keeping the residuals for its W."""
     sizes = dict(jax.sharding.get_abstract_mesh().shape)
     stages = sizes.get(PP, 1)
     data = data_axes_here(sizes)

@@ -140,7 +140,9 @@ def estimate_fn(
         fields = _pipeline_fields(plan.pipeline, stages_pp)
         pipe = plan.pipeline
         tab = pipe.table(stages_pp) if pipe is not None and pipe.tabled and fields else None
-        share, ends = (pipe.microbatches * pipe.repeats / tab.ticks, 1 / (stages_pp * pipe.repeats)) if tab else (0, 0)
+        share, ends = 0.0, 0.0
+        if pipe is not None and tab is not None:  # each action on its share of the ticks, the ends on theirs
+            share, ends = pipe.microbatches * pipe.repeats / tab.ticks, 1 / (stages_pp * pipe.repeats)
         comm = count_collectives(hlo, dict(device_mesh.shape), share)  # a table's actions on their share of ticks
         steps = _timeline(hlo, target)
         per_step, per_action = step_flops(hlo, share, ends)

@@ -43,7 +43,7 @@ def count_gemms(hlo_text: str) -> dict[str, int]:
                 found.append(" x ".join(ops))
         return found
 
-    counts: dict[str, int] = defaultdict(int)
+    counts: dict[str, float] = defaultdict(float)
     for comp, factor in mult.items():
         for kind in products(comp):
             counts[kind] += factor
@@ -52,4 +52,4 @@ def count_gemms(hlo_text: str) -> dict[str, int]:
                 callee = re.search(r"calls=%?([\w.\-]+)", instr.rest)
                 for kind in products(callee.group(1)) if callee else []:
                     counts[kind] += factor
-    return dict(counts)
+    return {k: round(v) for k, v in counts.items()}

@@ -345,12 +345,12 @@ def count_collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None, s
         also broken down by the axes each collective spans.
       share: a table schedule's ``M x chunks / ticks`` (:func:`collectives`).
     """
-    volume: dict[str, int] = dict.fromkeys(KINDS, 0)
-    wire: dict[str, int] = dict.fromkeys(KINDS, 0)
-    count: dict[str, int] = dict.fromkeys(KINDS, 0)
-    by_axes: dict[tuple[str, ...], int] = defaultdict(int)
-    overlapped: dict[tuple[str, ...], int] = defaultdict(int)
-    all_to_all: dict[tuple[str, ...], int] = defaultdict(int)
+    volume: dict[str, float] = dict.fromkeys(KINDS, 0.0)
+    wire: dict[str, float] = dict.fromkeys(KINDS, 0.0)
+    count: dict[str, float] = dict.fromkeys(KINDS, 0.0)
+    by_axes: dict[tuple[str, ...], float] = defaultdict(float)
+    overlapped: dict[tuple[str, ...], float] = defaultdict(float)
+    all_to_all: dict[tuple[str, ...], float] = defaultdict(float)
     for c in collectives(hlo_text, share):
         volume[c.kind] += c.volume * c.trips
         wire[c.kind] += c.wire * c.trips
