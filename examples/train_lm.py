@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the pipeline's schedule (--schedule: the same)")  # fmt: skip
     add("--zero3-gather", choices=("step", "layer", "chunk"), default=None, help="pipeline weight gathering")
     add("--recompute", choices=zjax.pipeline.RECOMPUTE, default="once",
-        help="table schedules under full remat: B recomputes once for B and W, or per-action (least memory)")  # fmt: skip
+        help="table schedules, full remat: B recomputes once for B and W, or per-action (least memory)")  # fmt: skip
     add("--lr", type=float, default=3e-3)
     add("--lr-schedule", choices=zjax.train.SCHEDULES, default="cosine", help="after a warm-up of a tenth of the steps")
     add("--optimizer", choices=zjax.train.OPTIMIZERS, default="adamw", help="fused_adamw: zjax.pallas's kernel")
