@@ -61,6 +61,10 @@ def scan_layers(
     ``layer_fn`` returns ``(h, sums)`` and the stage ``(h, sums stacked per layer)`` (:func:`apply`'s
     ``outputs``). A pipeline with side inputs (:func:`apply`'s ``side``) calls the stage, and so
     ``layer_fn``, with the microbatch's side inputs last: ``layer_fn(layer, h, side)``.
+
+    The table schedules read from the stage what their B and W pull back from (``Pipeline(recompute=...)``):
+    under ``full`` and ``nested`` the stage that keeps each layer's matrix products, which B recomputes once;
+    under ``none`` the stage that keeps everything but the weights gathered per layer.
     """
     policy = RematPolicy.from_str(remat)
 

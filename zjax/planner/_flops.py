@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 
 from ..pipeline import ENDS_SCOPE
-from ._hlo import ACTION, _callees, _Instr, _parse, _trip_count
+from ._hlo import _action, _callees, _Instr, _parse, _trip_count
 from ._timeline import _dot_flops, _gemm_flops
 
 _ENDS = re.compile(r'op_name="[^"]*' + ENDS_SCOPE + r"\b")
@@ -32,13 +32,6 @@ def step_flops(hlo_text: str, share: float = 0.0, ends: float = 0.0) -> tuple[fl
     types = {name: {i.name: i.type_text for i in instrs} for name, instrs in comps.items()}
     memo: dict[str, float] = {}
     per_action: dict[str, float] = {}
-
-    def label(comp: str) -> str | None:
-        for instr in comps.get(comp, []):
-            found = ACTION.search(instr.rest)
-            if found:
-                return found.group(1)
-        return None
 
     def flops(comp: str) -> float:  # one execution of ``comp``
         if comp in memo:
@@ -60,7 +53,7 @@ def step_flops(hlo_text: str, share: float = 0.0, ends: float = 0.0) -> tuple[fl
         callees = [c for c in (fused + _callees(instr.rest)) if c in comps and c != comp]
         if instr.opcode != "conditional":
             return total + sum(flops(c) for c in callees)
-        labels = {c: label(c) for c in callees}
+        labels = {c: _action(comps.get(c, [])) for c in callees}
         if share and len({a for a in labels.values() if a is not None}) > 1:  # the tick loop's switch
             per_action.update({a: flops(c) for c, a in labels.items() if a is not None})
             return total + share * sum(flops(c) for c, a in labels.items() if a is not None)

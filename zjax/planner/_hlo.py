@@ -112,12 +112,12 @@ def _volume(comps: dict[str, list[_Instr]], name: str, memo: dict[str, int]) -> 
     return memo[name]
 
 
-ACTION = re.compile(r'op_name="[^"]*' + ACTION_SCOPE + r"([FBW])\b")
+_ACTION = re.compile(r'op_name="[^"]*' + ACTION_SCOPE + r"([FBW])\b")
 """A table schedule's action in an instruction's ``op_name`` (its group: the action's letter)."""
 
 
 def _action(instrs: list[_Instr]) -> str | None:
-    return next((m.group(1) for i in instrs if (m := ACTION.search(i.rest))), None)
+    return next((m.group(1) for i in instrs if (m := _ACTION.search(i.rest))), None)
 
 
 def _multiplicities(
