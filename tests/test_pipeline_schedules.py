@@ -295,7 +295,7 @@ def test_a_decoders_actions_compute_no_forward_twice():
     """The Decoder through zero-bubble (full remat): B recomputes the stage once and computes no weight gradient,
     W pulls back from what B kept (the chain to each weight, and its gradient); ``recompute="per-action"`` makes W
     recompute the forward too. In F-equivalents of the compiled branches' products (XLA keeps a loop output it
-    does not need, so without the engine's cut, B would compute the weights' products too: 2.9 F)."""
+    does not need, so without the engine's cut, B would compute the weights' products too: 2.8 F)."""
     from zjax.planner._flops import step_flops
 
     init_fn, loss_fn = decoder_task()
