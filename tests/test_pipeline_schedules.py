@@ -166,10 +166,11 @@ def toy_layer(layer, h):
     return h + jnp.tanh(h @ layer["w"] + layer["b"])
 
 
+@pytest.mark.slow  # fast budget: the decoder's actions below (fast) and the objective grid's zero-bubble case
 @pytest.mark.parametrize(("remat", "recompute", "b", "w"), [
     ("full", "once", 2, 2),  # B recomputes the stage keeping its products; W pulls back from them
-    pytest.param("full", "per-action", 2, 3, marks=pytest.mark.slow),  # B and W each recompute from layer inputs
-    pytest.param("none", "once", 1, 2, marks=pytest.mark.slow),  # the forward keeps everything: B is dx's chain
+    ("full", "per-action", 2, 3),  # B and W each recompute from the layers' inputs the forward kept
+    ("none", "once", 1, 2),  # the forward keeps everything: B is the input's backward chain alone
 ])  # fmt: skip
 def test_no_action_runs_the_forward_again_unless_asked(remat, recompute, b, w):
     """Each action's products (FLOPs of the compiled branches, in units of one layer's forward over a
