@@ -68,40 +68,34 @@ def scan_layers(
     """
     policy = RematPolicy.from_str(remat)
 
-    def stage_fn(stage_layers: Any, h: jax.Array, *side: Any) -> Any:
-        one = lambda w, x: layer_fn(w, x, *side)  # noqa: E731
-        if policy.kind == "nested":  # groups of the stage's layers (zjax.remat.nested_scan)
-            return nested_scan(one, stage_layers, h, policy, outputs=outputs)
-
-        def body(h: jax.Array, layer: Any) -> tuple[jax.Array, Any]:
-            return one(layer, h) if outputs else (one(layer, h), None)
-
-        if policy.remat:
-            body = jax.checkpoint(body, policy=policy.jax_policy(), prevent_cse=False)
-        h, sums = jax.lax.scan(body, h, stage_layers)
-        return (h, sums) if outputs else h
-
-    def saving(keeps: Any) -> Callable[..., Any]:
-        """The stage keeping what ``keeps`` saves of each layer (its gathered weights are re-gathered)."""
+    def scanned(keeps: Any) -> Callable[..., Any]:
+        """The stage as one scan of its layers, each checkpointed with ``keeps`` (``None``: not checkpointed)."""
 
         def stage(stage_layers: Any, h: jax.Array, *side: Any) -> Any:
             def body(h: jax.Array, layer: Any) -> tuple[jax.Array, Any]:
                 out = layer_fn(layer, h, *side)
                 return out if outputs else (out, None)
 
-            h, sums = jax.lax.scan(jax.checkpoint(body, policy=keeps, prevent_cse=False), h, stage_layers)
+            if keeps is not None:
+                body = jax.checkpoint(body, policy=keeps, prevent_cse=False)
+            h, sums = jax.lax.scan(body, h, stage_layers)
             return (h, sums) if outputs else h
 
         return stage
+
+    def stage_fn(stage_layers: Any, h: jax.Array, *side: Any) -> Any:
+        if policy.kind == "nested":  # groups of the stage's layers (zjax.remat.nested_scan)
+            return nested_scan(lambda w, x: layer_fn(w, x, *side), stage_layers, h, policy, outputs=outputs)
+        return scanned(policy.jax_policy() if policy.remat else None)(stage_layers, h, *side)
 
     # the table engine's residuals (zjax.pipeline.Pipeline.recompute): layers recomputed whole are recomputed
     # once, by B, which keeps their matmul outputs for W; any other policy's forward keeps what it saves
     cp = jax.checkpoint_policies
     if policy.kind in ("full", "nested"):
-        once = ("B", saving(cp.dots_saveable))
+        once = ("B", scanned(cp.dots_saveable))
         stage_fn.zjax_keep = {"once": once, "per-action": ("F", stage_fn)}  # type: ignore[attr-defined]
     elif not policy.remat:
-        stage_fn.zjax_keep = ("F", saving(cp.save_anything_except_these_names(GATHERED)))  # type: ignore[attr-defined]
+        stage_fn.zjax_keep = ("F", scanned(cp.save_anything_except_these_names(GATHERED)))  # type: ignore[attr-defined]
     return stage_fn
 
 

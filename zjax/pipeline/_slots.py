@@ -5,7 +5,7 @@ lifetimes): ``x``, a stage input from its arrival to the action that last reads 
 from its arrival to the W; ``r``, the residuals of the stage's backward pass (what ``jax.vjp`` keeps) from the
 action that makes them to the W. Which action makes them is the engine's ``keep``: ``"F"`` (the forward keeps
 what the remat policy saves; B and W pull back from it) or ``"B"`` (the forward keeps only the input; B recomputes
-the stage keeping everything, so W recomputes nothing).
+the stage once, keeping what W pulls back from).
 """
 
 from __future__ import annotations
