@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--repeats", type=int, default=1, help="pipeline repeats: chunks of layers per stage")
     add("--pipeline-schedule", "--schedule", dest="schedule", choices=zjax.pipeline.SCHEDULES, default="gpipe",
         help="the pipeline's schedule (--schedule: the same)")  # fmt: skip
+    add("--pipeline-table", type=Path, default=None, help="a schedule of one's own: a file of actions per stage "
+        "(zjax.pipeline.parse_table's format), run in place of --pipeline-schedule")  # fmt: skip
     add("--zero3-gather", choices=("step", "layer", "chunk"), default=None, help="pipeline weight gathering")
     add("--recompute", choices=zjax.pipeline.RECOMPUTE, default="once",
         help="table schedules, full remat: B recomputes once for B and W, or per-action (least memory)")  # fmt: skip
@@ -84,7 +86,7 @@ SECTIONS = {  # the example's flags -> zjax train's settings
     "plan": {"stage": "stage", "precision": "precision", "accum": "accum", "offload": "offload",
              "quantize_comm": "quantize_comm", "reduce_dtype": "reduce_dtype", "hpz": "hpz"},
     "pipeline": {"schedule": "schedule", "microbatches": "microbatches", "repeats": "repeats",
-                 "zero3_gather": "zero3_gather", "recompute": "recompute"},
+                 "zero3_gather": "zero3_gather", "recompute": "recompute", "pipeline_table": "table"},
     "optim": {"optimizer": "name", "lr": "lr", "lr_schedule": "schedule", "weight_decay": "weight_decay",
               "clip_norm": "clip_norm"},
     "output": {"metrics_json": "metrics_json", "save_hf": "save_hf"},

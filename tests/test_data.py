@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -118,6 +119,14 @@ def test_flops_per_token_hand_count():
     assert zjax.metrics.mfu(1000.0, cfg, s, "cpu", 8) is None  # no peak for a CPU: no made-up number
     h100 = zjax.metrics.mfu(1000.0, cfg, s, "NVIDIA H100 80GB HBM3", 1)
     assert h100 == pytest.approx(1000.0 * hand / 989.4e12, rel=0.01)
+    # fp8 projections (q, k, v, o and the MLP's three) at the H100's fp8 peak (1,979 dense TFLOP/s), the head and
+    # attention's scores at the bf16 peak; against the bf16 peak alone, as fp8 figures are usually published
+    fp8 = dataclasses.replace(cfg, matmul="fp8-current")
+    seconds = 6 * 32 * per_layer / 1978.9e12 + (hand - 6 * 32 * per_layer) / 989.4e12
+    got = zjax.metrics.mfu(1000.0, fp8, s, "NVIDIA H100 80GB HBM3", 1)
+    assert got == pytest.approx(1000.0 * seconds, rel=0.01) and got < h100
+    assert zjax.metrics.mfu(1000.0, fp8, s, "NVIDIA H100 80GB HBM3", 1, bf16_peak=True) == pytest.approx(h100)
+    assert zjax.metrics.mfu(1000.0, fp8, s, "NVIDIA A100-SXM4-80GB", 1) is None  # no fp8 tensor cores: no fp8 peak
 
 
 def test_metrics_writer(tmp_path):

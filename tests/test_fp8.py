@@ -86,6 +86,8 @@ def test_on_the_h100_target_every_projection_multiplies_fp8_forward_and_backward
     forward, e5m2 with e4m3 backward; the bf16 products left are the head's and none is in a layer."""
     from zjax.planner import count_gemms
     from zjax.planner._gpu import cudnn_for_target, gpu_devices
+    from zjax.planner._targets import get_target
+    from zjax.planner._timeline import LINKS, timeline
 
     def gemms(matmul):
         cfg = dataclasses.replace(PRESETS["tiny"], matmul=matmul, remat="full")
@@ -97,10 +99,10 @@ def test_on_the_h100_target_every_projection_multiplies_fp8_forward_and_backward
         step = plan.train_step(lambda p, b: lm_loss(model, p, b))
         with cudnn_for_target("h100"):
             compiled = step.lower(state, jax.ShapeDtypeStruct((16, cfg.max_len + 1), jnp.int32)).compile()
-        return cfg, count_gemms(compiled.as_text())
+        return cfg, count_gemms(compiled.as_text()), compiled.as_text()
 
-    cfg, got = gemms("fp8-current")
-    _, plain = gemms("default")
+    cfg, got, hlo = gemms("fp8-current")
+    _, plain, _ = gemms("default")
     fp8 = {k: v for k, v in got.items() if "f8" in k}
     per_step = cfg.layers * 7  # projections a step runs forward (each layer's loop trip)
     assert fp8.get("f8e5m2 x f8e4m3fn") == per_step and fp8.get("f8e4m3fn x f8e5m2") == per_step, got  # dx, dw
@@ -110,3 +112,12 @@ def test_on_the_h100_target_every_projection_multiplies_fp8_forward_and_backward
     # no bf16 product is left in the layers: the bf16 ones are the plain step's outside them (the head's)
     assert set(got) - set(fp8) == {"bf16 x bf16"} and got["bf16 x bf16"] == 3, got
     assert plain["bf16 x bf16"] - 3 >= 2 * per_step, plain  # there, the layers multiply in bf16
+    # the planner's timeline times the fp8 products at the H100's fp8 peak (twice bf16's); with memory free (the
+    # tiny model's products are bound by bandwidth) the layers' products take half the time, the head's the same
+    h100 = get_target("h100")
+    times = [
+        timeline(hlo, h100.peak_bf16_flops, 1e30, LINKS["h100"], fp8_flops=fp8).compute
+        for fp8 in (None, h100.peak_fp8_flops)
+    ]
+    assert h100.peak_fp8_flops == pytest.approx(2 * h100.peak_bf16_flops, rel=1e-3)
+    assert 0.5 * times[0] < times[1] < 0.9 * times[0], times

@@ -547,6 +547,15 @@ def test_plan_reports_each_rows_bubble_and_the_budget_picks_the_smallest(tmp_pat
     assert "schedule zero-bubble" in proc.stdout
     bad = run(*args, "--schedule", "pipedream")
     assert bad.returncode == 2 and "--schedule pipedream: one of" in bad.stderr
+    # a table of one's own from a file: its name, microbatches and ticks are the row's
+    (tmp_path / "mine.txt").write_text(str(schedule_table("1f1b", 4, 4)))
+    proc = run(*args[:-2], "--stages", "1", "--pipeline-table", str(tmp_path / "mine.txt"), "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row = json.loads(out.read_text())["rows"][0]["pipeline"]
+    assert (row["schedule"], row["ticks"]) == ("mine", 3 * (4 + 3)), row
+    (tmp_path / "bad.txt").write_text("F0 B0 W0\nF0 W0 B0\nF0 B0 W0\nF0 B0 W0")
+    bad = run(*args, "--pipeline-table", str(tmp_path / "bad.txt"))
+    assert bad.returncode == 2 and "bad.txt: pipeline table, stage 1: W0 comes before B0" in bad.stderr, bad.stderr
 
 
 @pytest.mark.slow  # the script end to end; every stage's numerics under 1F1B are in-process above

@@ -90,3 +90,12 @@ def test_a_loop_gather_started_for_the_next_trip_has_the_trip_to_cross(intra, wa
     assert t.compute == pytest.approx(10 * MATMUL)
     assert t.comm == pytest.approx(10 * 1e6 / intra)
     assert t.wait == pytest.approx(wait, abs=1e-9)
+
+
+def test_a_product_of_two_fp8_operands_runs_at_the_fp8_peak():
+    """The same 2e9-FLOP product with e4m3 operands: at the fp8 peak when the target has one, else at the other."""
+    fp8 = OVERLAPPED.replace("%p0 = bf16", "%p0 = f8e4m3fn").replace("%p1 = bf16", "%p1 = f8e4m3fn")
+    links = Links(intra=1e12, inter=1e12)
+    assert timeline(fp8, PEAK, HBM, links, fp8_flops=2 * PEAK).compute == pytest.approx(MATMUL / 2)
+    assert timeline(fp8, PEAK, HBM, links).compute == pytest.approx(MATMUL)
+    assert timeline(OVERLAPPED, PEAK, HBM, links, fp8_flops=2 * PEAK).compute == pytest.approx(MATMUL)  # bf16's

@@ -68,6 +68,7 @@ def test_print_config_writes_the_settings_a_run_file_reads_back_from_any_directo
         (["plan.mesh=dp=2,pp=4", "pipeline.microbatches=2"], "Use at least 4 microbatches"),
         (["loop.steps=many"], "loop.steps = 'many': expected int"),
         (["model.matmul=fp4"], "model.matmul = 'fp4': use one of default, fp8-current"),
+        (["plan.mesh=dp=2,pp=4", "pipeline.table=/nowhere/t.txt"], "pipeline.table = '/nowhere/t.txt': no such file"),
         (["missing.toml"], "config file missing.toml: no such file"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     ],
@@ -77,6 +78,25 @@ def test_a_mistake_is_one_line_and_status_2_before_anything_starts(argv, message
     assert code == 2
     assert len(out.splitlines()) <= 2, out
     assert any(m in out for m in (message, message.replace("'?", "'"))), out
+
+
+def test_a_pipeline_table_file_is_the_runs_schedule(tmp_path, monkeypatch, capsys):
+    """``pipeline.table``: the file's schedule, named by the file, its microbatches the run's; a table that breaks
+    a dependency or fits another pp is refused in one line before anything starts."""
+    (tmp_path / "mine.txt").write_text("stage 0: F0 F1 B0 W0 B1 W1\nstage 1: F0 B0 F1 W0 B1 W1\n")
+    cfg = zjax.train.RunConfig().override([f"pipeline.table={tmp_path / 'mine.txt'}"])
+    pipe = cfg.pipeline.build(2)
+    assert (pipe.name, pipe.microbatches, pipe.repeats, pipe.tabled) == ("mine", 2, 1, True)
+    assert str(pipe.table(2)) == str(zjax.pipeline.read_table(tmp_path / "mine.txt"))
+    code, out = run(["plan.mesh=dp=4,pp=2", f"pipeline.table={tmp_path / 'mine.txt'}", "data.batch_size=12"],
+                    monkeypatch, capsys)  # fmt: skip
+    assert code == 2 and "does not split over replica x dp x ep = 4 data-parallel ranks" in out, out
+    assert "x 2 pipeline microbatches" in out, out
+    code, out = run(["plan.mesh=dp=2,pp=4", f"pipeline.table={tmp_path / 'mine.txt'}"], monkeypatch, capsys)
+    assert code == 2 and "the table 'mine' has 2 stages but the mesh has pp=4" in out, out
+    (tmp_path / "bad.txt").write_text("F0 B0 W0\nF0 W0 B0\n")
+    code, out = run(["plan.mesh=dp=4,pp=2", f"pipeline.table={tmp_path / 'bad.txt'}"], monkeypatch, capsys)
+    assert code == 2 and "pipeline.table: " in out and "bad.txt: pipeline table, stage 1: W0 comes before B0" in out
 
 
 def test_the_model_sections_matmul_reaches_the_decoder():

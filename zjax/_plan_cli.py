@@ -203,6 +203,13 @@ def plan_parser(sub) -> None:
         help="table schedules under full/nested remat: B recomputes the stage once for B and W (GPipe's FLOPs), or "
         "B and W each recompute it (per-action: the least memory)",
     )
+    p.add_argument(
+        "--pipeline-table",
+        type=Path,
+        default=None,
+        help="a schedule of one's own: a file of actions per stage (zjax.pipeline.parse_table's format), run in "
+        "place of --schedule; its microbatches and chunks are the plan's",
+    )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None, help="PNG bar chart of memory by category")
 
@@ -254,10 +261,23 @@ def run_plan(args: argparse.Namespace) -> int:
     pp = args.mesh.get("pp", 1)
     pipeline = None
     names = [n for n in args.schedule.split(",") if n]
-    if pp > 1 or args.microbatches is not None:
-        from .pipeline import SCHEDULES, Pipeline
+    if args.pipeline_table is not None and args.budget is not None:
+        print("zjax plan: --pipeline-table runs one schedule; --budget searches the named ones (--schedule)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if pp > 1 or args.microbatches is not None or args.pipeline_table is not None:
+        from .pipeline import SCHEDULES, Pipeline, read_table
 
-        if not names or [n for n in names if n not in SCHEDULES] or (args.budget is None and len(names) > 1):
+        if args.pipeline_table is not None:
+            try:
+                tab = read_table(args.pipeline_table)
+                names = [tab]
+                args.microbatches = args.microbatches or tab.microbatches
+                args.repeats = tab.chunks if args.repeats == 1 else args.repeats
+            except (OSError, ValueError) as e:
+                print(f"zjax plan: --pipeline-table: {e}", file=sys.stderr)
+                return 2
+        elif not names or [n for n in names if n not in SCHEDULES] or (args.budget is None and len(names) > 1):
             print(f"zjax plan: --schedule {args.schedule}: one of {list(SCHEDULES)} (a comma list with --budget)",
                   file=sys.stderr)  # fmt: skip
             return 2

@@ -24,6 +24,7 @@ from ._scan import ITERATION_INPUT as ITERATION_INPUT
 from ._schedule import SCHEDULES as SCHEDULES
 from ._schedule import Table as Table
 from ._schedule import parse_table as parse_table
+from ._schedule import read_table as read_table
 from ._schedule import schedule_table as schedule_table
 from ._ticks import ACTION_SCOPE as ACTION_SCOPE
 from ._ticks import ENDS_SCOPE as ENDS_SCOPE

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import pathlib
 import re
 
 import numpy as np
@@ -224,6 +226,22 @@ def _place(
 
 
 _TOKEN = re.compile(r"([FBW])(\d+)(?:\.(\d+))?")
+
+
+def read_table(path: str | os.PathLike) -> Table:
+    """:func:`parse_table` of a file's text, the table named by the file's name without its suffix.
+
+    Raises:
+      FileNotFoundError: no such file.
+      ValueError: as :func:`parse_table`, the message starting with the file's path.
+    """
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"pipeline table {str(path)!r}: no such file (one line of actions per stage).")
+    try:
+        return parse_table(path.read_text(encoding="utf-8"), name=path.stem)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def parse_table(text: str, name: str = "custom") -> Table:

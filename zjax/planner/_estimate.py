@@ -209,7 +209,7 @@ def _timeline(hlo: str, target: Any) -> Timeline | None:
     links = LINKS.get(gpu.name)
     if links is None or gpu.peak_bf16_flops is None or "memory_bandwidth" not in gpu.text:
         return None
-    return timeline(hlo, gpu.peak_bf16_flops, gpu.memory_bandwidth, links, GPUS_PER_HOST)
+    return timeline(hlo, gpu.peak_bf16_flops, gpu.memory_bandwidth, links, GPUS_PER_HOST, gpu.peak_fp8_flops)
 
 
 def _pipeline_fields(schedule: Pipeline | None, stages: int) -> dict[str, Any]:

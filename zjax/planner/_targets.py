@@ -14,13 +14,14 @@ import re
 from importlib import resources
 
 _DIR = "targets"
-# name -> (file, aliases, dense bf16 peak TFLOP/s from the vendor's data sheet, for MFU); the file's
-# device_memory_size is the memory the budget starts from
-_REGISTRY: dict[str, tuple[str, tuple[str, ...], float]] = {
-    "h100": ("h100_sxm.txtpb", ("h100-sxm", "h100-80gb"), 989.4),
-    "h200": ("h200_sxm.txtpb", ("h200-sxm", "h200-141gb"), 989.4),
-    "b200": ("b200.txtpb", (), 2250.0),
-    "a100": ("a100_sxm_80gb.txtpb", ("a100-80gb", "a100-sxm"), 312.0),
+# name -> (file, aliases, dense bf16 and fp8 peak TFLOP/s from the vendor's data sheet, for MFU and the timeline;
+# the sheets print twice these "with sparsity"; the A100 has no fp8 tensor cores); the file's device_memory_size is
+# the memory the budget starts from
+_REGISTRY: dict[str, tuple[str, tuple[str, ...], float, float | None]] = {
+    "h100": ("h100_sxm.txtpb", ("h100-sxm", "h100-80gb"), 989.4, 1978.9),
+    "h200": ("h200_sxm.txtpb", ("h200-sxm", "h200-141gb"), 989.4, 1978.9),
+    "b200": ("b200.txtpb", (), 2250.0, 4500.0),
+    "a100": ("a100_sxm_80gb.txtpb", ("a100-80gb", "a100-sxm"), 312.0, None),
 }
 GPUS_PER_HOST = 8
 
@@ -33,6 +34,7 @@ class GpuTarget:
     text: str
     source: str  # the registry name or the file path it came from
     peak_bf16_flops: float | None = None  # dense, per second; None for a user's file
+    peak_fp8_flops: float | None = None  # dense, per second, e4m3/e5m2 operands; None without fp8 tensor cores
 
     @property
     def device_kind(self) -> str:
@@ -84,10 +86,10 @@ def get_target(name_or_path: str | GpuTarget) -> GpuTarget:
     if isinstance(name_or_path, GpuTarget):
         return name_or_path
     key = str(name_or_path).strip().lower()
-    for name, (file, aliases, tflops) in _REGISTRY.items():
+    for name, (file, aliases, tflops, fp8) in _REGISTRY.items():
         if key == name or key in aliases:
             text = resources.files(__package__).joinpath(_DIR, file).read_text()
-            return GpuTarget(name, text, name, tflops * 1e12)
+            return GpuTarget(name, text, name, tflops * 1e12, None if fp8 is None else fp8 * 1e12)
     if os.path.isfile(name_or_path):
         with open(name_or_path) as f:
             text = f.read()
@@ -112,11 +114,11 @@ def topology_string(count: int, gpus_per_host: int = GPUS_PER_HOST) -> str:
     return f"1x{count // per_host}x{per_host}"
 
 
-def peak_flops(device_kind: str) -> float | None:
-    """Dense bf16 peak FLOP/s of a device by its ``device_kind`` (``None`` for an unknown device, e.g. a CPU:
-    never a made-up number)."""
+def peak_flops(device_kind: str, fp8: bool = False) -> float | None:
+    """Dense bf16 (or, with ``fp8``, fp8) peak FLOP/s of a device by its ``device_kind`` (``None`` for an unknown
+    device, e.g. a CPU, or one without fp8 tensor cores: never a made-up number)."""
     for name in _REGISTRY:
         target = get_target(name)
         if target.device_kind == device_kind or device_kind.lower().startswith(target.device_kind.lower()):
-            return target.peak_bf16_flops
+            return target.peak_fp8_flops if fp8 else target.peak_bf16_flops
     return None

@@ -4,9 +4,9 @@ The planner's ``exposed`` counts a collective as hidden when any compute runs be
 ``-done``; whether that compute outlasts the collective on its link is not in that count. Here every instruction
 of the scheduled program gets a duration, in schedule order on one compute stream:
 
-- compute: the roofline of its FLOPs (the dots in a fusion or a cuBLAS call, at the target's dense peak) and the
-  bytes it touches (its operands and result at the target's HBM bandwidth; an operand a fusion only slices counts
-  its slices, a result it updates in place its update);
+- compute: the roofline of its FLOPs (the dots in a fusion or a cuBLAS call, at the target's dense peak: the fp8
+  one for a product of two fp8 operands) and the bytes it touches (its operands and result at the target's HBM
+  bandwidth; an operand a fusion only slices counts its slices, a result it updates in place its update);
 - a collective: its ring bytes per device (``Collective.wire``) over the link its groups span: NVLink inside a
   host, the network across hosts (:data:`LINKS`, published per-GPU figures, one direction). Collectives queue on
   one link in the order they start; a ``-done`` waits until its collective has crossed, a synchronous collective
@@ -82,10 +82,16 @@ _SLICES = {"dynamic-slice", "slice", "gather"}
 
 
 def timeline(
-    hlo_text: str, peak_flops: float, hbm_bytes_per_s: float, links: Links, gpus_per_host: int = GPUS_PER_HOST
+    hlo_text: str,
+    peak_flops: float,
+    hbm_bytes_per_s: float,
+    links: Links,
+    gpus_per_host: int = GPUS_PER_HOST,
+    fp8_flops: float | None = None,
 ) -> Timeline:
     """The estimate for a scheduled (compiled) HLO module's text; partition ``i`` sits on host
-    ``i // gpus_per_host``."""
+    ``i // gpus_per_host``. A product whose two operands are fp8 runs at ``fp8_flops`` (the target's fp8 peak;
+    ``None``: at ``peak_flops`` like the others)."""
     comps, entry = _parse(hlo_text)
     if entry is None:
         raise ValueError("timeline: no ENTRY computation found in the HLO text.")
@@ -93,17 +99,19 @@ def timeline(
     for c in collectives(hlo_text):
         across = any(len({d // gpus_per_host for d in g}) > 1 for g in c.groups)
         seconds[c.name] = c.wire / (links.inter if across else links.intra)
-    walk = _Walk(comps, seconds, peak_flops, hbm_bytes_per_s)
+    walk = _Walk(comps, seconds, (peak_flops, fp8_flops or peak_flops), hbm_bytes_per_s)
     duration, wait, comm = walk.run(entry)
     return Timeline(duration - wait, comm, wait, links)
 
 
 class _Walk:
-    def __init__(self, comps: dict[str, list[_Instr]], seconds: dict[str, float], peak: float, hbm: float):
-        self.comps, self.seconds, self.peak, self.hbm = comps, seconds, peak, hbm
+    def __init__(
+        self, comps: dict[str, list[_Instr]], seconds: dict[str, float], peaks: tuple[float, float], hbm: float
+    ):  # fmt: skip
+        self.comps, self.seconds, self.peaks, self.hbm = comps, seconds, peaks, hbm  # peaks: (others', fp8's)
         self.types = {name: {i.name: i.type_text for i in instrs} for name, instrs in comps.items()}
         self.memo: dict[str, tuple[float, float, float]] = {}
-        self.flops_memo: dict[str, float] = {}
+        self.compute_memo: dict[str, float] = {}
 
     def run(self, comp: str) -> tuple[float, float, float]:
         """``(duration, wait, comm)`` of one execution of ``comp``."""
@@ -166,26 +174,32 @@ class _Walk:
             size = sum(_bytes(self.types[comp].get(o, "")) for o in moved) or _bytes(instr.type_text)
             return 2.0 * size / self.hbm
         called = re.search(r"calls=%?([\w.\-]+)", instr.rest)
-        flops = self._flops(called.group(1)) if called else 0.0
+        compute = self._compute(called.group(1)) if called else 0.0
         if instr.opcode in ("dot", "convolution"):
-            flops += _dot_flops(instr, self.types[comp])
+            compute += _dot_flops(instr, self.types[comp]) / self._peak(comp, instr)
         elif instr.opcode == "custom-call" and "__cudnn$fmha" in instr.rest:
-            flops += _attention_flops(instr)
+            compute += _attention_flops(instr) / self.peaks[0]
         elif instr.opcode == "custom-call" and "gemm" in instr.rest:
-            flops += _gemm_flops(instr, self.types[comp])
-        return max(flops / self.peak, self._touched(comp, instr, called.group(1) if called else None) / self.hbm)
+            compute += _gemm_flops(instr, self.types[comp]) / self._peak(comp, instr)
+        return max(compute, self._touched(comp, instr, called.group(1) if called else None) / self.hbm)
 
-    def _flops(self, comp: str) -> float:
-        if comp not in self.flops_memo:
+    def _peak(self, comp: str, instr: _Instr) -> float:
+        """The FLOP/s of a product: the fp8 peak when both its operands are fp8."""
+        operands = [self.types[comp].get(o, "") for o in _operands(instr)[:2]]
+        return self.peaks[1] if len(operands) == 2 and all(t.startswith("f8") for t in operands) else self.peaks[0]
+
+    def _compute(self, comp: str) -> float:
+        """Seconds at peak of the products in a called computation (nested calls included)."""
+        if comp not in self.compute_memo:
             total = 0.0
             for i in self.comps.get(comp, []):
                 if i.opcode in ("dot", "convolution"):
-                    total += _dot_flops(i, self.types[comp])
+                    total += _dot_flops(i, self.types[comp]) / self._peak(comp, i)
                 nested = re.search(r"calls=%?([\w.\-]+)", i.rest)
                 if nested and nested.group(1) in self.comps:
-                    total += self._flops(nested.group(1))
-            self.flops_memo[comp] = total
-        return self.flops_memo[comp]
+                    total += self._compute(nested.group(1))
+            self.compute_memo[comp] = total
+        return self.compute_memo[comp]
 
     def _touched(self, comp: str, instr: _Instr, called: str | None) -> float:
         """Bytes an instruction reads and writes: a fusion's operands it only slices count their slices, a result

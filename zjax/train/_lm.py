@@ -28,7 +28,6 @@ from .._extras import require
 from .._jsonfile import write_json_atomic
 from ..core import Plan, Variables
 from ..models import PRESETS, Decoder, from_hf_config, lm_loss, train_functions
-from ..pipeline import Pipeline
 from ..sharding import make_mesh, nvidia_gpu_visible
 from ._loop import fit, init_or_restore
 from ._run import MESH_AXES, RunConfig, mesh_sizes
@@ -54,7 +53,8 @@ def check(cfg: RunConfig) -> None:
       ValueError: a batch that does not split, an output directory that is not empty, a pipeline setting.
       MissingExtra (an ImportError, zjax._extras): an optional package the settings need.
     """
-    paths = (("data.path", cfg.data.path), ("data.tokenizer", cfg.data.tokenizer), ("model.hf", cfg.model.hf))
+    paths = (("data.path", cfg.data.path), ("data.tokenizer", cfg.data.tokenizer), ("model.hf", cfg.model.hf),
+             ("pipeline.table", cfg.pipeline.table))  # fmt: skip
     for name, path in paths:
         if path is not None and not path.exists():
             raise FileNotFoundError(f"{name} = {str(path)!r}: no such file or directory.")
@@ -78,7 +78,8 @@ def check(cfg: RunConfig) -> None:
         sizes = check_devices(cfg, cfg.loop.cpu_devices)
     stages, fixed = sizes.get("pp", 1), all(v > 0 for v in sizes.values())
     data = math.prod(sizes.get(a, 1) for a in ("replica", "dp", "ep")) if fixed else None
-    micro = cfg.pipeline.microbatches or 2 * stages if stages > 1 else 1
+    pipe = cfg.pipeline.build(stages) if stages > 1 else None
+    micro = pipe.microbatches if pipe is not None else 1
     if data is not None:
         split = data * cfg.plan.accum * (micro if stages > 1 else 1)
         if cfg.data.batch_size % split:
@@ -88,9 +89,8 @@ def check(cfg: RunConfig) -> None:
                 f"data.batch_size = {cfg.data.batch_size} does not split over {what} = {split}; use a multiple of "
                 f"{split} (e.g. {split * max(1, round(cfg.data.batch_size / split))})."
             )
-    if stages > 1:
-        Pipeline(micro, repeats=cfg.pipeline.repeats, zero3_gather=cfg.pipeline.zero3_gather,
-                 schedule=cfg.pipeline.schedule, recompute=cfg.pipeline.recompute).check(stages)  # fmt: skip
+    if pipe is not None:
+        pipe.check(stages)
 
 
 def check_devices(cfg: RunConfig, devices: int) -> dict[str, int]:
@@ -163,12 +163,11 @@ def run_lm(cfg: RunConfig, argv: Sequence[str] | None = None, log: Callable[...,
         model_cfg = build_model(cfg, tok)
         stages, pipeline, p = sizes.get("pp", 1), None, cfg.pipeline
         if stages > 1 or p.microbatches is not None:
-            pipeline = Pipeline(p.microbatches or 2 * stages, repeats=p.repeats, zero3_gather=p.zero3_gather,
-                                schedule=p.schedule, recompute=p.recompute)  # fmt: skip
-            chunks = stages * p.repeats
+            pipeline = p.build(stages)
+            chunks = stages * pipeline.repeats
             if model_cfg.layers % chunks and cfg.model.hf is not None:
                 raise ValueError(
-                    f"model.hf: {model_cfg.layers} layers do not split into pp={stages} x {p.repeats} repeats."
+                    f"model.hf: {model_cfg.layers} layers do not split into pp={stages} x {pipeline.repeats} repeats."
                 )
             model_cfg = type(model_cfg)(**{**model_cfg.__dict__, "layers": chunks * -(-model_cfg.layers // chunks)})
         axes: dict[str, Any] = dict(sizes)
@@ -255,6 +254,8 @@ def figures(cfg: RunConfig, model_cfg: Any, plan: Any, result: Any) -> dict[str,
     """The run's figures as ``output.metrics_json`` holds them."""
     sizes, pipe, pp = {k: int(v) for k, v in plan.mesh.shape.items()}, plan.pipeline, int(plan.mesh.shape["pp"])
     memory = result.memory
+    rate, kind = result.tokens_per_second, jax.devices()[0].device_kind  # MFU as fp8 figures are published too
+    mfu_bf16 = None if not rate else metrics.mfu(rate, model_cfg, cfg.model.seq_len, kind, jax.device_count(), True)
     return {
         "stage": cfg.plan.stage, "mesh": {name: sizes[name] for name in MESH_AXES}, "processes": jax.process_count(),
         "pipeline": None if pipe is None else {
@@ -272,5 +273,5 @@ def figures(cfg: RunConfig, model_cfg: Any, plan: Any, result: Any) -> dict[str,
         "temp_bytes_per_device": memory.temp_bytes, "memory": memory.to_dict(),
         "tokens_per_second": result.tokens_per_second, "resumed_from": result.start if cfg.loop.resume else None,
         "final_step": int(result.state.step), "skipped_steps": result.skipped_steps, "eval_loss": result.eval_loss,
-        "mfu": result.mfu, "final_loss_scale": float(result.state.loss_scale.scale),
+        "mfu": result.mfu, "mfu_bf16_peak": mfu_bf16, "final_loss_scale": float(result.state.loss_scale.scale),
     }  # fmt: skip

@@ -133,13 +133,16 @@ class PlanSection:
 class PipelineSection:
     """``[pipeline]``, used on a mesh with ``pp > 1``: ``schedule`` (gpipe, 1f1b, interleaved-1f1b, zero-bubble),
     ``microbatches`` (default 2 x pp), ``repeats`` (chunks of layers per stage), ``zero3_gather`` (step, layer,
-    chunk), ``recompute`` (once, per-action: :class:`zjax.Pipeline`'s)."""
+    chunk), ``recompute`` (once, per-action: :class:`zjax.Pipeline`'s), ``table`` (a file holding a schedule of
+    one's own, :func:`zjax.pipeline.read_table`: it runs in place of ``schedule``, its microbatches and chunks
+    those of the run)."""
 
     schedule: str = "gpipe"
     microbatches: int | None = None
     repeats: int = 1
     zero3_gather: str | None = None
     recompute: str = "once"
+    table: Path | None = None
 
     def __post_init__(self) -> None:
         from ..pipeline import RECOMPUTE, SCHEDULES
@@ -152,6 +155,26 @@ class PipelineSection:
         if self.zero3_gather is not None:
             _one_of("pipeline.zero3_gather", self.zero3_gather, GATHER_MODES)
         _one_of("pipeline.recompute", self.recompute, RECOMPUTE)
+
+    def build(self, stages: int) -> Any:
+        """The :class:`zjax.Pipeline` these settings describe on ``stages`` (pp); a table file is read here.
+
+        Raises:
+          FileNotFoundError: ``table`` names no file.
+          ValueError: a table that does not parse, or whose microbatches or chunks differ from those given.
+        """
+        from ..pipeline import Pipeline, read_table
+
+        if self.table is None:
+            return Pipeline(self.microbatches or 2 * stages, repeats=self.repeats, zero3_gather=self.zero3_gather,
+                            schedule=self.schedule, recompute=self.recompute)  # fmt: skip
+        try:
+            tab = read_table(self.table)
+            repeats = tab.chunks if self.repeats == 1 else self.repeats
+            return Pipeline(self.microbatches or tab.microbatches, repeats=repeats, zero3_gather=self.zero3_gather,
+                            schedule=tab, recompute=self.recompute)  # fmt: skip
+        except ValueError as e:
+            raise ValueError(f"pipeline.table: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
