@@ -99,3 +99,29 @@ def test_a_product_of_two_fp8_operands_runs_at_the_fp8_peak():
     assert timeline(fp8, PEAK, HBM, links, fp8_flops=2 * PEAK).compute == pytest.approx(MATMUL / 2)
     assert timeline(fp8, PEAK, HBM, links).compute == pytest.approx(MATMUL)
     assert timeline(OVERLAPPED, PEAK, HBM, links, fp8_flops=2 * PEAK).compute == pytest.approx(MATMUL)  # bf16's
+
+
+def test_a_fusion_that_slices_a_stacked_operand_through_a_bitcast_reads_the_slice():
+    """A layer scan's fusion reads one layer of a stacked ``[L, ...]`` weight: a bitcast, then a dynamic-slice. It
+    reads the slice (L = 100 layers of 1 MB: 1 MB, not 100), as XLA's fusion does."""
+    hlo = """HloModule m, num_partitions=1
+
+%fused (p0: bf16[100,1000,500], p1: s32[]) -> bf16[500] {
+  %p0 = bf16[100,1000,500]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %b = bf16[100,500,1000]{2,1,0} bitcast(%p0)
+  %z = s32[] constant(0)
+  %ds = bf16[1,500,1000]{2,1,0} dynamic-slice(%b, %p1, %z, %z), dynamic_slice_sizes={1,500,1000}
+  %r = bf16[500,1000]{1,0} bitcast(%ds)
+  %m = bf16[] constant(0)
+  ROOT %out = bf16[500]{0} reduce(%r, %m), dimensions={1}, to_apply=%max
+}
+
+ENTRY %main (w: bf16[100,1000,500], i: s32[]) -> bf16[500] {
+  %w = bf16[100,1000,500]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  ROOT %f = bf16[500]{0} fusion(%w, %i), kind=kInput, calls=%fused
+}
+"""
+    t = timeline(hlo, PEAK, HBM, Links(intra=1e12, inter=1e12))
+    assert t.compute == pytest.approx((1e6 + 4 + 1000) / HBM)  # the slice, the index and the result

@@ -16,10 +16,12 @@ pattern-match): XLA's excess-precision simplification removes such pairs before 
 from __future__ import annotations
 
 import functools
-import math
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.shard_alike import shard_alike
 
 F32 = jnp.float32
 E4M3 = jnp.float8_e4m3fn
@@ -40,33 +42,40 @@ def quantize(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     return (x.astype(F32) / scale).astype(dtype), scale
 
 
-def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
-    return jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=F32)
+def _dot(a: jax.Array, b: jax.Array, dims: tuple[Sequence[int], Sequence[int]], out: Any = F32) -> jax.Array:
+    return jax.lax.dot_general(a, b, (tuple(tuple(d) for d in dims), ((), ())), preferred_element_type=out)
 
 
-@jax.custom_vjp
-def _matmul2d(x: jax.Array, w: jax.Array) -> jax.Array:
-    return _forward(x, w)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul(x: jax.Array, w: jax.Array, contract: int) -> jax.Array:
+    return _forward(x, w, contract)[0]
 
 
-def _forward(x: jax.Array, w: jax.Array):
+def _forward(x: jax.Array, w: jax.Array, contract: int):
+    lead = x.ndim - contract
     xq, sx = quantize(x, E4M3)
+    # cast where the weight lies, in its own shape: ZeRO-3's gathers (and any reshard) then move fp8, not bf16
     wq, sw = quantize(w, E4M3)
-    y = (_dot(xq, wq, (1, 0)) * (sx * sw)).astype(x.dtype)
-    # zero-size arrays carry the operands' dtypes for the gradients
-    return y, (xq, sx, wq, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+    wq = shard_alike(wq, w)[0]
+    y = (_dot(xq, wq, (range(lead, x.ndim), range(contract))) * (sx * sw)).astype(x.dtype)
+    # a zero-size array carries x's dtype for its gradient; w itself (a parameter, alive for the step anyway) its
+    # dtype and where it lies
+    return y, (xq, sx, wq, sw, jnp.zeros((0,), x.dtype), w)
 
 
-def _backward(res, g: jax.Array):
-    xq, sx, wq, sw, x_like, w_like = res
-    x_dtype, w_dtype = x_like.dtype, w_like.dtype
+def _backward(contract: int, res, g: jax.Array):
+    xq, sx, wq, sw, x_like, w = res
+    lead = xq.ndim - contract
     gq, sg = quantize(g, E5M2)
-    dx = (_dot(gq, wq, (1, 1)) * (sg * sw)).astype(x_dtype)  # [M, N] x [K, N] -> [M, K]
-    dw = (_dot(xq, gq, (0, 0)) * (sx * sg)).astype(w_dtype)  # [M, K] x [M, N] -> [K, N]
-    return dx, dw
+    # [*lead, *out] x [*inner, *out] -> [*lead, *inner]
+    dx = (_dot(gq, wq, (range(lead, g.ndim), range(contract, w.ndim))) * (sg * sw)).astype(x_like.dtype)
+    # [*lead, *inner] x [*lead, *out] -> [*inner, *out], out in w's dtype: with the rows split over the data axes
+    # this product is a partial sum that XLA reduces (ZeRO's reduce-scatter) in its dtype, fp32 would double it
+    dw = (_dot(xq, gq, (range(lead), range(lead)), w.dtype) * (sx * sg)).astype(w.dtype)
+    return dx, shard_alike(dw, w)[0]
 
 
-_matmul2d.defvjp(_forward, _backward)
+_matmul.defvjp(_forward, _backward)
 
 
 @functools.partial(jax.named_call, name="fp8_matmul")
@@ -78,13 +87,10 @@ def matmul(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
       >>> q = zjax.fp8.matmul(h, wq)  # h [b, s, embed], wq [embed, heads, head_dim] -> [b, s, heads, head_dim]
       >>> y = zjax.fp8.matmul(attn, wo, contract=2)   # attn [b, s, heads, head_dim], wo [heads, head_dim, embed]
     """
-    lead, inner = x.shape[: x.ndim - contract], x.shape[x.ndim - contract :]
+    inner = x.shape[x.ndim - contract :]
     if tuple(w.shape[:contract]) != tuple(inner):
         raise ValueError(
             f"zjax.fp8.matmul: x {tuple(x.shape)} contracts its last {contract} dims {tuple(inner)} with w "
             f"{tuple(w.shape)}'s first {contract}; they differ."
         )
-    out = w.shape[contract:]
-    k = math.prod(inner)
-    y = _matmul2d(x.reshape(-1, k), w.reshape(k, -1))
-    return y.reshape(*lead, *out)
+    return _matmul(x, w, contract)

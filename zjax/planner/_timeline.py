@@ -216,9 +216,20 @@ class _Walk:
             for i in body:
                 for o in _operands(i):
                     users.setdefault(o, []).append(i)
+
+            def readers(name: str) -> list[tuple[_Instr, str]]:  # (reader, what it reads); a bitcast moves no bytes
+                return [
+                    pair
+                    for u in users.get(name, [])
+                    for pair in (readers(u.name) if u.opcode == "bitcast" else [(u, name)])
+                ]
+
             for k, name in params.items():
-                used = users.get(name, [])
-                if k < len(sizes) and used and all(u.opcode in _SLICES for u in used):
+                pairs = readers(name)
+                used = [u for u, _ in pairs]
+                # every reader slices it (it is the slice's first operand, not an index)
+                sliced = all(u.opcode in _SLICES and _operands(u)[:1] == [read] for u, read in pairs)
+                if k < len(sizes) and used and sliced:
                     sizes[k] = sum(_bytes(u.type_text) for u in used)
             root = body[-1]
             if root.opcode == "dynamic-update-slice":
