@@ -1,10 +1,15 @@
 """FP8 matrix products with per-tensor current scaling: e4m3 operands forward, e5m2 gradients backward.
 
 ``matmul(x, w)`` computes ``x @ w`` with both operands cast to ``float8_e4m3fn`` after dividing each by its scale
-(its absolute maximum over the format's largest value, this call's own: *current* scaling, Transformer Engine's
-default recipe), the product accumulated in fp32 and multiplied back by the two scales. The backward pass casts
-the incoming gradient to ``float8_e5m2`` (wider range, for gradients) the same way and forms both products from
-it and the forward's saved fp8 operands (half the bytes of bf16 residuals): ``dx = g @ w.T`` and ``dw = x.T @ g``.
+(its absolute maximum over the format's largest value, rounded up to a power of two, this call's own: *current*
+scaling, Transformer Engine's default recipe), the product accumulated in fp32 and multiplied back by the two
+scales. The backward pass casts the incoming gradient to ``float8_e5m2`` (wider range, for gradients) the same way
+and forms both products from it and the forward's saved fp8 operands (half the bytes of bf16 residuals):
+``dx = g @ w.T`` and ``dw = x.T @ g``.
+
+The weight is cast where it lies, in its own shape, and the products contract its own dims: under ZeRO-3 its
+shards are cast (with the tensor's one scale, their amaxes max-reduced) before XLA gathers them, so the gathers
+move fp8; ``dw`` is made in the weight's dtype, so its reduce-scatter moves what it moves without fp8.
 
 XLA:GPU lowers a dot whose operands are fp8 to an fp8 GEMM on Hopper and Blackwell tensor cores (a Triton GEMM
 fusion or cuBLASLt's fp8 matmul); XLA:CPU computes the same products exactly in fp32, which is how the numerics
@@ -35,10 +40,13 @@ MATMULS = {
 
 
 def quantize(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
-    """``(x / scale in dtype, scale)``, ``scale = amax(|x|) / max(dtype)`` in fp32 (1 for an all-zero ``x``), so
-    that the largest entry lands on the format's largest value and none saturates."""
+    """``(x / scale in dtype, scale)``: ``scale`` (fp32) the smallest power of two at least ``amax(|x|) / max(dtype)``
+    (1 for an all-zero ``x``), so that no entry saturates and every rescale by it, in any float dtype, is exact
+    (the largest entry lands in the format's top binade: a floating format's relative precision does not depend
+    on where in its range a value lies, so rounding the scale up to a power of two loses none)."""
     amax = jnp.max(jnp.abs(x)).astype(F32)
-    scale = jnp.where(amax > 0, amax / jnp.asarray(jnp.finfo(dtype).max, F32), 1.0)
+    mantissa, exponent = jnp.frexp(amax / jnp.asarray(jnp.finfo(dtype).max, F32))  # mantissa in [0.5, 1)
+    scale = jnp.where(amax > 0, jnp.ldexp(jnp.float32(1.0), jnp.where(mantissa == 0.5, exponent - 1, exponent)), 1.0)
     return (x.astype(F32) / scale).astype(dtype), scale
 
 
@@ -58,21 +66,21 @@ def _forward(x: jax.Array, w: jax.Array, contract: int):
     wq, sw = quantize(w, E4M3)
     wq = shard_alike(wq, w)[0]
     y = (_dot(xq, wq, (range(lead, x.ndim), range(contract))) * (sx * sw)).astype(x.dtype)
-    # a zero-size array carries x's dtype for its gradient; w itself (a parameter, alive for the step anyway) its
-    # dtype and where it lies
-    return y, (xq, sx, wq, sw, jnp.zeros((0,), x.dtype), w)
+    # zero-size arrays carry the operands' dtypes for the gradients
+    return y, (xq, sx, wq, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
 
 def _backward(contract: int, res, g: jax.Array):
-    xq, sx, wq, sw, x_like, w = res
+    xq, sx, wq, sw, x_like, w_like = res
     lead = xq.ndim - contract
     gq, sg = quantize(g, E5M2)
     # [*lead, *out] x [*inner, *out] -> [*lead, *inner]
-    dx = (_dot(gq, wq, (range(lead, g.ndim), range(contract, w.ndim))) * (sg * sw)).astype(x_like.dtype)
-    # [*lead, *inner] x [*lead, *out] -> [*inner, *out], out in w's dtype: with the rows split over the data axes
-    # this product is a partial sum that XLA reduces (ZeRO's reduce-scatter) in its dtype, fp32 would double it
-    dw = (_dot(xq, gq, (range(lead), range(lead)), w.dtype) * (sx * sg)).astype(w.dtype)
-    return dx, shard_alike(dw, w)[0]
+    dx = (_dot(gq, wq, (range(lead, g.ndim), range(contract, wq.ndim))) * (sg * sw)).astype(x_like.dtype)
+    # [*lead, *inner] x [*lead, *out] -> [*inner, *out], in w's dtype and rescaled there (exact: a power of two):
+    # with the rows split over the data axes this product is a partial sum that XLA reduces (ZeRO's reduce-scatter)
+    # in its dtype, and fp32 would double those bytes
+    dw = _dot(xq, gq, (range(lead), range(lead)), w_like.dtype) * (sx * sg).astype(w_like.dtype)
+    return dx, dw
 
 
 _matmul.defvjp(_forward, _backward)

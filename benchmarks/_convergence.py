@@ -1,0 +1,60 @@
+"""Loss curves of the example under variants of one flag: each run in its own process, the same data and seed.
+
+Shared by the convergence benchmarks (``quantized_comm.py``, ``fp8.py``): :func:`run` trains
+``examples/train_lm.py`` once and returns every step's loss, :func:`summarize` compares final losses (the mean of
+the last 20 steps, which smooths the per-batch noise) with a baseline's, :func:`plot` draws the curves.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(args: list[str], steps: int) -> list[float]:
+    """Every step's loss of ``examples/train_lm.py --steps steps *args``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "metrics.json"
+        cmd = [
+            sys.executable, str(ROOT / "examples" / "train_lm.py"), "--steps", str(steps), "--log-every", str(steps),
+            "--metrics-json", str(out), "--no-progress", *args,
+        ]  # fmt: skip
+        subprocess.run(cmd, check=True)
+        return json.loads(out.read_text())["losses"]
+
+
+def summarize(curves: dict[str, list[float]], base: str, tail: int = 20) -> dict[str, dict[str, float]]:
+    """Per variant, its final loss (mean of the last ``tail`` steps) and how far it ends from ``base``'s."""
+    final = {v: sum(c[-tail:]) / len(c[-tail:]) for v, c in curves.items()}
+    return {v: {"final_loss": f, "vs_base": f / final[base] - 1.0} for v, f in final.items()}
+
+
+def plot(curves: dict[str, list[float]], labels: dict[str, str], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for variant, losses in curves.items():
+        ax.plot(range(1, len(losses) + 1), losses, label=labels.get(variant, variant), lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def write(result: dict, path: Path | None) -> None:
+    if path is not None:
+        from zjax import write_json_atomic
+
+        write_json_atomic(path, result)
