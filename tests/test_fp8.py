@@ -49,6 +49,8 @@ def test_the_products_are_the_formats_rounded_operands_forward_and_backward():
     np.testing.assert_allclose(np.asarray(got).reshape(15, 32), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"contracts its last 2 dims \(2, 8\) with w \(8, 2, 32\)"):
         zjax.fp8.matmul(attn, jnp.zeros((8, 2, 32)), contract=2)
+    with pytest.raises(ValueError, match=r"x \(3, 5, 2, 8\) float16 @ w \(2, 8, 32\) float16: .* not fp16"):
+        zjax.fp8.matmul(attn.astype(jnp.float16), wo.astype(jnp.float16), contract=2)
 
 
 @pytest.mark.slow  # two 30-step trainings; the fast suite checks the products' rounding and the GPU lowering

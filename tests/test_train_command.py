@@ -68,6 +68,7 @@ def test_print_config_writes_the_settings_a_run_file_reads_back_from_any_directo
         (["plan.mesh=dp=2,pp=4", "pipeline.microbatches=2"], "Use at least 4 microbatches"),
         (["loop.steps=many"], "loop.steps = 'many': expected int"),
         (["model.matmul=fp4"], "model.matmul = 'fp4': use one of default, fp8-current"),
+        (["model.matmul=fp8-current", "plan.precision=fp16"], "with plan.precision = 'fp16': fp8 products take"),
         (["plan.mesh=dp=2,pp=4", "pipeline.table=/nowhere/t.txt"], "pipeline.table = '/nowhere/t.txt': no such file"),
         (["missing.toml"], "config file missing.toml: no such file"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),

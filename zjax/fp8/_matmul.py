@@ -101,4 +101,10 @@ def matmul(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
             f"zjax.fp8.matmul: x {tuple(x.shape)} contracts its last {contract} dims {tuple(inner)} with w "
             f"{tuple(w.shape)}'s first {contract}; they differ."
         )
+    if jnp.float16 in (x.dtype, w.dtype):
+        raise ValueError(
+            f"zjax.fp8.matmul: x {tuple(x.shape)} {x.dtype} @ w {tuple(w.shape)} {w.dtype}: fp8 products take bf16 "
+            "or fp32 operands, not fp16 (whose loss scaling fp8's own per-tensor scales would fight). Train in "
+            "bf16 (Plan(precision='bf16'), --precision bf16), or keep fp16 with matmul='default'."
+        )
     return _matmul(x, w, contract)

@@ -58,6 +58,11 @@ def check(cfg: RunConfig) -> None:
     for name, path in paths:
         if path is not None and not path.exists():
             raise FileNotFoundError(f"{name} = {str(path)!r}: no such file or directory.")
+    if cfg.model.matmul != "default" and cfg.plan.precision == "fp16":
+        raise ValueError(
+            f"model.matmul = {cfg.model.matmul!r} with plan.precision = 'fp16': fp8 products take bf16 or fp32 "
+            "operands; use plan.precision=bf16, or model.matmul=default."
+        )
     out = cfg.output.save_hf
     if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(
