@@ -201,6 +201,38 @@ def test_cli_errors():
     assert proc.returncode == 2 and "--timeline walks a GPU's schedule: give --target" in proc.stderr
     proc = zjax_plan("--model", "tiny", "--mesh", "dp=8", "--matmul", "fp4")  # the model's own check
     assert proc.returncode == 2 and "matmul='fp4'; use one of ['default', 'fp8-current']" in proc.stderr
+    proc = zjax_plan("--model", "tiny", "--mesh", "dp=8", "--optimizer", "nadam")
+    assert proc.returncode == 2 and "--optimizer nadam: one of adamw, fused_adamw, lion, adafactor, muon" in proc.stderr
+
+
+def test_the_plan_holds_the_named_optimizers_state():
+    """``zjax plan --optimizer``: the plan's state is the named optimizer's, made from the parameters' shapes.
+    AdamW keeps two fp32 moments beside the fp32 master (12 bytes a parameter); Muon one for each matrix it
+    orthogonalises (8) and AdamW's two for the embedding, the head and the norms (its parameter rule needs their
+    names), in the theory and in the compiled state alike."""
+    import math
+
+    import flax.linen as nn
+    import jax
+    from optax.contrib import MuonDimensionNumbers
+
+    from zjax.models import PRESETS, Decoder, train_functions
+    from zjax.train import Optim
+
+    theory, compiled = {}, {}
+    for name in ("adamw", "muon"):
+        tx = lambda params, name=name: Optim(name=name).transformation(1000, params)  # noqa: E731
+        row = zjax.planner.estimate("tiny", mesh={"dp": 8}, stages=(1,), tx=tx).rows[0]
+        theory[name], compiled[name] = row.theory["optimizer"], row.compiled["state"]  # master and moments
+    init_fn, _ = train_functions(Decoder(PRESETS["tiny"]), PRESETS["tiny"].max_len)
+    shapes = jax.eval_shape(init_fn, jax.random.key(0))
+    matrix = lambda x: x is None or isinstance(x, MuonDimensionNumbers)  # noqa: E731
+    dims = jax.tree.leaves(Optim(name="muon").muon_matrices(shapes), is_leaf=matrix)
+    sizes = [math.prod(leaf.shape) for leaf in jax.tree.leaves(nn.unbox(shapes))]
+    assert len(dims) == len(sizes) and any(d is None for d in dims) and any(d is not None for d in dims)
+    want = sum(n * (12 if d is None else 8) for n, d in zip(sizes, dims, strict=True)) / 8
+    assert theory["muon"] == pytest.approx(want, abs=8), (theory, want)
+    assert theory["adamw"] == pytest.approx(12 * sum(sizes) / 8, abs=8) and compiled["muon"] < compiled["adamw"]
 
 
 @pytest.mark.slow  # three compiles in a subprocess; the argument error below runs in the fast suite

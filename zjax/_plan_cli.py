@@ -1,4 +1,5 @@
-"""``zjax plan``: its arguments and its run (the planner on the command line; :mod:`zjax.cli` dispatches)."""
+"""``zjax plan``'s run: the planner on the command line (its arguments: :mod:`zjax._plan_args`; :mod:`zjax.cli`
+dispatches)."""
 
 from __future__ import annotations
 
@@ -10,56 +11,10 @@ from pathlib import Path
 
 from ._extras import MissingExtra, require
 from ._jsonfile import write_json_atomic
+from ._plan_args import parses_quantized, plan_parser
 from ._quiet import filtered_stderr
-from .pipeline._config import GATHER_MODES, RECOMPUTE
 
-
-def parse_bytes(text: str) -> float:
-    """``"80GB"`` (1e9), ``"80GiB"`` (2**30) or a plain number of bytes."""
-    from .planner._gpu import parse_size
-
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"--budget: {e}") from None
-
-
-def parse_budget(text: str) -> str:
-    """``80%`` (of a GPU target's memory) or a size; resolved once the target is known."""
-    if not text.strip().endswith("%"):
-        parse_bytes(text)
-    return text.strip()
-
-
-def parse_mesh(text: str) -> dict[str, int]:
-    sizes: dict[str, int] = {}
-    for part in filter(None, text.replace(" ", "").split(",")):
-        name, eq, value = part.partition("=")
-        if not eq or name not in ("replica", "dp", "ep", "cp", "tp", "pp") or not value.isdigit() or int(value) < 1:
-            raise argparse.ArgumentTypeError(
-                f"--mesh: expected entries like dp=64,tp=2 or replica=8,dp=8 (HSDP), got {part!r}"
-            )
-        sizes[name] = int(value)
-    if not sizes:
-        raise argparse.ArgumentTypeError("--mesh: give at least one axis, e.g. dp=64")
-    return sizes
-
-
-def parse_ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints, got {text!r}") from None
-
-
-def _parses(quantized: str) -> bool:
-    from .comm._quantize import parse
-
-    try:
-        parse(quantized)
-    except ValueError:
-        return False
-    return True
+__all__ = ["plan_parser", "run_plan"]
 
 
 def _plot(est, path: Path) -> None:
@@ -89,129 +44,6 @@ def _plot(est, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def plan_parser(sub) -> None:
-    p = sub.add_parser("plan", help="per-device memory and communication for each ZeRO stage, compiled ahead of time")
-    p.add_argument(
-        "--model",
-        required=True,
-        help="a preset (llama3-8b, llama3-70b, qwen2-7b, mistral-7b, llama2-7b, tiny, ...) or a Hugging Face "
-        "config.json or checkpoint directory",
-    )
-    p.add_argument(
-        "--mesh", type=parse_mesh, default={"dp": 8}, help="dp=64, dp=32,tp=2, replica=8,dp=8 (HSDP), dp=8,ep=8 (MoE)"
-    )
-    p.add_argument("--stages", type=parse_ints, default=[0, 1, 2, 3])
-    p.add_argument("--remat", default="full", help="remat policy (zjax.remat.POLICIES); comma list with --budget")
-    p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
-    p.add_argument("--matmul", default=None, help="the projections' products: default, fp8-current (zjax.fp8.MATMULS)")
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        default=None,
-        help="global batch (default: one sequence per dp rank in each microbatch, for every --accum value)",
-    )
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--accum", type=parse_ints, default=[1], help="microbatches; comma list with --budget")
-    p.add_argument(
-        "--budget",
-        type=parse_budget,
-        default=None,
-        help="per-device memory to fit: 80%% (of the --target's memory, as the allocator's fraction) or 70GB; a "
-        "GPU target keeps a reserve for what the compiler does not count; picks the cheapest fit",
-    )
-    p.add_argument(
-        "--target",
-        default=None,
-        help="compile with XLA:GPU for this GPU (h100, h200, b200, a100, or a GpuTargetConfigProto .txtpb file), "
-        'no GPU needed (pip install "zjax[plan-gpu]"); default: XLA:CPU on simulated devices',
-    )
-    p.add_argument(
-        "--offload",
-        default="none",
-        help="ZeRO-Offload: none, optimizer (master + optimizer state in host memory) or optimizer+params "
-        "(stage 3); with --budget a comma list of those allowed (default: all, tried after every on-device plan)",
-    )
-    p.add_argument(
-        "--quantize-comm",
-        default="none",
-        help="stage 3 rows: what crosses dp as int8 blocks (ZeRO++; zjax.comm): none, weights (qwZ), grads (qgZ) "
-        "or weights+grads, a part as int4 with ':int4' (weights+grads:int4: ZeRO++'s int4 gradients) and in "
-        "blocks of B values per scale with '@B' (weights:int4@64; default 256); a comma "
-        "list plans each, side by side (e.g. none,weights,weights+grads); with "
-        "--budget, stage 3 takes the listed value that exposes the fewest bytes (at a tie, the first listed)",
-    )
-    p.add_argument(
-        "--compute-copy",
-        default="keep",
-        help="stage 3 rows: keep the parameters' compute-dtype copy beside the fp32 master (keep), or keep only the "
-        "fp32 weights and cast each shard before its gather (drop: Plan(compute_copy=False), 12 bytes per "
-        "parameter of state with Adam); keep,drop plans both",
-    )
-    p.add_argument(
-        "--hpz",
-        default="no",
-        help="stage 3 rows on a mesh with replica > 1: ZeRO++'s hierarchical partitioning (yes: state split over "
-        "replica x dp, each step gathers the parameters across nodes once and every layer inside the node; "
-        "Plan(hpz=True)); no,yes plans both",
-    )
-    p.add_argument(
-        "--timeline",
-        action="store_true",
-        help="GPU targets: print each row's roofline walk over the compiled schedule: compute ms per step (peak "
-        "FLOP/s, HBM bandwidth) and the ms it waits for collectives (NVLink inside a host of 8, the network "
-        "across hosts); exposed counts any overlap, this weighs it",
-    )
-    p.add_argument(
-        "--reduce-dtype",
-        default=None,
-        help="the dtype gradients are reduced in over the data axes (Plan(reduce_dtype=...), e.g. float32); "
-        "default: the compute dtype",
-    )
-    p.add_argument(
-        "--ep",
-        type=parse_ints,
-        default=None,
-        help="with --budget, a mixture of experts: the ep sizes the search may take out of dp x ep (e.g. 1,2,4,8)",
-    )
-    p.add_argument(
-        "--cp",
-        type=parse_ints,
-        default=None,
-        help="with --budget, the cp sizes the search may take out of dp x cp, smallest first (e.g. 1,2,4,8)",
-    )
-    p.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches when pp > 1 (default 2 x pp)")
-    p.add_argument("--repeats", type=int, default=1, help="pipeline repeats: chunks of layers per stage")
-    p.add_argument(
-        "--schedule",
-        default="gpipe",
-        help="pipeline schedule: gpipe, 1f1b, interleaved-1f1b (repeats > 1) or zero-bubble; with --budget a comma "
-        "list to choose from (smallest bubble first)",
-    )
-    p.add_argument(
-        "--zero3-gather",
-        choices=GATHER_MODES,
-        default=None,
-        help="pipeline at stages 2-3: weights gathered once per step, per use, or per repeat's chunk (stage 3) "
-        "(default: layer at 2-3, step below)",
-    )
-    p.add_argument(
-        "--recompute",
-        choices=RECOMPUTE,
-        default="once",
-        help="table schedules under full/nested remat: B recomputes the stage once for B and W (GPipe's FLOPs), or "
-        "B and W each recompute it (per-action: the least memory)",
-    )
-    p.add_argument(
-        "--pipeline-table",
-        type=Path,
-        default=None,
-        help="a schedule of one's own: a file of actions per stage (zjax.pipeline.parse_table's format), run in "
-        "place of --schedule; its microbatches and chunks are the plan's",
-    )
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--plot", type=Path, default=None, help="PNG bar chart of memory by category")
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -307,7 +139,7 @@ def run_plan(args: argparse.Namespace) -> int:
     # value splits (their least common multiple), so that all of them are planned on the same batch
     batch = args.batch_size or rows * math.lcm(*args.accum)
     quantized = [None if q == "none" else q for q in args.quantize_comm.split(",") if q]
-    bad = [q for q in quantized if q is not None and not _parses(q)]
+    bad = [q for q in quantized if q is not None and not parses_quantized(q)]
     if bad or not quantized:
         print(f"zjax plan: --quantize-comm {args.quantize_comm}: give none, weights, grads or weights+grads, a part "
               "int4 with ':int4' (weights+grads:int4) and its block with '@B' (weights:int4@64); a comma list "
@@ -322,6 +154,13 @@ def run_plan(args: argparse.Namespace) -> int:
     if not hpzs or set(hpzs) - {"no", "yes"} or (args.budget is not None and len(hpzs) > 1):
         print(f"zjax plan: --hpz {args.hpz}: no or yes (no,yes compares them without --budget)", file=sys.stderr)
         return 2
+    from .train import OPTIMIZERS, Optim
+
+    if args.optimizer not in OPTIMIZERS:
+        print(f"zjax plan: --optimizer {args.optimizer}: one of {', '.join(OPTIMIZERS)}", file=sys.stderr)
+        return 2
+    optim = Optim(name=args.optimizer)
+    tx = None if args.optimizer == "adamw" else (lambda params: optim.transformation(1000, params))
     try:
         if args.budget is None:
             if len(remats) > 1:
@@ -344,6 +183,7 @@ def run_plan(args: argparse.Namespace) -> int:
                     reduce_dtype=args.reduce_dtype,
                     compute_copy=copy == "keep",
                     hpz=hpz == "yes",
+                    tx=tx,
                 )  # fmt: skip
                 for hpz in hpzs
                 for copy in copies
@@ -367,7 +207,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 precision=args.precision, batch_size=batch, seq_len=args.seq_len, target=args.target,
                 offloads=offloads, pipeline=pipeline, schedules=names if pipeline is not None else (),
                 eps=args.ep or (), cps=args.cp or (), quantized=quantized, reduce_dtype=args.reduce_dtype,
-                compute_copy=copies[0] == "keep", hpz=hpzs[0] == "yes", matmul=args.matmul,
+                compute_copy=copies[0] == "keep", hpz=hpzs[0] == "yes", matmul=args.matmul, tx=tx,
             )  # fmt: skip
             est = type(tried[0])(**{**tried[0].__dict__, "rows": tuple(r for e in tried for r in e.rows)})
             est = dataclasses.replace(est, show_timeline=args.timeline)

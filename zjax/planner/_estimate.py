@@ -74,7 +74,7 @@ def estimate_fn(
     mesh: dict[str, int],
     stages: Sequence[int] = (0, 1, 2, 3),
     precision: str = "bf16",
-    tx: optax.GradientTransformation | None = None,
+    tx: optax.GradientTransformation | Callable[[Any], optax.GradientTransformation] | None = None,
     accum: int = 1,
     name: str = "custom",
     remat: str = "-",
@@ -97,7 +97,9 @@ def estimate_fn(
     ``"optimizer+params"``) estimates ZeRO-Offload plans: rows then show device memory, and the host
     bytes and PCIe traffic computed from the placements. ``rules`` (default ``zjax.Rules()``) places
     parameters and activations, e.g. ``Rules(sequence_parallel=False)``. ``quantized_comm``, ``compute_copy`` and
-    ``hpz`` (stage 3 rows) and ``reduce_dtype`` are the :class:`zjax.Plan` options of those names."""
+    ``hpz`` (stage 3 rows) and ``reduce_dtype`` are the :class:`zjax.Plan` options of those names. ``tx``: the
+    optimizer (default AdamW), or a function of the parameters' shapes that makes it (weight decay's mask, Muon's
+    matrices: :meth:`zjax.train.Optim.transformation`)."""
     offload = Offload.from_value(offload)
     devices = _devices(mesh, target)
     device_mesh = make_mesh(
@@ -111,6 +113,8 @@ def estimate_fn(
     backend = "gpu" if target is not None else "cpu"
     device_kind = str(devices[0].device_kind)
     tx = optax.adamw(1e-4) if tx is None else tx
+    if not isinstance(tx, optax.GradientTransformation):  # made from the parameters' shapes
+        tx = tx(jax.eval_shape(init_fn, jax.random.key(0)))
     rows, psi = [], 0
     for stage in stages:
         start = time.perf_counter()
@@ -256,9 +260,11 @@ def estimate(
     compute_copy: bool = True,
     hpz: bool = False,
     matmul: str | None = None,
+    tx: optax.GradientTransformation | Callable[[Any], optax.GradientTransformation] | None = None,
 ) -> Estimate:
     """Estimate a decoder preset (``zjax.models.PRESETS``, e.g. ``"llama2-7b"``) or a ``DecoderConfig``
-    (``matmul``: the projections' products, :data:`zjax.fp8.MATMULS`; default the model's).
+    (``matmul``: the projections' products, :data:`zjax.fp8.MATMULS`; default the model's; ``tx``: the optimizer,
+    as for :func:`estimate_fn`).
 
     Example:
       >>> est = zjax.planner.estimate("llama2-7b", mesh={"dp": 64}, batch_size=64, seq_len=2048)
@@ -286,4 +292,5 @@ def estimate(
         reduce_dtype=reduce_dtype,
         compute_copy=compute_copy,
         hpz=hpz,
+        tx=tx,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ..models import DecoderConfig
 from ..offload import Offload
@@ -178,6 +178,7 @@ def fit(
     compute_copy: bool = True,
     hpz: bool = False,
     matmul: str | None = None,
+    tx: Any = None,
 ) -> Fit:
     """The cheapest (stage, ep, cp, remat, schedule, microbatches, offload) whose compiled per-device total fits
     in ``budget``.
@@ -193,7 +194,8 @@ def fit(
     none) is compiled and, of those that fit, :func:`weigh` takes the one that exposes the fewest bytes on the
     wire. ``compute_copy=False`` plans stage 3's on-device candidates without the compute copy
     (``Plan(compute_copy=False)``); offloaded ones keep it (their fp32 weights live in host memory); ``hpz``
-    plans them with ZeRO++'s hierarchical partitioning (``Plan(hpz=True)``). A candidate
+    plans them with ZeRO++'s hierarchical partitioning (``Plan(hpz=True)``); ``tx`` is the optimizer
+    (:func:`estimate_fn`'s). A candidate
     that cannot
     run (microbatches that do not divide the global batch, an offload the stage does not support) is listed
     in :attr:`Fit.skipped` with the reason.
@@ -245,7 +247,7 @@ def fit(
                     batch_size=batch_size, seq_len=seq_len, accum=c.accum, target=target, offload=c.offload,
                     pipeline=_schedule(base, c, mesh), quantized_comm=q, reduce_dtype=reduce_dtype,
                     compute_copy=compute_copy or c.offload != "none", hpz=hpz and c.offload == "none",
-                    matmul=matmul,
+                    matmul=matmul, tx=tx,
                 )  # fmt: skip
             except ValueError as e:
                 if q is None:
