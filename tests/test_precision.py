@@ -73,6 +73,24 @@ def test_fp16_skips_non_finite_step_and_halves_scale():
     assert not bool(m["skipped"]) and float(m["loss_scale"]) == 512.0
 
 
+@pytest.mark.parametrize("skip", [None, True])
+def test_bf16_leaves_a_non_finite_step_out_when_asked(skip):
+    """``Plan(skip_nonfinite=True)``: in bf16 (no loss scaling) a step with an inf gradient leaves the state as it
+    was and says so; by default it goes through (the weights turn NaN). ``False`` under fp16 is refused."""
+    plan = zjax.Plan(zjax.make_mesh(dp=8), stage=3, precision="bf16", skip_nonfinite=skip)
+    init_fn, loss_fn = _poisoned_task()
+    state = plan.init(init_fn, optax.adam(1e-2), jax.random.key(0))
+    bad = {**regression_batch(), "poison": np.full((32,), np.inf, np.float32)}
+    before = host((state.params, state.opt_state))
+    state, m = plan.train_step(loss_fn)(state, plan.shard_batch(bad))
+    after = host((state.params, state.opt_state))
+    assert bool(m["skipped"]) == bool(skip) and int(state.step) == 1
+    same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True))
+    assert same == bool(skip)
+    with pytest.raises(ValueError, match=r"skip_nonfinite=False with precision='fp16': dynamic loss scaling"):
+        zjax.Plan(zjax.make_mesh(dp=8), precision="fp16", skip_nonfinite=False)
+
+
 def test_fp16_scale_grows_after_interval():
     cfg = DynamicLossScale(initial=8.0, growth_interval=3)
     data = [regression_batch(seed=i) for i in range(7)]

@@ -40,6 +40,7 @@ class PlanConfig:
     quantized_comm: str | None = None
     compute_copy: bool = True
     hpz: bool = False
+    skip_nonfinite: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):
@@ -86,6 +87,11 @@ class PlanConfig:
         cast(Offload, self.offload).check(self.stage)
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ValueError(f"Plan: clip_norm={self.clip_norm} must be > 0 or None.")
+        if self.skip_nonfinite is False and self.precision.loss_scaling:
+            raise ValueError(
+                f"Plan: skip_nonfinite=False with precision={self.precision.name!r}: dynamic loss scaling finds its "
+                "scale by skipping the steps whose gradients overflow. Use skip_nonfinite=None (or True)."
+            )
         if self.quantized_comm is not None:
             try:
                 parse(self.quantized_comm)

@@ -40,7 +40,8 @@ class TrainStep(CompiledFn):
     ``(loss, new_model_state)`` or ``((loss, aux), new_model_state)``.
     Returns the new state and metrics: ``loss`` (the objective's value), ``count`` (the count it divides by:
     tokens or their weights for a ``LossSum``, the calls' number for a scalar), ``grad_norm`` (before clipping),
-    ``loss_scale``, ``skipped`` (non-finite gradients under loss scaling) and ``aux`` if given.
+    ``loss_scale``, ``skipped`` (non-finite gradients, left out: ``Plan(skip_nonfinite=...)``) and ``aux`` if
+    given.
     The input state is donated: do not use it after the call.
     """
 
@@ -205,7 +206,8 @@ class TrainStep(CompiledFn):
         if plan.clip_norm is not None:
             factor = jnp.minimum(1.0, plan.clip_norm / (grad_norm + 1e-6))
         finite = jnp.isfinite(grad_norm)
-        skip_nonfinite = precision.loss_scaling
+        skips = precision.loss_scaling if plan.skip_nonfinite is None else plan.skip_nonfinite
+        skip_nonfinite = skips  # False below once the update itself skipped
 
         master = state.master_params
         fused = getattr(state.tx, "fused_apply", None)
@@ -248,12 +250,13 @@ class TrainStep(CompiledFn):
         if skip_nonfinite:  # a skipped step changes nothing but the loss scale (and the step count)
             params = _tree_where(finite, params, state.params)
             opt_state = _tree_where(finite, opt_state, state.opt_state)
-        if precision.loss_scaling:
+        if skips:
             model_state = _tree_where(finite, model_state, state.model_state)
-            loss_scale = plan.loss_scale.update(loss_scale, finite)
             skipped = ~finite
         else:
             skipped = jnp.zeros((), bool)
+        if precision.loss_scaling:
+            loss_scale = plan.loss_scale.update(loss_scale, finite)
 
         new_state = state.replace(
             step=state.step + 1,

@@ -184,6 +184,7 @@ def run_lm(cfg: RunConfig, argv: Sequence[str] | None = None, log: Callable[...,
             pipeline=pipeline, offload=cfg.plan.offload, reduce_dtype=cfg.plan.reduce_dtype, hpz=cfg.plan.hpz,
             quantized_comm=None if cfg.plan.quantize_comm == "none" else cfg.plan.quantize_comm,
             compute_copy=cfg.plan.compute_copy,
+            skip_nonfinite=True if cfg.model.matmul != "default" else None,  # fp8: an inf amax skips the step
         )  # fmt: skip
         loop = cfg.loop
         # the parameters, and the model state the routers' selection biases are (DeepSeek-V3's) threaded through
