@@ -51,7 +51,8 @@ def quantize(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
 
 
 def _dot(a: jax.Array, b: jax.Array, dims: tuple[Sequence[int], Sequence[int]], out: Any = F32) -> jax.Array:
-    return jax.lax.dot_general(a, b, (tuple(tuple(d) for d in dims), ((), ())), preferred_element_type=out)
+    contracting = (tuple(dims[0]), tuple(dims[1]))
+    return jax.lax.dot_general(a, b, (contracting, ((), ())), preferred_element_type=out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
