@@ -205,6 +205,7 @@ def test_cli_errors():
     assert proc.returncode == 2 and "--optimizer nadam: one of adamw, fused_adamw, lion, adafactor, muon" in proc.stderr
 
 
+@pytest.mark.slow  # two compiles; the fast suite checks --optimizer's argument (test_cli_errors)
 def test_the_plan_holds_the_named_optimizers_state():
     """``zjax plan --optimizer``: the plan's state is the named optimizer's, made from the parameters' shapes.
     AdamW keeps two fp32 moments beside the fp32 master (12 bytes a parameter); Muon one for each matrix it
