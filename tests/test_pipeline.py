@@ -247,6 +247,7 @@ def test_weights_gathered_once_per_step_cross_dp_as_int8_under_1f1b():
     assert losses != plain_losses
 
 
+@pytest.mark.slow  # the GPU target's pipeline test checks every in-loop dp gather is int8 in the fast suite
 def test_per_layer_gathers_cross_dp_as_int8_blocks_inside_the_loop():
     """qwZ under zero3_gather="layer" (the default at stage 3), on dp=2 x tp=2 x pp=2: every all-gather over dp
     inside the pipeline's loop is int8 or fp32 (a scale per block), none in bf16; each layer weight split over dp
