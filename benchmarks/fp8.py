@@ -11,34 +11,19 @@ numerics; the speed of fp8 products is a GPU's (``zjax plan --matmul fp8-current
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
-from _convergence import plot, run, summarize, write
+from _convergence import compare
 
 from zjax.fp8 import MATMULS
 
 LABELS = {"default": "bf16 products", "fp8-current": "fp8 products, current scaling"}
-EXAMPLE = ["--stage", "3", "--mesh", "dp=8", "--preset", "small", "--precision", "bf16"]
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--recipes", default=",".join(MATMULS), help=f"comma list of {list(MATMULS)}")
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--plot", type=Path, default=None)
-    args, extra = p.parse_known_args(argv)
-    recipes = ["default", *[r for r in args.recipes.split(",") if r and r != "default"]]
-    curves = {r: run([*EXAMPLE, "--matmul", r, *extra], args.steps) for r in recipes}
-    summary = summarize(curves, "default")
-    for r, s in summary.items():
-        print(f"{r:>12}: final loss {s['final_loss']:.4f} ({s['vs_base']:+.2%} vs bf16 products)")
-    result = {"steps": args.steps, "extra_args": extra, "summary": summary, "curves": curves}
-    write(result, args.json)
-    if args.plot is not None:
-        plot(curves, LABELS, "examples/train_lm.py --stage 3 --mesh dp=8 --preset small --precision bf16", args.plot)
-    return result
+    return compare(
+        argv, description=__doc__.split("\n")[0], flag="matmul", choices="recipes", variants=list(MATMULS),
+        base="default", example=["--stage", "3", "--mesh", "dp=8", "--preset", "small", "--precision", "bf16"],
+        labels=LABELS, vs="bf16 products", width=12,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

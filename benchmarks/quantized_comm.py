@@ -12,12 +12,9 @@ which smooths the per-batch noise) with bf16's. The bytes per step each variant 
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
+from _convergence import compare
 
-from _convergence import plot, run, summarize, write
-
-VARIANTS = ("none", "weights", "grads", "weights+grads", "weights+grads:int4", "weights:int4+grads:int4")
+VARIANTS = ["none", "weights", "grads", "weights+grads", "weights+grads:int4", "weights:int4+grads:int4"]
 LABELS = {
     "none": "bf16",
     "weights": "int8 weights (qwZ)",
@@ -26,28 +23,14 @@ LABELS = {
     "weights+grads:int4": "int8 weights + int4 gradients",
     "weights:int4+grads:int4": "int4 weights + gradients",
 }
-EXAMPLE = ["--stage", "3", "--mesh", "dp=8", "--preset", "small"]
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--plot", type=Path, default=None)
-    args, extra = p.parse_known_args(argv)
-    variants = [v for v in args.variants.split(",") if v]
-    if "none" not in variants:
-        variants.insert(0, "none")
-    curves = {v: run([*EXAMPLE, "--quantize-comm", v, *extra], args.steps) for v in variants}
-    summary = summarize(curves, "none")
-    for v, s in summary.items():
-        print(f"{v:>14}: final loss {s['final_loss']:.4f} ({s['vs_base']:+.2%} vs bf16)")
-    result = {"steps": args.steps, "extra_args": extra, "summary": summary, "curves": curves}
-    write(result, args.json)
-    if args.plot is not None:
-        plot(curves, LABELS, "examples/train_lm.py --stage 3 --mesh dp=8 --preset small", args.plot)
-    return result
+    return compare(
+        argv, description=__doc__.split("\n")[0], flag="quantize-comm", choices="variants", variants=VARIANTS,
+        base="none", example=["--stage", "3", "--mesh", "dp=8", "--preset", "small"], labels=LABELS, vs="bf16",
+        width=14,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,10 +11,8 @@ from pathlib import Path
 
 from ._extras import MissingExtra, require
 from ._jsonfile import write_json_atomic
-from ._plan_args import parses_quantized, plan_parser
+from ._plan_args import parses_quantized
 from ._quiet import filtered_stderr
-
-__all__ = ["plan_parser", "run_plan"]
 
 
 def _plot(est, path: Path) -> None:

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 from ._argparse import ArgumentParser
-from ._plan_cli import plan_parser, run_plan
+from ._plan_args import plan_parser
+from ._plan_cli import run_plan
 from ._version import __version__
 from .train import add_train_arguments, run_command
 

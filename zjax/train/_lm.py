@@ -86,10 +86,10 @@ def check(cfg: RunConfig) -> None:
     pipe = cfg.pipeline.build(stages) if stages > 1 else None
     micro = pipe.microbatches if pipe is not None else 1
     if data is not None:
-        split = data * cfg.plan.accum * (micro if stages > 1 else 1)
+        split = data * cfg.plan.accum * micro
         if cfg.data.batch_size % split:
             what = f"replica x dp x ep = {data} data-parallel ranks x plan.accum = {cfg.plan.accum}"
-            what += f" x {micro} pipeline microbatches" if stages > 1 else ""
+            what += f" x {micro} pipeline microbatches" if pipe is not None else ""
             raise ValueError(
                 f"data.batch_size = {cfg.data.batch_size} does not split over {what} = {split}; use a multiple of "
                 f"{split} (e.g. {split * max(1, round(cfg.data.batch_size / split))})."
