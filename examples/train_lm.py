@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seq-len", type=int, default=128)
     add("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
     add("--remat", default="full", help="activation checkpointing policy (zjax.remat.POLICIES)")
-    add("--matmul", default="default", help="the projections' products: default or fp8-current (zjax.fp8.MATMULS)")
+    add("--matmul", default="default", choices=tuple(zjax.fp8.MATMULS), help="the projections' products")
     add("--accum", type=int, default=1, help="gradient-accumulation microbatches per step")
     add("--offload", choices=("none", "optimizer", "optimizer+params"), default="none", help="ZeRO-Offload")
     add("--quantize-comm", default="none", help="ZeRO++: none, weights, grads, weights+grads (':int4', '@B' on a part)")

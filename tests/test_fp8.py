@@ -79,7 +79,7 @@ def test_an_fp8_decoder_trains_like_the_bf16_one():
 
 
 def test_a_bad_matmul_names_the_recipes():
-    with pytest.raises(ValueError, match=r"matmul='fp4'; use one of \['default', 'fp8-current'\]"):
+    with pytest.raises(ValueError, match=r"matmul='fp4'; use one of \['default', 'fp8-current', 'fp8-delayed'\]"):
         DecoderConfig(matmul="fp4")
 
 

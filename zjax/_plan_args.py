@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .fp8 import MATMULS
 from .pipeline._config import GATHER_MODES, RECOMPUTE
 
 
@@ -70,7 +71,7 @@ def plan_parser(sub) -> None:
     p.add_argument("--stages", type=parse_ints, default=[0, 1, 2, 3])
     p.add_argument("--remat", default="full", help="remat policy (zjax.remat.POLICIES); comma list with --budget")
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
-    p.add_argument("--matmul", default=None, help="the projections' products: default, fp8-current (zjax.fp8.MATMULS)")
+    p.add_argument("--matmul", default=None, help="the projections' products (zjax.fp8.MATMULS)", choices=MATMULS)
     p.add_argument(
         "--batch-size",
         type=int,

@@ -74,11 +74,12 @@ class MemoryReport:
     offloaded_bytes: int = 0  # state the layout keeps in pinned host memory, per device (from its placements)
     # a mixture of experts: the formula's persistent state per device of its "experts" and its "dense" parameters
     state_by_group: dict[str, int] = dataclasses.field(default_factory=dict)
+    model_state_bytes: int = 0  # the model's non-trainable state per device (router biases, fp8 amax histories)
 
     @property
     def state_theory(self) -> int:
         """Persistent state per device by the formula: params + master + optimizer (and model state)."""
-        return sum(self.theory[k] for k in ("params", "master", "optimizer"))
+        return sum(self.theory[k] for k in ("params", "master", "optimizer")) + self.model_state_bytes
 
     @property
     def state_compiled(self) -> int:
@@ -121,6 +122,7 @@ class MemoryReport:
             "device_peak_bytes": self.device_peak_bytes,
             "dp_replicated": [dataclasses.asdict(u) for u in self.unsharded],
             "state_by_group": dict(self.state_by_group),
+            "model_state_bytes": self.model_state_bytes,
         }
 
     def __str__(self) -> str:
@@ -134,6 +136,9 @@ class MemoryReport:
             compiled = self.compiled.get(key)
             note = "" if compiled is not None else "   (inside temporaries)"
             lines.append(f"  {LABELS[key]:<22}{fmt_bytes(self.theory[key]):>14}{fmt_bytes(compiled):>14}{note}")
+        if self.model_state_bytes:
+            shown = fmt_bytes(self.model_state_bytes)
+            lines.append(f"  {'model state':<22}{shown:>14}{shown:>14}")
         lines += [
             f"  {'persistent state':<22}{fmt_bytes(self.state_theory):>14}{fmt_bytes(self.state_compiled):>14}",
             f"  {'temporaries':<22}{'':>14}{fmt_bytes(self.temp_bytes):>14}",
@@ -161,6 +166,8 @@ def memory_report_html(report: MemoryReport) -> str:
         rows.append(
             [LABELS[key], fmt_bytes(report.theory[key]), fmt_bytes(compiled) if compiled is not None else "in temp"]
         )
+    if report.model_state_bytes:
+        rows.append(["model state", fmt_bytes(report.model_state_bytes), fmt_bytes(report.model_state_bytes)])
     rows += [
         ["persistent state", fmt_bytes(report.state_theory), fmt_bytes(report.state_compiled)],
         ["temporaries", "", fmt_bytes(report.temp_bytes)],
@@ -293,6 +300,7 @@ def memory_report(
         ),
         offloaded_bytes=offloaded,
         state_by_group=by_group,
+        model_state_bytes=category(state.model_state, state_shardings.model_state) if state.model_state else 0,
     )
 
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .. import pipeline
+from .. import fp8, pipeline
 from ..offload._update import streamed_update
 from ..sharding._batch import check_batch
 from ._compiled import CompiledFn, EvalStep, compute_params, constrain, layout_of
@@ -94,9 +94,11 @@ class TrainStep(CompiledFn):
 
     def _grads(self, layout: StateLayout, params: Any, model_state: Any, batch: Any, scale: jax.Array, rng: jax.Array):
         """The step's :class:`LossSum`, aux, gradients of its objective times ``scale`` (over the microbatches in
-        fp32 if k > 1) and the model state after the last microbatch (threaded through them in order; never
-        differentiated)."""
+        fp32 if k > 1), the model state after the last microbatch (threaded through them in order; never
+        differentiated) and, for a model with fp8 amax histories (:func:`zjax.fp8.matmul_delayed`), the amaxes the
+        step saw (the histories' cotangents, their maximum over the microbatches; else ``None``)."""
         mesh = self.plan.mesh
+        histories = fp8.histories(model_state)
 
         def scaled(p, ms, b, i):
             kwargs: dict[str, Any] = {}
@@ -120,19 +122,27 @@ class TrainStep(CompiledFn):
             value, part = seeded(part, scale)  # under GSPMD one call sees every rank's rows
             return value, (part, aux, ms)
 
-        def grad_fn(p, ms, b, i):
-            return jax.grad(scaled, has_aux=True)(p, ms, b, i)
+        def grad_fn(p, carry, b, i):
+            if histories is None:
+                return jax.grad(scaled, has_aux=True)(p, carry, b, i)
+            ms, seen = carry  # the histories are read, not changed, by every microbatch: the step shifts them
+            with_h = lambda p_, h: scaled(p_, fp8.with_histories(ms, h), b, i)  # noqa: E731
+            (g, amaxes), (part, aux, ms) = jax.grad(with_h, (0, 1), has_aux=True)(p, histories)
+            return g, (part, aux, (ms, fp8.amax_seen(seen, amaxes)))
 
+        carry = model_state if histories is None else (model_state, jax.tree.map(jnp.zeros_like, histories))
         # k == 1: straight to the optimizer's layout: at stage 1 too the reduction is a reduce-scatter (ZeRO's
         # 2 psi per step); an all-reduce to full gradients would cost 3 psi with the gather.
-        grads, total, aux, model_state = accumulate(
-            grad_fn, params, batch, self.accum_steps, model_state, lambda g: constrain(g, layout.grad_specs, mesh)
+        grads, total, aux, carry = accumulate(
+            grad_fn, params, batch, self.accum_steps, carry, lambda g: constrain(g, layout.grad_specs, mesh)
         )
-        return total, aux, constrain(grads, layout.master_specs, mesh), model_state
+        model_state, seen = (carry, None) if histories is None else carry
+        return total, aux, constrain(grads, layout.master_specs, mesh), model_state, seen
 
     def _gradients(self, layout: StateLayout, state: TrainState, batch: Any, scale: jax.Array, rng: jax.Array):
         """The step's :class:`zjax.LossSum`, aux, gradients (the objective's, times ``scale``, in the master
-        weights' layout) and new model state, by whichever path the plan reduces them."""
+        weights' layout), new model state and fp8 amaxes seen (:meth:`_grads`), by whichever path the plan
+        reduces them."""
         plan = self.plan
         if (plan.reduce_dtype is not None or plan.reduces_gradients) and jax.tree.leaves(state.model_state):
             raise ValueError(
@@ -140,6 +150,7 @@ class TrainStep(CompiledFn):
                 "statistics) yet; use reduce_dtype=None and quantized_comm=None or 'weights'."
             )
         computed = compute_params(plan, layout, state.params)
+        seen = None
         if plan.reduces_gradients:  # stage 3, reduced in fp32 or as int8: the fp32 master's shards differentiated
             primal = state.master_params if plan.precision.master_weights else computed  # cast per layer
             total, aux, grads = zero3_grads(plan, self.loss, layout, primal, batch, scale, rng)
@@ -148,8 +159,8 @@ class TrainStep(CompiledFn):
             total, aux, grads = grads_per_rank(plan, self.loss, layout, computed, batch, scale, rng)
             model_state = state.model_state
         else:
-            total, aux, grads, model_state = self._grads(layout, computed, state.model_state, batch, scale, rng)
-        return total, aux, constrain(grads, layout.master_specs, plan.mesh), model_state
+            total, aux, grads, model_state, seen = self._grads(layout, computed, state.model_state, batch, scale, rng)
+        return total, aux, constrain(grads, layout.master_specs, plan.mesh), model_state, seen
 
     def _scale_and_keys(self, state: TrainState) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The loss scale, the state's next key and this step's key."""
@@ -188,7 +199,7 @@ class TrainStep(CompiledFn):
 
     def _unscaled(self, layout: StateLayout, state: TrainState, batch: Any):
         scale, _, step_rng = self._scale_and_keys(state)
-        total, aux, grads, _ = self._gradients(layout, state, batch, scale, step_rng)
+        total, aux, grads, _, _ = self._gradients(layout, state, batch, scale, step_rng)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
         metrics = {"loss": total.mean, "count": total.count, "grad_norm": optax.tree.norm(grads)}
         if aux is not None:
@@ -199,14 +210,20 @@ class TrainStep(CompiledFn):
         plan, mesh = self.plan, self.plan.mesh
         precision = plan.precision
         scale, next_rng, step_rng = self._scale_and_keys(state)
-        total, aux, grads, model_state = self._gradients(layout, state, batch, scale, step_rng)
+        total, aux, grads, model_state, seen = self._gradients(layout, state, batch, scale, step_rng)
         inv = 1.0 / scale  # the gradients are the objective's (zjax.core._objective), times the loss scale
         grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32) * inv, grads))
         factor = jnp.float32(1.0)
         if plan.clip_norm is not None:
             factor = jnp.minimum(1.0, plan.clip_norm / (grad_norm + 1e-6))
         finite = jnp.isfinite(grad_norm)
-        skips = precision.loss_scaling if plan.skip_nonfinite is None else plan.skip_nonfinite
+        fp8_metrics = {}
+        if seen is not None:  # fp8 delayed scaling: a non-finite amax skips the step; the histories shift
+            finite = finite & fp8.finite(seen)
+            fp8_metrics["fp8_saturated"] = fp8.saturated(state.model_state, seen)
+            model_state = fp8.advance(model_state, seen)
+        default_skip = precision.loss_scaling or seen is not None
+        skips = default_skip if plan.skip_nonfinite is None else plan.skip_nonfinite
         skip_nonfinite = skips  # False below once the update itself skipped
 
         master = state.master_params
@@ -272,6 +289,7 @@ class TrainStep(CompiledFn):
             "grad_norm": grad_norm,
             "loss_scale": scale,
             "skipped": skipped,
+            **fp8_metrics,
         }
         if aux is not None:
             metrics["aux"] = aux

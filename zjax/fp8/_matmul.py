@@ -35,8 +35,16 @@ E5M2 = jnp.float8_e5m2
 MATMULS = {
     "default": "the compute dtype's matmul (bf16, fp16 or fp32)",
     "fp8-current": "e4m3 operands, e5m2 gradients, per-tensor scales from this step's amax",
+    "fp8-delayed": "the same formats, each tensor's scale from its amax history (zjax.fp8.matmul_delayed)",
 }
 """The matrix-product recipes of a model's projections (``DecoderConfig(matmul=...)``)."""
+
+
+def pow2_scale(amax: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """The smallest power of two at least ``amax / max(dtype)`` (fp32, elementwise; 1 where ``amax`` is 0)."""
+    amax = jnp.asarray(amax, F32)
+    mantissa, exponent = jnp.frexp(amax / jnp.asarray(jnp.finfo(dtype).max, F32))  # mantissa in [0.5, 1)
+    return jnp.where(amax > 0, jnp.ldexp(jnp.float32(1.0), jnp.where(mantissa == 0.5, exponent - 1, exponent)), 1.0)
 
 
 def quantize(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
@@ -44,9 +52,7 @@ def quantize(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     (1 for an all-zero ``x``), so that no entry saturates and every rescale by it, in any float dtype, is exact
     (the largest entry lands in the format's top binade: a floating format's relative precision does not depend
     on where in its range a value lies, so rounding the scale up to a power of two loses none)."""
-    amax = jnp.max(jnp.abs(x)).astype(F32)
-    mantissa, exponent = jnp.frexp(amax / jnp.asarray(jnp.finfo(dtype).max, F32))  # mantissa in [0.5, 1)
-    scale = jnp.where(amax > 0, jnp.ldexp(jnp.float32(1.0), jnp.where(mantissa == 0.5, exponent - 1, exponent)), 1.0)
+    scale = pow2_scale(jnp.max(jnp.abs(x)), dtype)
     return (x.astype(F32) / scale).astype(dtype), scale
 
 
@@ -55,18 +61,29 @@ def _dot(a: jax.Array, b: jax.Array, dims: tuple[Sequence[int], Sequence[int]], 
     return jax.lax.dot_general(a, b, (contracting, ((), ())), preferred_element_type=out)
 
 
+def contract_dims(ndim: int, contract: int) -> tuple[range, range]:
+    """The forward product's contracting dims: ``x``'s last ``contract`` with ``w``'s first."""
+    return range(ndim - contract, ndim), range(contract)
+
+
+def product(a: jax.Array, b: jax.Array, scale: jax.Array, dims: tuple[Sequence[int], Sequence[int]], dtype: Any,
+            accumulate: Any = F32) -> jax.Array:  # fmt: skip
+    """``a . b`` over ``dims`` (accumulated in ``accumulate``) times ``scale``, in ``dtype``; in ``accumulate``'s
+    dtype the rescale is exact (a power of two), so a weight gradient made in the weight's dtype reduces in it."""
+    return (_dot(a, b, dims, accumulate) * scale.astype(accumulate)).astype(dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _matmul(x: jax.Array, w: jax.Array, contract: int) -> jax.Array:
     return _forward(x, w, contract)[0]
 
 
 def _forward(x: jax.Array, w: jax.Array, contract: int):
-    lead = x.ndim - contract
     xq, sx = quantize(x, E4M3)
     # cast where the weight lies, in its own shape: ZeRO-3's gathers (and any reshard) then move fp8, not bf16
     wq, sw = quantize(w, E4M3)
     wq = shard_alike(wq, w)[0]
-    y = (_dot(xq, wq, (range(lead, x.ndim), range(contract))) * (sx * sw)).astype(x.dtype)
+    y = product(xq, wq, sx * sw, contract_dims(x.ndim, contract), x.dtype)
     # zero-size arrays carry the operands' dtypes for the gradients
     return y, (xq, sx, wq, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
@@ -76,15 +93,31 @@ def _backward(contract: int, res, g: jax.Array):
     lead = xq.ndim - contract
     gq, sg = quantize(g, E5M2)
     # [*lead, *out] x [*inner, *out] -> [*lead, *inner]
-    dx = (_dot(gq, wq, (range(lead, g.ndim), range(contract, wq.ndim))) * (sg * sw)).astype(x_like.dtype)
+    dx = product(gq, wq, sg * sw, (range(lead, g.ndim), range(contract, wq.ndim)), x_like.dtype)
     # [*lead, *inner] x [*lead, *out] -> [*inner, *out], in w's dtype and rescaled there (exact: a power of two):
     # with the rows split over the data axes this product is a partial sum that XLA reduces (ZeRO's reduce-scatter)
     # in its dtype, and fp32 would double those bytes
-    dw = _dot(xq, gq, (range(lead), range(lead)), w_like.dtype) * (sx * sg).astype(w_like.dtype)
+    dw = product(xq, gq, sx * sg, (range(lead), range(lead)), w_like.dtype, w_like.dtype)
     return dx, dw
 
 
 _matmul.defvjp(_forward, _backward)
+
+
+def check_operands(what: str, x: jax.Array, w: jax.Array, contract: int) -> None:
+    """The operands' shapes meet (``x``'s last ``contract`` dims are ``w``'s first) and neither is fp16."""
+    inner = x.shape[x.ndim - contract :]
+    if tuple(w.shape[:contract]) != tuple(inner):
+        raise ValueError(
+            f"{what}: x {tuple(x.shape)} contracts its last {contract} dims {tuple(inner)} with w "
+            f"{tuple(w.shape)}'s first {contract}; they differ."
+        )
+    if jnp.float16 in (x.dtype, w.dtype):
+        raise ValueError(
+            f"{what}: x {tuple(x.shape)} {x.dtype} @ w {tuple(w.shape)} {w.dtype}: fp8 products take bf16 "
+            "or fp32 operands, not fp16 (whose loss scaling fp8's own per-tensor scales would fight). Train in "
+            "bf16 (Plan(precision='bf16'), --precision bf16), or keep fp16 with matmul='default'."
+        )
 
 
 @functools.partial(jax.named_call, name="fp8_matmul")
@@ -96,16 +129,5 @@ def matmul(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
       >>> q = zjax.fp8.matmul(h, wq)  # h [b, s, embed], wq [embed, heads, head_dim] -> [b, s, heads, head_dim]
       >>> y = zjax.fp8.matmul(attn, wo, contract=2)   # attn [b, s, heads, head_dim], wo [heads, head_dim, embed]
     """
-    inner = x.shape[x.ndim - contract :]
-    if tuple(w.shape[:contract]) != tuple(inner):
-        raise ValueError(
-            f"zjax.fp8.matmul: x {tuple(x.shape)} contracts its last {contract} dims {tuple(inner)} with w "
-            f"{tuple(w.shape)}'s first {contract}; they differ."
-        )
-    if jnp.float16 in (x.dtype, w.dtype):
-        raise ValueError(
-            f"zjax.fp8.matmul: x {tuple(x.shape)} {x.dtype} @ w {tuple(w.shape)} {w.dtype}: fp8 products take bf16 "
-            "or fp32 operands, not fp16 (whose loss scaling fp8's own per-tensor scales would fight). Train in "
-            "bf16 (Plan(precision='bf16'), --precision bf16), or keep fp16 with matmul='default'."
-        )
+    check_operands("zjax.fp8.matmul", x, w, contract)
     return _matmul(x, w, contract)

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec
 
 from .. import pipeline
 from ..context import attention
-from ..fp8 import matmul as fp8_matmul
+from ..fp8 import linen_matmul
 from ..remat import RematPolicy, gather_checkpoint, partition_checkpoint
 from ..sharding import RESIDUAL_SEQ
 from ._config import DecoderConfig
@@ -104,10 +104,11 @@ class Block(nn.Module):
             w_up = param(self, "w_up", (c.embed, c.mlp), ("embed", "mlp"))
             w_down = param(self, "w_down", (c.mlp, c.embed), ("mlp", "embed"))
             mlp = ("batch", "seq", "mlp")
-            dot = fp8_matmul if c.matmul == "fp8-current" else jnp.matmul
-            gate = nn.with_logical_constraint(checkpoint_name(dot(h, w_gate), "mlp_in"), mlp)
-            up = nn.with_logical_constraint(checkpoint_name(dot(h, w_up), "mlp_in"), mlp)
-            y = _leave(dot(jax.nn.silu(gate) * up, w_down))
+            fp8 = c.matmul != "default"  # the projections' products in fp8 (zjax.fp8)
+            dot = (lambda n, x, w: linen_matmul(self, n, x, w, c.matmul)) if fp8 else (lambda n, x, w: x @ w)
+            gate = nn.with_logical_constraint(checkpoint_name(dot("w_gate", h, w_gate), "mlp_in"), mlp)
+            up = nn.with_logical_constraint(checkpoint_name(dot("w_up", h, w_up), "mlp_in"), mlp)
+            y = _leave(dot("w_down", jax.nn.silu(gate) * up, w_down))
         else:
             y, stats = MoELayer(c.moe, c.embed, c.mlp, name="moe")(h, router_mask)
         x = x + checkpoint_name(y, "mlp_out")
@@ -124,10 +125,10 @@ class Block(nn.Module):
         wv = param(self, "wv", kv_shape, ("embed", "kv_heads", "head_dim"))
         wo = param(self, "wo", (c.heads, c.head_dim, c.embed), ("heads", "head_dim", "embed"))
         h = _region(RMSNorm(c.embed, c.norm_eps, name="attn_norm")(x))
-        fp8 = c.matmul == "fp8-current"  # the projections' products in fp8 (zjax.fp8.matmul)
-        q = fp8_matmul(h, wq) if fp8 else jnp.einsum("bse,ehd->bshd", h, wq)
-        k = fp8_matmul(h, wk) if fp8 else jnp.einsum("bse,ehd->bshd", h, wk)
-        v = fp8_matmul(h, wv) if fp8 else jnp.einsum("bse,ehd->bshd", h, wv)
+        fp8 = c.matmul != "default"  # the projections' products in fp8 (zjax.fp8)
+        q = linen_matmul(self, "wq", h, wq, c.matmul) if fp8 else jnp.einsum("bse,ehd->bshd", h, wq)
+        k = linen_matmul(self, "wk", h, wk, c.matmul) if fp8 else jnp.einsum("bse,ehd->bshd", h, wk)
+        v = linen_matmul(self, "wv", h, wv, c.matmul) if fp8 else jnp.einsum("bse,ehd->bshd", h, wv)
         if c.qkv_bias:
             zeros = nn.initializers.zeros
             q = q + param(self, "bq", q_shape[1:], ("heads", "head_dim"), zeros).astype(q.dtype)
@@ -148,4 +149,6 @@ class Block(nn.Module):
             context_mode=c.context_mode,  # type: ignore[arg-type]  # validated in DecoderConfig
         )  # fmt: skip
         attn = heads_constraint(attn, "heads")
-        return fp8_matmul(attn, wo, contract=2) if fp8 else jnp.einsum("bshd,hde->bse", attn, wo)
+        if fp8:
+            return linen_matmul(self, "wo", attn, wo, c.matmul, contract=2)
+        return jnp.einsum("bshd,hde->bse", attn, wo)

@@ -111,7 +111,9 @@ class DecoderConfig:
     qk_rope_head_dim``, and RoPE rotates ``qk_rope_head_dim`` values). ``mtp_layers`` adds DeepSeek-V3's
     multi-token prediction modules (:mod:`zjax.models._mtp`), their loss weighted by ``mtp_weight``.
     ``matmul="fp8-current"`` runs the attention and dense MLP projections as fp8 products with current scaling
-    (:func:`zjax.fp8.matmul`; the embedding, the head, the router and the experts stay in the compute dtype).
+    (:func:`zjax.fp8.matmul`; the embedding, the head, the router and the experts stay in the compute dtype);
+    ``"fp8-delayed"`` scales them from amax histories (:func:`zjax.fp8.matmul_delayed`) kept in the model state
+    (``zjax.Variables.linen(model.init(...))``; not yet under pipelines, nested remat or qgZ).
     """
 
     vocab: int = 256
@@ -262,6 +264,11 @@ class DecoderConfig:
     def rope_dim(self) -> int:
         """How many values of a query or key head RoPE rotates: ``head_dim``, or MLA's ``qk_rope_head_dim``."""
         return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
+
+    @property
+    def keeps_state(self) -> bool:
+        """Whether the model keeps model state: routers' selection biases or fp8 amax histories."""
+        return (self.moe is not None and self.moe.bias_update_rate is not None) or self.matmul == "fp8-delayed"
 
     def rope_frequencies(self) -> np.ndarray:
         """The rotary inverse frequencies ``[rope_dim / 2]`` (fp32), Llama-3.1's or YaRN's scaling applied."""

@@ -105,6 +105,18 @@ class Decoder(nn.Module):
                 "biases would have to travel with each stage's or group's parameters. Use bias_update_rate=None "
                 "(an auxiliary load-balancing loss), or pp=1 and a non-nested remat policy."
             )
+        functional = schedule is not None or policy.kind == "nested" or (c.scan and _overlaps_reductions(c, policy))
+        if c.matmul == "fp8-delayed" and functional and not self.is_initializing():
+            where = (
+                "pipeline parallelism"
+                if schedule is not None
+                else (f"remat={c.remat!r}" if policy.kind == "nested" else "quantized gradient reductions (qgZ)")
+            )
+            raise ValueError(
+                f"Decoder: matmul='fp8-delayed' under {where} is not supported yet: the layers run from their "
+                "parameters alone there, and the amax histories (model state) would have to travel with them. "
+                "Use matmul='fp8-current' (no state), or pp=1, a non-nested remat policy and no qgZ."
+            )  # fmt: skip
         if c.dense_layers:  # DeepSeek's first dense layers, one scan of their own before the experts' layers
             x = self._dense_layers(x, positions, segment_ids, load_balanced, policy)
         if schedule is not None and not self.is_initializing():

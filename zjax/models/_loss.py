@@ -28,7 +28,7 @@ from ..sharding._mesh import in_manual_data_axes
 from ._config import DecoderConfig
 from ._decoder import MOE_STATS, pipeline_stage_fn
 from ._layers import RMSNorm
-from ._moe import ROUTER_STATE, moved_bias
+from ._moe import with_moved_biases
 
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
 
@@ -159,17 +159,18 @@ def lm_loss(model: Any, params: Any, batch: Any, model_state: Any = None, *, voc
       >>> step = plan.train_step(lambda p, b, model_state: lm_loss(model, p, b, model_state))
     """
     biased = getattr(model.cfg, "moe", None) is not None and model.cfg.moe.bias_update_rate is not None
-    if biased and model_state is None:
+    if model_state is None and getattr(model.cfg, "keeps_state", False):
+        what = "routers keep selection biases (MoE(bias_update_rate" if biased else "fp8 projections keep amax "
         raise ValueError(
-            "lm_loss: the model's routers keep selection biases (MoE(bias_update_rate=...)), which are model state: "
-            "initialize with zjax.Variables.linen(model.init(...)) and pass the state through, "
-            "plan.train_step(lambda p, b, model_state: lm_loss(model, p, b, model_state))."
-        )
+            f"lm_loss: the model's {what + ('=...))' if biased else 'histories (matmul=fp8-delayed)')}, which are "
+            "model state: initialize with zjax.Variables.linen(model.init(...)) and pass the state through, "
+            "plan.train_step(lambda p, b, model_state: lm_loss(model, p, b, model_state)) (train_functions does)."
+        )  # fmt: skip
     out, stats = _loss_and_stats(model, params, batch, model_state, vocab_chunk)
     if model_state is None:
         return out
     if biased:
-        model_state = _with_moved_biases(model.cfg, model_state, stats["tokens"])
+        model_state = with_moved_biases(model.cfg, model_state, stats["tokens"])
     return out, model_state
 
 
@@ -177,10 +178,10 @@ def train_functions(model: Any, length: int) -> tuple[Callable[[jax.Array], Any]
     """``(init_fn, loss_fn)`` of a :class:`~zjax.models.Decoder` for :meth:`zjax.Plan.init` and
     :meth:`zjax.Plan.train_step`, initialised on rows of ``length`` tokens: ``init_fn`` returns the parameters, or a
     :class:`zjax.Variables` with the model state when the model keeps some (the routers' selection biases,
-    ``MoE(bias_update_rate=...)``), and ``loss_fn`` is :func:`lm_loss`, passing that state through."""
+    ``MoE(bias_update_rate=...)``; fp8 amax histories, ``matmul="fp8-delayed"``), and ``loss_fn`` is
+    :func:`lm_loss`, passing that state through."""
     dummy = jnp.zeros((1, length), jnp.int32)
-    moe = getattr(model.cfg, "moe", None)
-    if moe is None or moe.bias_update_rate is None:
+    if not getattr(model.cfg, "keeps_state", False):
         return (lambda r: model.init(r, dummy)["params"]), (lambda p, b: lm_loss(model, p, b))
     init_fn = lambda r: Variables.linen(model.init(r, dummy))  # noqa: E731
     return init_fn, lambda p, b, model_state: lm_loss(model, p, b, model_state)
@@ -286,23 +287,6 @@ def _hidden(model: Any, variables: Any, *args: Any, **kwargs: Any) -> tuple[jax.
         return model.apply(variables, *args, return_hidden=True, **kwargs), None
     hidden, sown = model.apply(variables, *args, return_hidden=True, mutable=["intermediates"], **kwargs)
     return hidden, sown["intermediates"][MOE_STATS][0]
-
-
-def _with_moved_biases(cfg: DecoderConfig, model_state: Any, tokens: jax.Array) -> Any:
-    """``model_state`` with each layer's router bias moved by that layer's expert loads (``tokens [layers,
-    experts]``): stacked ``[layers, experts]`` under ``layers`` (``scan=True``) or one per ``layer_{i}``."""
-    moe = cfg.moe
-    if moe is None:  # lm_loss moves biases for a mixture of experts only
-        return model_state
-    biases = dict(model_state[ROUTER_STATE])
-    if "layers" in biases:
-        bias = biases["layers"]["moe"]["bias"]
-        biases["layers"] = {**biases["layers"], "moe": {"bias": moved_bias(moe, bias, tokens)}}
-    else:
-        for i in range(cfg.dense_layers, cfg.layers):  # tokens: the experts' layers only
-            bias, load = biases[f"layer_{i}"]["moe"]["bias"], tokens[i - cfg.dense_layers]
-            biases[f"layer_{i}"] = {**biases[f"layer_{i}"], "moe": {"bias": moved_bias(moe, bias, load)}}
-    return {**model_state, ROUTER_STATE: biases}
 
 
 def _with_experts(cfg: DecoderConfig, ce: LossSum, stats: Any) -> Any:

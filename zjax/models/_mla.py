@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import pipeline
 from ..context import attention, context_size
-from ..fp8 import matmul as fp8_matmul
+from ..fp8 import linen_matmul
 from ..sharding import CP
 from ._layers import RMSNorm, heads_constraint, rope
 from ._params import param
@@ -93,22 +93,22 @@ def mla_attention(
     for the :class:`~zjax.models.DecoderConfig` ``c`` (which imports this module) whose ``mla`` is ``m``;
     its parameters are ``module``'s (the decoder's block): ``wq`` or ``wq_a``/``q_latent_norm``/``wq_b``, ``wkv_a``,
     ``kv_latent_norm``, ``wkv_b``, ``wo``."""
-    fp8 = c.matmul == "fp8-current"
-    dot = fp8_matmul if fp8 else (lambda x, w: jnp.tensordot(x, w, axes=1))
+    fp8 = c.matmul != "default"  # the projections' products in fp8 (zjax.fp8)
+
+    def dot(x: jax.Array, name: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
+        w = param(module, name, shape, axes)
+        return linen_matmul(module, name, x, w, c.matmul) if fp8 else jnp.tensordot(x, w, axes=1)
 
     if m.q_lora_rank is None:
-        q = dot(h, param(module, "wq", (c.embed, c.heads, m.qk_head_dim), ("embed", "heads", "head_dim")))
+        q = dot(h, "wq", (c.embed, c.heads, m.qk_head_dim), ("embed", "heads", "head_dim"))
     else:
-        q_latent = dot(h, param(module, "wq_a", (c.embed, m.q_lora_rank), ("embed", "latent")))
+        q_latent = dot(h, "wq_a", (c.embed, m.q_lora_rank), ("embed", "latent"))
         q_latent = RMSNorm(m.q_lora_rank, c.norm_eps, name="q_latent_norm", parent=module)(q_latent)
-        wq_b = param(module, "wq_b", (m.q_lora_rank, c.heads, m.qk_head_dim), ("latent", "heads", "head_dim"))
-        q = dot(q_latent, wq_b)
-    kv_a = dot(h, param(module, "wkv_a", (c.embed, m.kv_lora_rank + m.qk_rope_head_dim), ("embed", "latent")))
+        q = dot(q_latent, "wq_b", (m.q_lora_rank, c.heads, m.qk_head_dim), ("latent", "heads", "head_dim"))
+    kv_a = dot(h, "wkv_a", (c.embed, m.kv_lora_rank + m.qk_rope_head_dim), ("embed", "latent"))
     latent, k_rope = jnp.split(checkpoint_name(kv_a, "qkv_proj"), [m.kv_lora_rank], axis=-1)
     latent = RMSNorm(m.kv_lora_rank, c.norm_eps, name="kv_latent_norm", parent=module)(latent)
-    wkv_b = param(
-        module, "wkv_b", (m.kv_lora_rank, c.heads, m.qk_nope_head_dim + m.v_head_dim), ("latent", "heads", "head_dim")
-    )
+    kv_b_shape = (m.kv_lora_rank, c.heads, m.qk_nope_head_dim + m.v_head_dim)
     wo = param(module, "wo", (c.heads, m.v_head_dim, c.embed), ("heads", "head_dim", "embed"))
 
     inv_freq, factor = c.rope_frequencies(), c.rope_attention_factor
@@ -133,7 +133,7 @@ def mla_attention(
         )
         latent, k_rope = jnp.split(gathered, [m.kv_lora_rank], axis=-1)
         k_rope = k_rope[..., None, :]
-    kv = checkpoint_name(dot(latent, wkv_b), "qkv_proj")
+    kv = checkpoint_name(dot(latent, "wkv_b", kv_b_shape, ("latent", "heads", "head_dim")), "qkv_proj")
     k_nope, v = jnp.split(kv, [m.qk_nope_head_dim], axis=-1)
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:-1], m.qk_rope_head_dim))], axis=-1)
     # the value heads padded to the query/key width (every attention implementation takes one head width)
@@ -152,4 +152,6 @@ def mla_attention(
         kv_copies=copies,
     )
     attn = heads_constraint(attn[..., : m.v_head_dim], "heads")
-    return fp8_matmul(attn, wo, contract=2) if fp8 else jnp.einsum("bshd,hde->bse", attn, wo)
+    if fp8:
+        return linen_matmul(module, "wo", attn, wo, c.matmul, contract=2)
+    return jnp.einsum("bshd,hde->bse", attn, wo)

@@ -324,3 +324,20 @@ def check_experts_in_pipeline(schedule: Any) -> None:
             "zero3_gather='layer' (the default at stages 2 and 3) keeps them split over dp inside the stage, "
             "which XLA's partitioner cannot combine with the experts' ep split."
         )
+
+
+def with_moved_biases(cfg: Any, model_state: Any, tokens: jax.Array) -> Any:
+    """``model_state`` with each layer's router bias moved by that layer's expert loads (``tokens [layers,
+    experts]``): stacked ``[layers, experts]`` under ``layers`` (``scan=True``) or one per ``layer_{i}``."""
+    moe = cfg.moe
+    if moe is None:  # lm_loss moves biases for a mixture of experts only
+        return model_state
+    biases = dict(model_state[ROUTER_STATE])
+    if "layers" in biases:
+        bias = biases["layers"]["moe"]["bias"]
+        biases["layers"] = {**biases["layers"], "moe": {"bias": moved_bias(moe, bias, tokens)}}
+    else:
+        for i in range(cfg.dense_layers, cfg.layers):  # tokens: the experts' layers only
+            bias, load = biases[f"layer_{i}"]["moe"]["bias"], tokens[i - cfg.dense_layers]
+            biases[f"layer_{i}"] = {**biases[f"layer_{i}"], "moe": {"bias": moved_bias(moe, bias, load)}}
+    return {**model_state, ROUTER_STATE: biases}

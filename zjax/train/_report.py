@@ -64,6 +64,8 @@ class Reporter:
         record["loss_scale"] = float(metrics["loss_scale"])
         record["skipped"] = int(sum(int(x) for x in jax.device_get(skipped)))
         record["step_time"] = (now - self.t_last) / steps
+        if "fp8_saturated" in metrics:  # fp8 delayed scaling: the tensors this step saturated
+            record["fp8_saturated"] = int(metrics["fp8_saturated"])
         rate = None
         if self.tokens_per_step is not None:
             rate = record["tokens_per_second"] = self.tokens_per_step * steps / (now - self.t_last)
