@@ -15,7 +15,11 @@ from _convergence import compare
 
 from zjax.fp8 import MATMULS
 
-LABELS = {"default": "bf16 products", "fp8-current": "fp8 products, current scaling"}
+LABELS = {
+    "default": "bf16 products",
+    "fp8-current": "fp8 products, current scaling",
+    "fp8-delayed": "fp8 products, delayed scaling",
+}
 
 
 def main(argv: list[str] | None = None) -> dict:
