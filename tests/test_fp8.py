@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import zjax
-from zjax.models import PRESETS, Decoder, DecoderConfig, lm_loss
+from zjax.models import PRESETS, Decoder, DecoderConfig, lm_loss, train_functions
 
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 
@@ -83,7 +83,11 @@ def test_a_bad_matmul_names_the_recipes():
         DecoderConfig(matmul="fp4")
 
 
-def test_on_the_h100_target_every_projection_multiplies_fp8_forward_and_backward():
+@pytest.mark.parametrize(
+    "recipe",
+    ["fp8-current", pytest.param("fp8-delayed", marks=pytest.mark.slow)],  # the same products, scaled otherwise
+)
+def test_on_the_h100_target_every_projection_multiplies_fp8_forward_and_backward(recipe):
     """Deviceless H100, ZeRO-3 over dp=8, full remat: each layer's seven projections (q, k, v, o, gate, up, down)
     run one fp8 product forward and three in the backward loop (the recomputed forward, dx, dw), e4m3 x e4m3
     forward, e5m2 with e4m3 backward; the bf16 products left are the head's and none is in a layer."""
@@ -98,14 +102,14 @@ def test_on_the_h100_target_every_projection_multiplies_fp8_forward_and_backward
         mesh = zjax.make_mesh(dp=8, devices=gpu_devices("h100", 8))
         model = Decoder(cfg)
         plan = zjax.Plan(mesh, stage=3, precision="bf16")
-        init = lambda r: model.init(r, jnp.zeros((1, cfg.max_len), jnp.int32))["params"]  # noqa: E731
+        init, loss = train_functions(model, cfg.max_len)  # the delayed recipe's histories are model state
         state = plan.abstract_state(init, optax.adamw(1e-3), jax.random.key(0))
-        step = plan.train_step(lambda p, b: lm_loss(model, p, b))
+        step = plan.train_step(loss)
         with cudnn_for_target("h100"):
             compiled = step.lower(state, jax.ShapeDtypeStruct((16, cfg.max_len + 1), jnp.int32)).compile()
         return cfg, count_gemms(compiled.as_text()), compiled.as_text()
 
-    cfg, got, hlo = gemms("fp8-current")
+    cfg, got, hlo = gemms(recipe)
     _, plain, plain_hlo = gemms("default")
     fp8 = {k: v for k, v in got.items() if "f8" in k}
     per_step = cfg.layers * 7  # projections a step runs forward (each layer's loop trip)

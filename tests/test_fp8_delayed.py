@@ -78,7 +78,8 @@ def _amaxes_of(params, histories, microbatch):
 
 def _reference_amaxes(params, histories, batch, k: int):
     """The amaxes maximised over the ``k`` microbatches (rows ``i, i+k, ...``, as the step splits them)."""
-    seen = [_amaxes_of(params, histories, jax.tree.map(lambda a: np.asarray(a)[i::k], batch)) for i in range(k)]
+    rows = [{name: np.asarray(a)[i::k] for name, a in batch.items()} for i in range(k)]
+    seen = [_amaxes_of(params, histories, microbatch) for microbatch in rows]
     return jax.tree.map(lambda *a: np.max(np.stack(a), axis=0), *seen)
 
 
@@ -157,7 +158,8 @@ def test_a_users_layer_counts_saturations_and_a_non_finite_amax_skips_the_step()
     state, m = step(state, plan.shard_batch({"x": bad, "y": y}))
     assert np.isfinite(float(m["loss"])) and np.isfinite(float(m["grad_norm"]))
     assert bool(m["skipped"])
-    for a, b in zip(jax.tree.leaves(jax.device_get((state.params, state.model_state))), jax.tree.leaves(kept)):
+    now = jax.device_get((state.params, state.model_state))
+    for a, b in zip(jax.tree.leaves(now), jax.tree.leaves(kept), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
