@@ -19,6 +19,7 @@ LABELS = {
     "default": "bf16 products",
     "fp8-current": "fp8 products, current scaling",
     "fp8-delayed": "fp8 products, delayed scaling",
+    "mxfp8": "MXFP8 products (blocks of 32)",
 }
 
 

@@ -83,6 +83,7 @@ def _reference_amaxes(params, histories, batch, k: int):
     return jax.tree.map(lambda *a: np.max(np.stack(a), axis=0), *seen)
 
 
+@pytest.mark.slow  # stage 3 on dp x tp, twice; the fast test below checks the same on a user's layer
 def test_the_step_keeps_one_history_per_projection_and_shifts_this_steps_amaxes_in():
     """dp=4 x tp=2 at stage 3, on uneven masks and packed rows: after each step every layer's and projection's
     history holds, in its newest column, the input's, weight's and gradient's amaxes of that step as one device
@@ -138,20 +139,38 @@ def _projection_task():
     return init_fn, loss_fn
 
 
-def test_a_users_layer_counts_saturations_and_a_non_finite_amax_skips_the_step():
+def test_a_users_layer_keeps_its_history_counts_saturations_and_skips_a_non_finite_amax():
+    """A user's linen layer at stage 2 on dp=8 with 2 microbatches: the history's newest column holds the
+    maximum of the amaxes one device sees on each microbatch (input, weight, gradient), the older ones shift;
+    inputs beyond the history's range saturate (counted); an inf saturates too, so the loss stays finite, but its
+    amax skips the step."""
     init_fn, loss_fn = _projection_task()
-    plan = zjax.Plan(zjax.make_mesh(dp=8), stage=2, precision="bf16")
+    plan = zjax.Plan(zjax.make_mesh(dp=8), stage=2, precision="fp32")
     state = plan.init(init_fn, optax.adamw(1e-3), jax.random.key(0))
-    step = plan.train_step(loss_fn)
+    step = plan.train_step(loss_fn, accum_steps=2)
     rs = np.random.RandomState(0)
     x, y = rs.randn(16, 32).astype(np.float32), rs.randn(16, 64).astype(np.float32)
-    state, m = step(state, plan.shard_batch({"x": x, "y": y}))
-    assert int(m["fp8_saturated"]) == 0 and not bool(m["skipped"])
+    x[1::2] *= 3  # the second microbatch (rows 1, 3, ...) has the larger inputs
+
+    def amaxes(params, history, b):  # one device, one microbatch: the history's cotangent
+        return jax.grad(lambda h: loss_fn(params, b, {zjax.fp8.COLLECTION: {"kernel": h}})[0])(history)[:, 0]
+
+    before = np.asarray(jax.device_get(state.model_state[zjax.fp8.COLLECTION]["kernel"]))
+    for _ in range(2):
+        params = jax.device_get(state.params)
+        state, m = step(state, plan.shard_batch({"x": x, "y": y}))
+        after = np.asarray(jax.device_get(state.model_state[zjax.fp8.COLLECTION]["kernel"]))
+        seen = [amaxes(params, before, {"x": x[i::2], "y": y[i::2]}) for i in range(2)]
+        np.testing.assert_allclose(after[:, 0], np.maximum(*seen), rtol=1e-6)
+        assert np.all(seen[1][:1] > seen[0][:1])  # the input's amax is the second microbatch's
+        np.testing.assert_array_equal(after[:, 1:], before[:, :-1])
+        assert int(m["fp8_saturated"]) == 0 and not bool(m["skipped"])
+        before = after
     # inputs 100x larger than the history has seen: they saturate (the input's row; the gradient's grows too)
     state, m = step(state, plan.shard_batch({"x": 100 * x, "y": y}))
     assert int(m["fp8_saturated"]) >= 1 and not bool(m["skipped"])
     # an inf in the input saturates to the format's largest value, so the loss and the gradients stay finite,
-    # but its amax is not: the step is skipped (bf16 scales no loss; the histories' presence makes it skip)
+    # but its amax is not: the step is skipped (fp32 scales no loss; the histories' presence makes it skip)
     kept = jax.device_get((state.params, state.model_state))
     bad = x.copy()
     bad[3, 7] = np.inf

@@ -112,9 +112,13 @@ def linen_matmul(
       >>> y = zjax.fp8.linen_matmul(self, "kernel", x, kernel, "fp8-delayed")
     """
     from ._matmul import MATMULS, matmul
+    from ._mx import check_blocks, matmul_mx
 
     if recipe == "fp8-current":
         return matmul(x, w, contract)
+    if recipe == "mxfp8":  # the blocked dims checked here, where the parameter's path is known
+        check_blocks(f"zjax.fp8 ({'/'.join(module.path)}/{name})", x, w, contract)
+        return matmul_mx(x, w, contract)
     if recipe == "fp8-delayed":
         hist = module.variable(COLLECTION, name, lambda: jnp.zeros((3, history), F32))
         return matmul_delayed(x, w, hist.value, contract)

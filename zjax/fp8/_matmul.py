@@ -36,6 +36,7 @@ MATMULS = {
     "default": "the compute dtype's matmul (bf16, fp16 or fp32)",
     "fp8-current": "e4m3 operands, e5m2 gradients, per-tensor scales from this step's amax",
     "fp8-delayed": "the same formats, each tensor's scale from its amax history (zjax.fp8.matmul_delayed)",
+    "mxfp8": "e4m3 values, e5m2 gradients, one e8m0 scale per 32 values (zjax.fp8.matmul_mx; Blackwell)",
 }
 """The matrix-product recipes of a model's projections (``DecoderConfig(matmul=...)``)."""
 

@@ -14,6 +14,7 @@ import optax
 
 from .._quiet import GPU_TARGET_NOISE, filtered_stderr, quiet_autotuning
 from ..core import Plan
+from ..fp8 import check_device
 from ..models import Decoder, DecoderConfig, train_functions
 from ..offload import Offload
 from ..pipeline import Pipeline
@@ -272,6 +273,9 @@ def estimate(
     """
     name, cfg = resolve_model(model)
     cfg = dataclasses.replace(cfg, remat=remat, max_len=seq_len or cfg.max_len, matmul=matmul or cfg.matmul)
+    if target is not None:
+        gpu = get_target(target)
+        check_device(cfg.matmul, gpu.name, gpu.compute_capability, math.prod(mesh.values()))
     init_fn, loss_fn = train_functions(Decoder(cfg), cfg.max_len)
     batch = jax.ShapeDtypeStruct((batch_size, cfg.max_len + 1), jnp.int32)
     return estimate_fn(

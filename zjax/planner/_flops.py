@@ -16,7 +16,7 @@ import re
 
 from ..pipeline import ENDS_SCOPE
 from ._hlo import _action, _callees, _Instr, _parse, _trip_count
-from ._timeline import _dot_flops, _gemm_flops
+from ._timeline import PRODUCTS, _dot_flops, _gemm_flops
 
 _ENDS = re.compile(r'op_name="[^"]*' + ENDS_SCOPE + r"\b")
 
@@ -42,7 +42,7 @@ def step_flops(hlo_text: str, share: float = 0.0, ends: float = 0.0) -> tuple[fl
 
     def _instr_flops(instr: _Instr, comp: str) -> float:
         total = 0.0
-        if instr.opcode in ("dot", "convolution"):
+        if instr.opcode in PRODUCTS:
             total += _dot_flops(instr, types[comp])
         elif instr.opcode == "custom-call" and "gemm" in instr.rest:
             total += _gemm_flops(instr, types[comp])

@@ -37,7 +37,7 @@ def count_gemms(hlo_text: str) -> dict[str, int]:
     def products(comp: str) -> list[str]:
         found = []
         for instr in comps.get(comp, []):
-            gemm = instr.opcode == "dot" or (instr.opcode == "custom-call" and "$matmul" in instr.rest)
+            gemm = instr.opcode in ("dot", "scaled-dot") or (instr.opcode == "custom-call" and "$matmul" in instr.rest)
             if gemm:
                 ops = [types[comp].get(n, "?") for n in _operand_names(instr.rest)[:2]]
                 found.append(" x ".join(ops))

@@ -240,7 +240,10 @@ def collectives(hlo_text: str, share: float = 0.0) -> list[Collective]:
 
 
 # instructions that do work on the device (what a collective can hide behind)
-_COMPUTE = ("fusion", "custom-call", "dot", "convolution", "while", "call", "conditional", "sort", "scatter", "gather")
+_COMPUTE = (
+    "fusion", "custom-call", "dot", "scaled-dot", "convolution", "while", "call", "conditional", "sort", "scatter",
+    "gather",
+)  # fmt: skip
 
 
 def _compute_between(instrs: list[_Instr]) -> dict[str, int]:

@@ -175,7 +175,7 @@ class _Walk:
             return 2.0 * size / self.hbm
         called = re.search(r"calls=%?([\w.\-]+)", instr.rest)
         compute = self._compute(called.group(1)) if called else 0.0
-        if instr.opcode in ("dot", "convolution"):
+        if instr.opcode in PRODUCTS:
             compute += _dot_flops(instr, self.types[comp]) / self._peak(comp, instr)
         elif instr.opcode == "custom-call" and "__cudnn$fmha" in instr.rest:
             compute += _attention_flops(instr) / self.peaks[0]
@@ -193,7 +193,7 @@ class _Walk:
         if comp not in self.compute_memo:
             total = 0.0
             for i in self.comps.get(comp, []):
-                if i.opcode in ("dot", "convolution"):
+                if i.opcode in PRODUCTS:
                     total += _dot_flops(i, self.types[comp]) / self._peak(comp, i)
                 nested = re.search(r"calls=%?([\w.\-]+)", i.rest)
                 if nested and nested.group(1) in self.comps:
@@ -277,6 +277,11 @@ def _called(attrs: str, comps: dict[str, list[_Instr]], here: str) -> list[str]:
 def _dims(type_text: str) -> list[int]:
     m = re.search(r"\[([0-9,]*)\]", type_text)
     return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+PRODUCTS = ("dot", "convolution", "scaled-dot")
+"""The opcodes of matrix products (``scaled-dot``: a block-scaled product, MXFP8's, its scales' operands after the
+two values')."""
 
 
 def _dot_flops(instr: _Instr, types: dict[str, str]) -> float:

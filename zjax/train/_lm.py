@@ -27,6 +27,7 @@ from .. import metrics
 from .._extras import require
 from .._jsonfile import write_json_atomic
 from ..core import Plan, Variables
+from ..fp8 import check_device
 from ..models import PRESETS, Decoder, from_hf_config, lm_loss, train_functions
 from ..sharding import make_mesh, nvidia_gpu_visible
 from ._loop import fit, init_or_restore
@@ -163,6 +164,10 @@ def run_lm(cfg: RunConfig, argv: Sequence[str] | None = None, log: Callable[...,
     started = time.perf_counter()
     with runtime(cfg.loop, argv):  # joins a cluster, launches processes or simulates CPU devices
         sizes = check_devices(cfg, jax.device_count())
+        device = jax.devices()[0]  # a GPU's compute capability ("9.0"): MXFP8 needs Blackwell's
+        if getattr(device, "compute_capability", None):
+            capability = tuple(int(v) for v in str(device.compute_capability).split(".")[:2])
+            check_device(cfg.model.matmul, device.device_kind, capability, jax.device_count())  # type: ignore[arg-type]
         say = (log or print) if jax.process_index() == 0 else (lambda *a, **k: None)
         tok = zdata.load_tokenizer(cfg.data.tokenizer)
         model_cfg = build_model(cfg, tok)
