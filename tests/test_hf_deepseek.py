@@ -5,9 +5,11 @@ tensors of the file itself (transformers' DeepSeek-V3 is PyTorch-only)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
+import jax
 import ml_dtypes
 import numpy as np
 import optax
@@ -286,3 +288,64 @@ def test_the_multi_token_prediction_layer_reads_and_writes_or_is_skipped(checkpo
     beyond = write_checkpoint(str(tmp_path / "beyond"), TINY, {**tensors, "model.layers.4.enorm.weight": np.ones(32)})
     with pytest.raises(ValueError, match=r"1 unexpected \['model.layers.4.enorm.weight'\]"):
         zjax.hf.load(beyond, plan, from_hf_config(beyond), optax.sgd(0.0))
+
+
+def _block_quantized(x: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """DeepSeek-V3's fp8 layout: e4m3 values and one fp32 factor per ``block`` (its amax over 448; partial blocks
+    at the edges), ``values x factor`` the weight."""
+    x = np.asarray(x, np.float32)
+    rows, cols = -(-x.shape[0] // block[0]), -(-x.shape[1] // block[1])
+    factors = np.ones((rows, cols), np.float32)
+    for i in range(rows):
+        for j in range(cols):
+            tile = x[i * block[0] : (i + 1) * block[0], j * block[1] : (j + 1) * block[1]]
+            factors[i, j] = max(np.abs(tile).max(), 1e-12) / 448.0
+    expanded = np.repeat(np.repeat(factors, block[0], 0), block[1], 1)[: x.shape[0], : x.shape[1]]
+    return (x / expanded).astype(ml_dtypes.float8_e4m3fn), factors
+
+
+def test_an_fp8_checkpoint_is_dequantised_by_its_block_scales(tmp_path):
+    """The published checkpoint's layout (fp8 projections, ``_scale_inv`` per block; blocks of 16 here, partial at
+    the edges): the loaded weights are exactly each value times its block's factor, as a bf16 conversion of the
+    same files would hold them; a weight without its scales is named."""
+    block = (16, 16)
+    tensors = hf_tensors(TINY)
+    quantized, dequantized = {}, {}
+    for name, x in tensors.items():
+        if name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight"):
+            q, factors = _block_quantized(x, block)
+            quantized |= {name: q, name + "_scale_inv": factors}
+            expanded = np.repeat(np.repeat(factors, block[0], 0), block[1], 1)[: x.shape[0], : x.shape[1]]
+            dequantized[name] = q.astype(np.float32) * expanded
+        else:
+            quantized[name] = dequantized[name] = np.asarray(x, np.float32)
+    fp8_config = {**TINY, "quantization_config": {**DEEPSEEK_V3["quantization_config"], "weight_block_size": block}}
+    fp8_dir = write_checkpoint(str(tmp_path / "fp8"), fp8_config, quantized, files=2)
+    plain_dir = write_checkpoint(str(tmp_path / "fp32"), TINY, dequantized)
+    model = from_hf_config(plain_dir)
+    plan = zjax.Plan(zjax.make_mesh(dp=2, ep=4), stage=3, precision="fp32")
+    got = jax.device_get(zjax.hf.load(fp8_dir, plan, model, optax.sgd(0.0)).params)
+    want = jax.device_get(zjax.hf.load(plain_dir, plan, model, optax.sgd(0.0)).params)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+    assert not hasattr(np, "float8_e4m3fn") or np.float8_e4m3fn is ml_dtypes.float8_e4m3fn  # NumPy left as it was
+    del quantized["model.layers.0.self_attn.o_proj.weight_scale_inv"]
+    broken = write_checkpoint(str(tmp_path / "broken"), fp8_config, quantized)
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.o_proj.weight' in .* is fp8 without its block "
+                                         r"scales 'model.layers.0.self_attn.o_proj.weight_scale_inv'"):  # fmt: skip
+        zjax.hf.load(broken, plan, model, optax.sgd(0.0))
+
+
+def test_a_checkpoint_loads_into_a_model_with_fp8_delayed_scaling(checkpoint):
+    """The histories no file holds start empty beside the routers' biases the files hold."""
+    model = from_hf_config(checkpoint)
+    model = type(model)(dataclasses.replace(model.cfg, matmul="fp8-delayed"))
+    plan = zjax.Plan(zjax.make_mesh(dp=2, ep=4), stage=1, precision="bf16")
+    state = zjax.hf.load(checkpoint, plan, model, optax.sgd(0.0))
+    histories = jax.device_get(state.model_state[zjax.fp8.COLLECTION])
+    assert histories["layers"]["wo"].shape == (2, 3, zjax.fp8.HISTORY) and not any(
+        np.any(h) for h in jax.tree.leaves(histories)
+    )
+    bias = jax.device_get(state.model_state["router"]["layers"]["moe"]["bias"])
+    files = read_checkpoint(checkpoint)
+    np.testing.assert_array_equal(bias[0], files["model.layers.1.mlp.gate.e_score_correction_bias"])

@@ -5,6 +5,10 @@ reads, through ``safetensors``' lazy slices, exactly the rows and columns its de
 only along a flattened head dimension), and of a mixture of experts' stacked experts only the experts its
 device holds (one file tensor each). No device and no host holds a leaf that the plan shards; a process
 holds on host at most the distinct shards of one leaf that its devices need.
+
+An fp8 weight (DeepSeek-V3's published checkpoint: ``float8_e4m3fn`` with a ``<name>_scale_inv`` of one fp32 factor
+per block of ``quantization_config.weight_block_size``, 128 x 128) is dequantised as it is read: each value times
+its block's factor, in fp32, exactly.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from ..models import Decoder, DecoderConfig, config_from_hf
 from ..models._hf_config import config_path, read_hf_config
 from ._files import checkpoint_dir, weight_map
 from ._names import IGNORED_SUFFIXES, Tensor, tensors
+
+SCALE_SUFFIX = "_scale_inv"
+"""A block-quantized fp8 weight's scales in the same files: ``<weight name>_scale_inv``, multiplied to dequantise."""
 
 _COMPARED = (
     "vocab", "embed", "layers", "heads", "num_kv_heads", "head_dim", "tie_embeddings", "qkv_bias", "qk_norm", "mla",
@@ -73,7 +80,11 @@ def _check_names(directory: str, files: dict[str, str], specs: list[Tensor], cfg
         n for n in files if (m := later.match(n)) and cfg.layers + cfg.mtp_layers <= int(m.group(1)) < cfg.layers + mtp
     }
     present = {
-        n for n in files if not n.endswith(IGNORED_SUFFIXES) and not (cfg.tie_embeddings and n == "lm_head.weight")
+        n
+        for n in files
+        if not n.endswith(IGNORED_SUFFIXES)
+        and not (cfg.tie_embeddings and n == "lm_head.weight")
+        and not (n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX) in files)  # an fp8 weight's scales
     } - beyond
     missing, unexpected = sorted(expected - present), sorted(present - expected)
     if missing or unexpected:
@@ -89,10 +100,12 @@ def _check_names(directory: str, files: dict[str, str], specs: list[Tensor], cfg
 class _Reader:
     """Open safetensors files and slice tensors out of them, checking each tensor's shape once."""
 
-    def __init__(self, files: dict[str, str], stack: contextlib.ExitStack):
-        self._files, self._stack = files, stack
+    def __init__(self, files: dict[str, str], stack: contextlib.ExitStack, block: tuple[int, int] = (128, 128)):
+        self._files, self._stack, self._block = files, stack, block
         self._open: dict[str, Any] = {}
         self._checked: set[str] = set()
+        self._scales: dict[str, np.ndarray] = {}
+        stack.enter_context(_numpy_names_fp8())
 
     def handle(self, name: str) -> Any:
         file = self._files[name]
@@ -121,10 +134,52 @@ class _Reader:
             first, rest = index[group[0]], math.prod(t.shape[d] for d in group[1:])
             ranges.append(slice(first.start * rest, first.stop * rest))
             blocks += [first.stop - first.start, *(t.shape[d] for d in group[1:])]
-        x = self.handle(name).get_slice(name)[tuple(ranges)].reshape(blocks)
+        part = self.handle(name).get_slice(name)
+        x = part[tuple(ranges)]
+        if part.get_dtype().startswith("F8"):
+            x = self._dequantised(name, x, ranges)
+        x = x.reshape(blocks)
         order = [d for group in t.hf_dims for d in group]
         x = x[tuple(slice(None) if d in {g[0] for g in t.hf_dims} else index[d] for d in order)]
         return np.ascontiguousarray(x.transpose(np.argsort(order)), dtype=np.float32)
+
+    def _dequantised(self, name: str, x: np.ndarray, ranges: list[slice]) -> np.ndarray:
+        """The fp8 slice ``x`` (``ranges`` of tensor ``name``) times its blocks' factors, fp32."""
+        scale = name + SCALE_SUFFIX
+        if scale not in self._files:
+            raise ValueError(
+                f"zjax.hf.load: tensor {name!r} in {self._files[name]!r} is fp8 without its block scales "
+                f"{scale!r}; an fp8 checkpoint keeps one per block (DeepSeek-V3's layout). Convert it to bf16 "
+                "first, or add the scales."
+            )
+        if scale not in self._scales:
+            self._scales[scale] = np.asarray(self.handle(scale).get_tensor(scale), np.float32)
+        factors = self._scales[scale]
+        if len(ranges) != 2 or factors.ndim != 2:
+            raise ValueError(f"zjax.hf.load: fp8 tensor {name!r} has {len(ranges)} dims; block scales are 2-D.")
+        rows, cols = (np.arange(r.start, r.stop) // b for r, b in zip(ranges, self._block, strict=True))
+        if rows.max(initial=0) >= factors.shape[0] or cols.max(initial=0) >= factors.shape[1]:
+            raise ValueError(
+                f"zjax.hf.load: {scale!r} {factors.shape} does not cover {name!r} in blocks of {self._block} "
+                "(quantization_config.weight_block_size); check config.json."
+            )
+        return x.astype(np.float32) * factors[np.ix_(rows, cols)]
+
+
+@contextlib.contextmanager
+def _numpy_names_fp8():
+    """safetensors' NumPy reader finds the fp8 dtypes as ``numpy`` attributes, which NumPy lacks: ml_dtypes' while
+    a checkpoint is read (the names removed after)."""
+    import ml_dtypes
+
+    added = [n for n in ("float8_e4m3fn", "float8_e5m2") if not hasattr(np, n)]
+    for n in added:
+        setattr(np, n, getattr(ml_dtypes, n))
+    try:
+        yield
+    finally:
+        for n in added:
+            delattr(np, n)
 
 
 def _leaf(reader: _Reader, t: Tensor, shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> jax.Array:
@@ -187,10 +242,11 @@ def load(
     _check_names(directory, files, specs, cfg)
 
     stored_state = any(t.collection != "params" for t in specs)
+    keeps_state = stored_state or cfg.keeps_state  # fp8 amax histories: model state no file holds
 
     def init_fn(r):
         variables = model.init(r, jnp.zeros((1, min(8, cfg.max_len)), jnp.int32))
-        return Variables.linen(variables) if stored_state else variables["params"]
+        return Variables.linen(variables) if keeps_state else variables["params"]
 
     abstract = plan.abstract_state(init_fn, tx, rng)
     target = abstract.params if abstract.opt_state.master is None else abstract.opt_state.master
@@ -198,14 +254,21 @@ def load(
     for t in specs:  # a leaf some files hold twice (MTP's copies of the embedding and head) is read from the first
         by_path.setdefault(t.path, t)
     with contextlib.ExitStack() as stack:
-        reader = _Reader(files, stack)
+        quantized = read_hf_config(directory).get("quantization_config") or {}
+        reader = _Reader(files, stack, tuple(quantized.get("weight_block_size") or (128, 128)))  # type: ignore[arg-type]
 
         def make(path: Any, leaf: jax.ShapeDtypeStruct) -> jax.Array:
             keys = tuple(str(getattr(k, "key", k)) for k in path)
             return _leaf(reader, by_path[keys], tuple(leaf.shape), leaf.sharding)
 
+        def state_leaf(path: Any, leaf: jax.ShapeDtypeStruct) -> jax.Array:
+            if tuple(str(getattr(k, "key", k)) for k in path) in by_path:
+                return make(path, leaf)
+            zeros = np.zeros(leaf.shape, leaf.dtype)  # what no file holds (fp8 amax histories) starts empty
+            return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda index: zeros[index])
+
         master = jax.tree_util.tree_map_with_path(make, target)
         # the routers' selection biases (DeepSeek's e_score_correction_bias), in the state's layout
-        model_state = jax.tree_util.tree_map_with_path(make, abstract.model_state) if stored_state else None
+        model_state = jax.tree_util.tree_map_with_path(state_leaf, abstract.model_state) if keeps_state else None
     state = plan._init(init_fn, tx, rng, master, donate=True)
     return state if model_state is None else state.replace(model_state=model_state)
