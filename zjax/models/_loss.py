@@ -160,12 +160,16 @@ def lm_loss(model: Any, params: Any, batch: Any, model_state: Any = None, *, voc
     """
     biased = getattr(model.cfg, "moe", None) is not None and model.cfg.moe.bias_update_rate is not None
     if model_state is None and getattr(model.cfg, "keeps_state", False):
-        what = "routers keep selection biases (MoE(bias_update_rate" if biased else "fp8 projections keep amax "
+        what = (
+            "routers keep selection biases (MoE(bias_update_rate=...))"
+            if biased
+            else "fp8 projections keep amax histories (matmul=fp8-delayed)"
+        )
         raise ValueError(
-            f"lm_loss: the model's {what + ('=...))' if biased else 'histories (matmul=fp8-delayed)')}, which are "
-            "model state: initialize with zjax.Variables.linen(model.init(...)) and pass the state through, "
-            "plan.train_step(lambda p, b, model_state: lm_loss(model, p, b, model_state)) (train_functions does)."
-        )  # fmt: skip
+            f"lm_loss: the model's {what}, which are model state: initialize with "
+            "zjax.Variables.linen(model.init(...)) and pass the state through, plan.train_step(lambda p, b, "
+            "model_state: lm_loss(model, p, b, model_state)) (zjax.models.train_functions makes both)."
+        )
     out, stats = _loss_and_stats(model, params, batch, model_state, vocab_chunk)
     if model_state is None:
         return out
