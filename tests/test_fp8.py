@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -164,3 +165,34 @@ def test_llama2_7b_at_stage_3_gathers_fp8_and_computes_at_the_fp8_peak(tmp_path)
     assert wire["fp8-current"] <= 0.69 * wire["default"], wire
     compute = {k: r["timeline"]["compute_s"] for k, r in rows.items()}
     assert compute["fp8-current"] <= 0.75 * compute["default"], compute
+
+
+def test_the_edge_layers_multiply_in_the_compute_dtype_and_keep_the_parameters_tree():
+    """``bf16_edge_layers=1`` on 3 layers: the stacked model (three scans over slices of one stack) computes what
+    the per-layer model (scan=False) does with layers 0 and 2 in the compute dtype, loss and gradients, on the same
+    weights; its parameters' tree is the plain fp8 model's (checkpoints carry over); bad settings are named."""
+    cfg = dataclasses.replace(PRESETS["tiny"], layers=3, matmul="fp8-current", bf16_edge_layers=1)
+    tokens = np.random.RandomState(0).randint(0, cfg.vocab, (4, cfg.max_len + 1)).astype(np.int32)
+    stacked, per_layer = Decoder(cfg), Decoder(dataclasses.replace(cfg, scan=False))
+    init = lambda model: jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, cfg.max_len), jnp.int32))["params"]  # noqa: E731
+    params = init(stacked)
+    plain = jax.eval_shape(lambda: Decoder(dataclasses.replace(cfg, bf16_edge_layers=0)).init(
+        jax.random.key(0), jnp.zeros((1, cfg.max_len), jnp.int32)))["params"]  # fmt: skip
+    assert jax.tree.structure(params) == jax.tree.structure(plain)
+    layers = params.pop("layers")
+    unstacked = {**params, **{f"layer_{i}": jax.tree.map(lambda a, i=i: a[i], layers) for i in range(cfg.layers)}}
+
+    def loss_and_grad(model, p):
+        return jax.jit(jax.value_and_grad(lambda p: lm_loss(model, p, tokens).mean))(p)
+
+    got, got_grads = loss_and_grad(stacked, {**params, "layers": layers})
+    want, want_grads = loss_and_grad(per_layer, nn.unbox(unstacked))
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    for i in range(cfg.layers):
+        for a, b in zip(jax.tree.leaves(jax.tree.map(lambda g, i=i: g[i], got_grads["layers"])),
+                        jax.tree.leaves(want_grads[f"layer_{i}"]), strict=True):  # fmt: skip
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-6)
+    with pytest.raises(ValueError, match=r"bf16_edge_layers=2 .* fewer than half the layers"):
+        dataclasses.replace(cfg, bf16_edge_layers=2)
+    with pytest.raises(ValueError, match=r"bf16_edge_layers=1 with matmul='default'.*needs matmul='fp8-current'"):
+        dataclasses.replace(cfg, matmul="default")

@@ -113,7 +113,10 @@ class DecoderConfig:
     ``matmul="fp8-current"`` runs the attention and dense MLP projections as fp8 products with current scaling
     (:func:`zjax.fp8.matmul`; the embedding, the head, the router and the experts stay in the compute dtype);
     ``"fp8-delayed"`` scales them from amax histories (:func:`zjax.fp8.matmul_delayed`) kept in the model state
-    (``zjax.Variables.linen(model.init(...))``; not yet under pipelines, nested remat or qgZ).
+    (``zjax.Variables.linen(model.init(...))``; not yet under pipelines, nested remat or qgZ); ``"mxfp8"`` in
+    blocks of 32 (:func:`zjax.fp8.matmul_mx`). ``bf16_edge_layers=n`` keeps the first and the last ``n`` layers'
+    products in the compute dtype (Megatron-Core's ``--first-last-layers-bf16``; the parameters' tree is the
+    same; not under pipelines or qgZ).
     """
 
     vocab: int = 256
@@ -138,6 +141,7 @@ class DecoderConfig:
     matmul: str = "default"
     mla: MLA | None = None
     dense_layers: int = 0
+    bf16_edge_layers: int = 0
     mtp_layers: int = 0
     mtp_weight: float = 0.3
 
@@ -163,6 +167,14 @@ class DecoderConfig:
         if self.matmul not in MATMULS:
             raise ValueError(
                 f"DecoderConfig: matmul={self.matmul!r}; use one of {list(MATMULS)} (the projections' matrix products)."
+            )
+        edges = self.bf16_edge_layers
+        if edges and (self.matmul not in ("fp8-current", "mxfp8") or self.dense_layers or 2 * edges >= self.layers):
+            raise ValueError(
+                f"DecoderConfig: bf16_edge_layers={edges!r} with matmul={self.matmul!r}, layers={self.layers}, "
+                f"dense_layers={self.dense_layers}: it keeps the first and the last {edges} layers' products in the "
+                "compute dtype around fp8 ones, so it needs matmul='fp8-current' or 'mxfp8', fewer than half the "
+                "layers, and no dense_layers."
             )
         if self.moe is not None and not isinstance(self.moe, MoE):
             raise TypeError(f"DecoderConfig: moe={self.moe!r} must be a zjax.models.MoE or None (a dense decoder).")

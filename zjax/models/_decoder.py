@@ -105,7 +105,14 @@ class Decoder(nn.Module):
                 "biases would have to travel with each stage's or group's parameters. Use bias_update_rate=None "
                 "(an auxiliary load-balancing loss), or pp=1 and a non-nested remat policy."
             )
-        functional = schedule is not None or policy.kind == "nested" or (c.scan and _overlaps_reductions(c, policy))
+        qgz = c.scan and _overlaps_reductions(c, policy)
+        if c.bf16_edge_layers and (schedule is not None or qgz) and not self.is_initializing():
+            raise ValueError(
+                f"Decoder: bf16_edge_layers={c.bf16_edge_layers} under "
+                f"{'pipeline parallelism' if schedule is not None else 'quantized gradient reductions (qgZ)'} is not "
+                "supported yet (their layers run one stack alike). Use bf16_edge_layers=0 there."
+            )
+        functional = schedule is not None or policy.kind == "nested" or qgz
         if c.matmul == "fp8-delayed" and functional and not self.is_initializing():
             where = (
                 "pipeline parallelism"
@@ -137,6 +144,8 @@ class Decoder(nn.Module):
                     x, stats = pipeline.apply(
                         stage_fn, layers, x, schedule, outputs=True, split_over=split_over, side=side or None
                     )
+        elif c.scan and c.bf16_edge_layers and not self.is_initializing():
+            x, stats = self._with_bf16_edges(x, positions, segment_ids, router_mask, load_balanced, policy)
         elif c.scan and _overlaps_reductions(c, policy) and not self.is_initializing():
             # qgZ: each layer's quantized reduction runs under the next layer's backward (XLA pipelines no all-to-all)
             one = Block(c, load_balanced)
@@ -154,7 +163,11 @@ class Decoder(nn.Module):
             block = nn.remat(Block, policy=policy.jax_policy()) if policy.remat else Block
             per_layer = []
             for i in range(c.dense_layers, c.layers):
-                x, layer_stats = block(c, load_balanced, name=f"layer_{i}")(x, positions, segment_ids, router_mask)
+                edge = min(i - c.dense_layers, c.layers - 1 - i) < c.bf16_edge_layers
+                layer_cfg = dataclasses.replace(c, matmul="default", bf16_edge_layers=0) if edge else c
+                x, layer_stats = block(layer_cfg, load_balanced, name=f"layer_{i}")(
+                    x, positions, segment_ids, router_mask
+                )
                 per_layer.append(layer_stats)
             stats = None if c.moe is None else jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
         if stats is not None and not self.is_initializing():
@@ -210,6 +223,27 @@ class Decoder(nn.Module):
             )
             outs.append(normed)
         return jnp.stack(outs)
+
+    def _with_bf16_edges(
+        self, x: jax.Array, positions: Any, segment_ids: Any, router_mask: Any, load_balanced: bool, policy: Any
+    ) -> tuple[jax.Array, Any]:
+        """The stacked layers with the first and last ``bf16_edge_layers`` multiplying in the compute dtype: three
+        scans over slices of the one stack (its parameters, and so checkpoints, as without the option)."""
+        c, n = self.cfg, self.cfg.bf16_edge_layers
+        layers = nn.unbox(self.variables["params"]["layers"])
+        count = c.layers - c.dense_layers
+        stats = []
+        for lo, hi, matmul in ((0, n, "default"), (n, count - n, c.matmul), (count - n, count, "default")):
+            one = Block(
+                c if matmul == c.matmul else dataclasses.replace(c, matmul=matmul, bf16_edge_layers=0), load_balanced
+            )
+            layer = lambda w, h, one=one: one.apply({"params": w}, h, positions, segment_ids, router_mask)  # noqa: E731
+            part = jax.tree.map(lambda w, lo=lo, hi=hi: w[lo:hi], layers)
+            x, part_stats = pipeline.scan_layers(layer, policy, outputs=True)(part, x)
+            stats.append(part_stats)
+        if c.moe is None:
+            return x, None
+        return x, jax.tree.map(lambda *s: jnp.concatenate(s), *stats)
 
     def _dense_layers(
         self,

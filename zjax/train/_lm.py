@@ -147,9 +147,14 @@ def build_model(cfg: RunConfig, tok: Any) -> Any:
     """The model's config: a preset sized to the tokenizer and ``model.seq_len``, or a Hugging Face checkpoint's."""
     m = cfg.model
     if m.hf is not None:
-        return dataclasses.replace(from_hf_config(m.hf, remat=m.remat).cfg, matmul=m.matmul)
+        return dataclasses.replace(
+            from_hf_config(m.hf, remat=m.remat).cfg, matmul=m.matmul, bf16_edge_layers=m.bf16_edge_layers
+        )
     vocab = -(-tok.vocab_size // 128) * 128  # padded to a multiple of 128 (it splits over tp)
-    return dataclasses.replace(PRESETS[m.preset], max_len=m.seq_len, remat=m.remat, vocab=vocab, matmul=m.matmul)
+    return dataclasses.replace(
+        PRESETS[m.preset], max_len=m.seq_len, remat=m.remat, vocab=vocab, matmul=m.matmul,
+        bf16_edge_layers=m.bf16_edge_layers,
+    )  # fmt: skip
 
 
 def run_lm(cfg: RunConfig, argv: Sequence[str] | None = None, log: Callable[..., None] | None = None) -> dict[str, Any]:

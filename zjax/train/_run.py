@@ -56,13 +56,15 @@ def _at_least(name: str, value: int, low: int) -> None:
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
     """``[model]``: ``preset`` (tiny, small, medium, moe-small), ``seq_len`` (tokens per row), ``remat`` (a policy of
-    ``zjax.remat.POLICIES``), ``matmul`` (the projections' products, ``zjax.fp8.MATMULS``), ``hf`` (continue this
+    ``zjax.remat.POLICIES``), ``matmul`` (the projections' products, ``zjax.fp8.MATMULS``), ``bf16_edge_layers``
+    (that many first and last layers multiply in the compute dtype around fp8 ones), ``hf`` (continue this
     Hugging Face checkpoint directory instead of a preset)."""
 
     preset: str = "small"
     seq_len: int = 128
     remat: str = "full"
     matmul: str = "default"
+    bf16_edge_layers: int = 0
     hf: Path | None = None
 
     def __post_init__(self) -> None:
@@ -74,6 +76,7 @@ class ModelSection:
         _one_of("model.remat", self.remat, POLICIES)
         _one_of("model.matmul", self.matmul, MATMULS)
         _at_least("model.seq_len", self.seq_len, 1)
+        _at_least("model.bf16_edge_layers", self.bf16_edge_layers, 0)
 
 
 @dataclasses.dataclass(frozen=True)
