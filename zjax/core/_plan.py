@@ -95,8 +95,9 @@ class Plan(PlanConfig):
         parameter / dp in bf16; in fp32 with ``reduce_dtype="float32"``, whose sums stay fp32 from ``dp`` to
         ``replica``) in temporaries during the step. Any model (no :mod:`zjax.comm` reads needed).
       skip_nonfinite: leave a step whose gradients are not all finite out (state as it was, ``skipped`` in the
-        metrics). ``None`` (default): when the precision scales the loss (fp16); ``True`` in any precision (fp8
-        products, whose inf or NaN amax would otherwise reach the weights).
+        metrics). ``None`` (default): when the precision scales the loss (fp16), or the model keeps fp8 amax
+        histories (a non-finite amax skips too); ``True`` in any precision (fp8 products, whose inf or NaN amax
+        would otherwise reach the weights).
 
     Example:
       >>> plan = zjax.Plan(zjax.make_mesh(dp=-1, tp=2), stage=3, precision="bf16")
