@@ -278,6 +278,11 @@ class DecoderConfig:
         return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
 
     @property
+    def in_compute_dtype(self) -> DecoderConfig:
+        """This config with its projections' products in the compute dtype (a ``bf16_edge_layers`` layer's)."""
+        return dataclasses.replace(self, matmul="default", bf16_edge_layers=0)
+
+    @property
     def keeps_state(self) -> bool:
         """Whether the model keeps model state: routers' selection biases or fp8 amax histories."""
         return (self.moe is not None and self.moe.bias_update_rate is not None) or self.matmul == "fp8-delayed"

@@ -164,7 +164,7 @@ class Decoder(nn.Module):
             per_layer = []
             for i in range(c.dense_layers, c.layers):
                 edge = min(i - c.dense_layers, c.layers - 1 - i) < c.bf16_edge_layers
-                layer_cfg = dataclasses.replace(c, matmul="default", bf16_edge_layers=0) if edge else c
+                layer_cfg = c.in_compute_dtype if edge else c
                 x, layer_stats = block(layer_cfg, load_balanced, name=f"layer_{i}")(
                     x, positions, segment_ids, router_mask
                 )
@@ -233,10 +233,9 @@ class Decoder(nn.Module):
         layers = nn.unbox(self.variables["params"]["layers"])
         count = c.layers - c.dense_layers
         stats = []
-        for lo, hi, matmul in ((0, n, "default"), (n, count - n, c.matmul), (count - n, count, "default")):
-            one = Block(
-                c if matmul == c.matmul else dataclasses.replace(c, matmul=matmul, bf16_edge_layers=0), load_balanced
-            )
+        plain = c.in_compute_dtype
+        for lo, hi, layer_cfg in ((0, n, plain), (n, count - n, c), (count - n, count, plain)):
+            one = Block(layer_cfg, load_balanced)
             layer = lambda w, h, one=one: one.apply({"params": w}, h, positions, segment_ids, router_mask)  # noqa: E731
             part = jax.tree.map(lambda w, lo=lo, hi=hi: w[lo:hi], layers)
             x, part_stats = pipeline.scan_layers(layer, policy, outputs=True)(part, x)
