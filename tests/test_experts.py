@@ -144,6 +144,48 @@ def test_the_ragged_exchange_sends_every_row_to_its_expert_and_back(monkeypatch)
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+def _worst_case_ids(b: int, s: int) -> jax.Array:
+    """Every token of every device picks expert 0 and one other: rank 0 of ep=8 (one expert per rank) receives
+    every device's whole slice, the exchange's bound (rows_per_rank) exactly."""
+    other = 1 + jnp.arange(b * s).reshape(b, s) % (E - 1)
+    return jnp.stack([jnp.zeros_like(other), other], axis=-1)
+
+
+@pytest.mark.parametrize("exchange", ["padded", "ragged"])
+def test_receive_buffers_are_the_routing_bound_and_hold_the_worst_case(exchange, monkeypatch):
+    """dp=1 x ep=8, one 6-token row per device, top-2 of 8 experts: a token reaches one rank at most once, so each
+    rank's slice of a buffer is 6 rows, not the 12 a device sends (ep x 6 rows per receive buffer, half the
+    worst case of every row to one rank). Under the most skewed routing it allows the outputs, gradients and
+    dropped counts equal one device's; with a capacity factor the bound is the experts' capacity (3 rows)."""
+    monkeypatch.setattr(_dispatch.jax.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
+    x, _, gates, w = _inputs()
+    ids = _worst_case_ids(8, 6)
+    assert experts.rows_per_rank(6, K, E, 8, None) == 6 and experts.rows_per_rank(6, K, E, 8, 2.0) == 3
+    assert experts.rows_per_rank(6, K, E, 2, None) == 12  # four experts per rank: a token's two can share one
+    mesh = zjax.make_mesh(dp=1, ep=8)
+    for factor in (None, 2.0):
+
+        def loss(x, g, a, b, c, ids, factor=factor):
+            out, dropped = experts.expert_mlp(x, ids, g, a, b, c, capacity_factor=factor, exchange=exchange)
+            return jnp.sum(out**2), dropped
+
+        grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)
+        # capacity is per device's tokens: the reference runs each device's row alone and adds them up
+        rows = [grad(x[i : i + 1], gates[i : i + 1], *w, ids[i : i + 1]) for i in range(8)]
+        with jax.set_mesh(mesh), nn.logical_axis_rules(zjax.Rules().activations_for(mesh)):
+            lowered = jax.jit(grad).lower(x, gates, *w, ids)
+            (value, dropped), grads = lowered.compile()(x, gates, *w, ids)
+        assert float(dropped) == sum(float(r[0][1]) for r in rows) == (0.0 if factor is None else 8 * 3.0)
+        np.testing.assert_allclose(value, sum(float(r[0][0]) for r in rows), rtol=1e-5)
+        np.testing.assert_allclose(grads[0], np.concatenate([r[1][0] for r in rows]), rtol=1e-5, atol=1e-5)
+        for j in range(2, 5):  # the expert weights' gradients: every device's summed
+            np.testing.assert_allclose(grads[j], sum(r[1][j] for r in rows), rtol=1e-4, atol=1e-5)
+        if exchange == "padded":  # the dense all-to-all's buffers: ep x the bound, rows of D values
+            per_rank = experts.rows_per_rank(6, K, E, 8, factor)
+            swaps = [line for line in lowered.as_text().splitlines() if "all_to_all" in line and f"x{D}xf32>" in line]
+            assert swaps and all(f"tensor<{8 * per_rank}x{D}xf32>" in line for line in swaps), swaps
+
+
 def _train(cfg, stage, steps=2, offload="none", pipeline=None, **mesh_axes):
     model = Decoder(cfg)
     plan = zjax.Plan(zjax.make_mesh(**mesh_axes), stage=stage, precision="fp32", offload=offload, pipeline=pipeline)
@@ -505,3 +547,17 @@ def test_the_budget_search_picks_the_largest_ep_that_fits_at_the_lowest_stage():
         batch_size=8, seq_len=16, offloads=("none",), eps=(1, 2, 8),
     )  # fmt: skip
     assert found.row is not None and found.row.stage == 0 and found.row.mesh["ep"] == 8
+
+
+def test_the_planner_sizes_the_exchange_by_the_capacity_factor():
+    """XLA:CPU's padded exchange moves each rank's whole buffers: dp=2 x ep=4, 16 tokens of top-2 per device, two
+    experts per rank. Dropless, a rank's slice holds 32 rows (a token's two experts can share a rank); with
+    capacity factor 2 each expert takes 8 rows of a device, so a slice holds 16, and with factor 1, 8: the
+    dispatch's all-to-all bytes (rows and their ids) go as the slice (beside a fixed 1 KB of other all-to-alls)."""
+    plan = functools.partial(zjax.planner.estimate, TINY, mesh={"dp": 2, "ep": 4}, stages=(0,), batch_size=8)
+    slices = [experts.rows_per_rank(16, 2, 8, 4, f) for f in (None, 2.0, 1.0)]
+    assert slices == [32, 16, 8]
+    v32, v16, v8 = (plan(seq_len=16, capacity_factor=f).rows[0].comm.volume["all-to-all"] for f in (None, 2.0, 1.0))
+    assert v32 - v16 == 2 * (v16 - v8) > 0 and v8 - (v16 - v8) < v8 / 8  # linear in the slice, little besides
+    with pytest.raises(ValueError, match="capacity_factor=1.0 but model 'custom' has no experts"):
+        zjax.planner.estimate(dataclasses.replace(TINY, moe=None), mesh={"dp": 8}, capacity_factor=1.0)

@@ -1,7 +1,9 @@
-"""DeepSeek-V3 checkpoints: the config (671.0B parameters from the published ``config.json``), the names and layouts
-of multi-head latent attention, the first dense layers, sigmoid group-limited routing with its selection bias and the
-shared experts, in and out, against a NumPy transcription of Hugging Face's ``modeling_deepseek_v3`` run on the
-tensors of the file itself (transformers' DeepSeek-V3 is PyTorch-only)."""
+"""DeepSeek-V3 and V2 checkpoints: the configs (671.0B parameters from DeepSeek-V3's published ``config.json``,
+15.7B from V2-Lite's, 235.7B from V2's), the names and layouts of multi-head latent attention, the first dense
+layers, routing (V3: sigmoid, group-limited by each group's two best, with its selection bias; V2: softmax, greedy
+or group-limited by each group's best) and the shared experts, in and out, against a NumPy transcription of
+DeepSeek's modeling code (V3 as Hugging Face's ``modeling_deepseek_v3``; transformers' DeepSeek models are
+PyTorch-only) run on the tensors of the file itself."""
 
 from __future__ import annotations
 
@@ -46,6 +48,27 @@ QWEN3_235B = {
     "router_aux_loss_coef": 0.001,
 }  # fmt: skip
 
+# DeepSeek-V2-Lite's and DeepSeek-V2's published config.json (the fields that shape the model)
+DEEPSEEK_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "attention_bias": False,
+    "aux_loss_alpha": 0.001, "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 2048,
+    "intermediate_size": 10944, "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_intermediate_size": 1408,
+    "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2, "norm_topk_prob": False,
+    "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27, "num_key_value_heads": 16,
+    "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 1, "topk_method": "greedy", "torch_dtype": "bfloat16",
+    "v_head_dim": 128, "vocab_size": 102400,
+}  # fmt: skip
+DEEPSEEK_V2 = {
+    **DEEPSEEK_V2_LITE, "aux_loss_alpha": 0.003, "hidden_size": 5120, "intermediate_size": 12288,
+    "moe_intermediate_size": 1536, "n_group": 8, "n_routed_experts": 160, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "num_hidden_layers": 60, "q_lora_rank": 1536, "routed_scaling_factor": 16.0,
+    "topk_group": 3, "topk_method": "group_limited_greedy",
+}  # fmt: skip
+
 TINY = {
     **{k: v for k, v in DEEPSEEK_V3.items() if k not in ("quantization_config",)},
     "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16, "num_hidden_layers": 3,
@@ -55,12 +78,25 @@ TINY = {
     "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 32,
                      "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
 }  # fmt: skip
+TINY_V2 = {  # V2's group-limited greedy routing (groups by their best), unnormalised gates scaled, queries direct
+    **TINY, "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "scoring_func": "softmax",
+    "topk_method": "group_limited_greedy", "norm_topk_prob": False, "routed_scaling_factor": 1.5, "q_lora_rank": None,
+    "rope_scaling": {**TINY["rope_scaling"], "mscale": 0.707, "mscale_all_dim": 0.707},
+}  # fmt: skip
+TINY_V2_LITE = {**TINY_V2, "topk_method": "greedy", "n_group": 1, "topk_group": 1}
 
 
 def test_published_configs_build_the_published_parameter_counts():
     """DeepSeek-V3: 671.0B (MTP aside, as DeepSeek counts it), 37.6B active; Qwen3-235B-A22B: 235.1B, 22.2B
-    active. Both round-trip through config_to_hf."""
+    active; DeepSeek-V2-Lite 15.7B and V2 235.7B (DeepSeek's 16B and 236B). Each round-trips through config_to_hf."""
     v3, qwen = config_from_hf(DEEPSEEK_V3), config_from_hf(QWEN3_235B)
+    lite, v2 = config_from_hf(DEEPSEEK_V2_LITE), config_from_hf(DEEPSEEK_V2)
+    assert round(lite.num_params / 1e9, 1) == 15.7 and round(v2.num_params / 1e9, 1) == 235.7
+    assert (lite.moe.scoring, lite.moe.groups, lite.mla.q_lora_rank, lite.moe.routed_scale) == ("softmax", 1, None, 1)
+    assert (v2.moe.groups, v2.moe.routed_groups, v2.moe.group_score, v2.moe.routed_scale) == (8, 3, "max", 16.0)
+    assert lite.moe.bias_update_rate is None and not lite.moe.normalize_top_k and v2.dense_layers == 1
+    for cfg in (lite, v2):
+        assert config_from_hf(config_to_hf(cfg)) == cfg and config_to_hf(cfg)["model_type"] == "deepseek_v2"
     assert round(v3.num_params / 1e9, 1) == 671.0 and round(v3.num_active_params / 1e9, 1) == 37.6
     assert round(qwen.num_params / 1e9, 1) == 235.1 and round(qwen.num_active_params / 1e9, 1) == 22.2
     assert v3.dense_layers == 3 and v3.mla.q_lora_rank == 1536 and v3.head_dim == 192
@@ -74,7 +110,7 @@ def test_published_configs_build_the_published_parameter_counts():
 
 
 def hf_tensors(hf: dict, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random weights under DeepSeek-V3's names and ``[out, in]`` layouts (bf16; the selection biases fp32)."""
+    """Random weights under DeepSeek's names and ``[out, in]`` layouts (bf16; V3's selection biases fp32)."""
     rng = np.random.default_rng(seed)
     e, v, h = hf["hidden_size"], hf["vocab_size"], hf["num_attention_heads"]
     qk, nope_v = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"], hf["qk_nope_head_dim"] + hf["v_head_dim"]
@@ -92,21 +128,25 @@ def hf_tensors(hf: dict, seed: int = 0) -> dict[str, np.ndarray]:
         out |= {
             p + "input_layernorm.weight": norm(e),
             p + "post_attention_layernorm.weight": norm(e),
-            p + "self_attn.q_a_proj.weight": w(hf["q_lora_rank"], e),
-            p + "self_attn.q_a_layernorm.weight": norm(hf["q_lora_rank"]),
-            p + "self_attn.q_b_proj.weight": w(h * qk, hf["q_lora_rank"]),
             p + "self_attn.kv_a_proj_with_mqa.weight": w(hf["kv_lora_rank"] + hf["qk_rope_head_dim"], e),
             p + "self_attn.kv_a_layernorm.weight": norm(hf["kv_lora_rank"]),
             p + "self_attn.kv_b_proj.weight": w(h * nope_v, hf["kv_lora_rank"]),
             p + "self_attn.o_proj.weight": w(e, h * hf["v_head_dim"]),
         }
+        if hf["q_lora_rank"]:
+            out[p + "self_attn.q_a_proj.weight"] = w(hf["q_lora_rank"], e)
+            out[p + "self_attn.q_a_layernorm.weight"] = norm(hf["q_lora_rank"])
+            out[p + "self_attn.q_b_proj.weight"] = w(h * qk, hf["q_lora_rank"])
+        else:  # DeepSeek-V2-Lite: the queries directly
+            out[p + "self_attn.q_proj.weight"] = w(h * qk, e)
         if i < hf["first_k_dense_replace"]:
             m = hf["intermediate_size"]
             out |= {p + "mlp.gate_proj.weight": w(m, e), p + "mlp.up_proj.weight": w(m, e)}
             out[p + "mlp.down_proj.weight"] = w(e, m)
             continue
         out[p + "mlp.gate.weight"] = w(experts, e, scale=1.0)
-        out[p + "mlp.gate.e_score_correction_bias"] = (rng.normal(size=experts) * 0.3).astype(np.float32)
+        if hf["model_type"] == "deepseek_v3":
+            out[p + "mlp.gate.e_score_correction_bias"] = (rng.normal(size=experts) * 0.3).astype(np.float32)
         shared = hf["n_shared_experts"] * f
         for name, size in [(f"mlp.experts.{j}.", f) for j in range(experts)] + [("mlp.shared_experts.", shared)]:
             out |= {p + name + "gate_proj.weight": w(size, e), p + name + "up_proj.weight": w(size, e)}
@@ -133,8 +173,9 @@ def _rotate_interleaved(x, positions, inv_freq, factor):
 
 
 def numpy_loss(hf: dict, t: dict[str, np.ndarray], tokens: np.ndarray, inv_freq, factor: float) -> float:
-    """Hugging Face's DeepseekV3ForCausalLM forward and mean next-token loss, in float64 (RoPE's inverse
-    frequencies and YaRN's attention factor given: YaRN's own test is in tests/test_hf.py)."""
+    """DeepSeek's forward (Hugging Face's DeepseekV3ForCausalLM; for a V2 config, DeepSeek-V2's ``MoEGate``) and
+    mean next-token loss, in float64 (RoPE's inverse frequencies and YaRN's attention factor given: YaRN's own
+    test is in tests/test_hf.py)."""
     t = {k: np.asarray(v, np.float64) for k, v in t.items()}
     eps, h = hf["rms_norm_eps"], hf["num_attention_heads"]
     nope, rope, vd = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"]
@@ -145,8 +186,11 @@ def numpy_loss(hf: dict, t: dict[str, np.ndarray], tokens: np.ndarray, inv_freq,
     for i in range(hf["num_hidden_layers"]):
         p = f"model.layers.{i}."
         y = _rms(x, t[p + "input_layernorm.weight"], eps)
-        q_latent = _rms(y @ t[p + "self_attn.q_a_proj.weight"].T, t[p + "self_attn.q_a_layernorm.weight"], eps)
-        q = (q_latent @ t[p + "self_attn.q_b_proj.weight"].T).reshape(*y.shape[:2], h, nope + rope)
+        if hf["q_lora_rank"]:
+            q_latent = _rms(y @ t[p + "self_attn.q_a_proj.weight"].T, t[p + "self_attn.q_a_layernorm.weight"], eps)
+            q = (q_latent @ t[p + "self_attn.q_b_proj.weight"].T).reshape(*y.shape[:2], h, nope + rope)
+        else:
+            q = (y @ t[p + "self_attn.q_proj.weight"].T).reshape(*y.shape[:2], h, nope + rope)
         kv_a = y @ t[p + "self_attn.kv_a_proj_with_mqa.weight"].T
         latent = _rms(kv_a[..., : hf["kv_lora_rank"]], t[p + "self_attn.kv_a_layernorm.weight"], eps)
         kv = (latent @ t[p + "self_attn.kv_b_proj.weight"].T).reshape(*y.shape[:2], h, nope + vd)
@@ -171,17 +215,30 @@ def numpy_loss(hf: dict, t: dict[str, np.ndarray], tokens: np.ndarray, inv_freq,
             x = x + mlp(y, p + "mlp.")
             continue
         flat = y.reshape(-1, y.shape[-1])
-        scores = 1 / (1 + np.exp(-(flat @ t[p + "mlp.gate.weight"].T)))
-        choice = scores + t[p + "mlp.gate.e_score_correction_bias"]
-        groups = choice.reshape(len(flat), hf["n_group"], -1)
-        group_score = np.sort(groups, -1)[..., -2:].sum(-1)
-        kept = np.argsort(-group_score, -1)[:, : hf["topk_group"]]
-        allowed = np.zeros_like(group_score, bool)
-        np.put_along_axis(allowed, kept, True, -1)
-        choice = np.where(np.repeat(allowed, groups.shape[-1], -1), choice, -np.inf)
+        logits = flat @ t[p + "mlp.gate.weight"].T
+        method = hf["topk_method"]
+        if method == "noaux_tc":  # V3: sigmoid, biased choice, groups by the sum of their two best, -inf outside
+            scores = 1 / (1 + np.exp(-logits))
+            choice = scores + t[p + "mlp.gate.e_score_correction_bias"]
+        else:  # V2: softmax, groups by their best, 0.0 outside
+            scores = np.exp(logits - logits.max(-1, keepdims=True))
+            choice = scores = scores / scores.sum(-1, keepdims=True)
+        if method != "greedy":
+            groups = choice.reshape(len(flat), hf["n_group"], -1)
+            group_score = np.sort(groups, -1)[..., -2:].sum(-1) if method == "noaux_tc" else groups.max(-1)
+            kept = np.argsort(-group_score, -1)[:, : hf["topk_group"]]
+            allowed = np.zeros_like(group_score, bool)
+            np.put_along_axis(allowed, kept, True, -1)
+            outside = -np.inf if method == "noaux_tc" else 0.0
+            choice = np.where(np.repeat(allowed, groups.shape[-1], -1), choice, outside)
         top = np.argsort(-choice, -1)[:, : hf["num_experts_per_tok"]]
         weights = np.take_along_axis(scores, top, -1)
-        weights = weights / weights.sum(-1, keepdims=True) * hf["routed_scaling_factor"]
+        if method == "noaux_tc":
+            weights = weights / weights.sum(-1, keepdims=True) * hf["routed_scaling_factor"]
+        elif hf["norm_topk_prob"]:  # V2: normalised, or scaled
+            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+        else:
+            weights = weights * hf["routed_scaling_factor"]
         routed = np.zeros_like(flat)
         for r in range(len(flat)):
             for k, j in enumerate(top[r]):
@@ -197,6 +254,28 @@ def numpy_loss(hf: dict, t: dict[str, np.ndarray], tokens: np.ndarray, inv_freq,
 def checkpoint(tmp_path_factory):
     directory = tmp_path_factory.mktemp("deepseek")
     return write_checkpoint(str(directory / "v3"), TINY, hf_tensors(TINY), files=3)
+
+
+@pytest.mark.parametrize("hf", [TINY_V2, pytest.param(TINY_V2_LITE, marks=pytest.mark.slow)], ids=["v2", "v2-lite"])
+def test_deepseek_v2_loads_computes_its_loss_and_saves_back_bitwise(hf, tmp_path):
+    """DeepSeek-V2 (group-limited greedy: groups ranked by their best score; unnormalised gates times the routed
+    scale; queries without a latent) and V2-Lite (greedy over all experts) at dp=2 x ep=4, stage 3, fp32: the
+    loss is the NumPy transcription's on the file's tensors; a bf16 save is the import bit for bit."""
+    directory = write_checkpoint(str(tmp_path / "v2"), hf, hf_tensors(hf, seed=2), files=2)
+    model = from_hf_config(directory)
+    plan = zjax.Plan(zjax.make_mesh(dp=2, ep=4), stage=3, precision="fp32")
+    state = zjax.hf.load(directory, plan, model, optax.sgd(0.0))
+    tokens = np.random.default_rng(3).integers(0, hf["vocab_size"], (8, 17)).astype(np.int32)
+    _, metrics = plan.train_step(lambda p, b: lm_loss(model, p, b))(state, plan.shard_batch(tokens))
+    cfg = model.cfg
+    want = numpy_loss(hf, read_checkpoint(directory), tokens, cfg.rope_frequencies(), cfg.rope_attention_factor)
+    assert abs(float(metrics["aux"]["ce"]) - want) <= 1e-4 * want, (float(metrics["aux"]["ce"]), want)
+    bf16 = zjax.Plan(zjax.make_mesh(dp=2, ep=4), stage=3, precision="bf16")
+    out = zjax.hf.save(tmp_path / "out", model, zjax.hf.load(directory, bf16, model, optax.sgd(0.0)))
+    want_t, got_t = read_checkpoint(directory), read_checkpoint(out)
+    assert sorted(got_t) == sorted(want_t)
+    assert all(np.array_equal(got_t[n], x) and got_t[n].dtype == x.dtype for n, x in want_t.items())
+    assert config_from_hf(json.loads((tmp_path / "out" / "config.json").read_text())) == cfg
 
 
 @pytest.mark.parametrize(

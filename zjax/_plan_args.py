@@ -142,6 +142,14 @@ def plan_parser(sub) -> None:
         help="with --budget, a mixture of experts: the ep sizes the search may take out of dp x ep (e.g. 1,2,4,8)",
     )
     p.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=None,
+        help="a mixture of experts: each expert takes at most factor x its balanced share of each device's "
+        "tokens, the rest dropped (MoE(capacity_factor=...)); each rank's receive buffers then hold that, not "
+        "the worst case of every token routed to it (default: the model's, dropless)",
+    )
+    p.add_argument(
         "--cp",
         type=parse_ints,
         default=None,

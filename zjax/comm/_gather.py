@@ -289,7 +289,7 @@ def gathered(value: Any, path: Sequence[str], now: bool = False) -> Any:
     entries = list(spec[len(spec) - value.ndim :])  # one layer of a stacked parameter: without the layers entry
     added = active.zero[tuple(path)]
     split = [(d, e) for d, e in enumerate(entries) if e is not None and set(_axes(e)) & added]
-    if not split:
+    if len(split) != 1:  # none, or ZeRO's axes over two dims (add_axis's last resort): GSPMD gathers it as it is
         return value
     dim, entry = split[0]
     zero = tuple(a for a in _axes(entry) if a in added)
@@ -389,8 +389,9 @@ def manual_route(ndim: int, active: _Active, path: tuple[str, ...]) -> Route:
     dims = [(d, axes) for d, axes in dims if axes]
     if len(dims) > 1:
         raise ValueError(
-            f"zjax.comm.gathered: {'/'.join(path)!r} is split over the data axes on dims {[d for d, _ in dims]}; "
-            "a ZeRO-3 shard is split on one dim."
+            f"zjax.comm.gathered: {'/'.join(path)!r} (spec {P(*entries)}) is split over the data axes on two dims "
+            "(no one dim divides by their size); the manual ZeRO-3 path (reduce_dtype, quantized gradients) gathers "
+            "one dim. Use the default path, or a mesh whose ZeRO axes' size divides one of its dims."
         )
     dim, split = dims[0] if dims else (None, ())
     whole = tuple(a for a in axes_here if a not in split)

@@ -6,3 +6,4 @@ from ._dispatch import capacity as capacity
 from ._dispatch import default_grouped as default_grouped
 from ._dispatch import expert_mlp as expert_mlp
 from ._dispatch import grouped_swiglu as grouped_swiglu
+from ._dispatch import rows_per_rank as rows_per_rank

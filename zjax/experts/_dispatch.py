@@ -6,9 +6,11 @@ manual over the whole mesh, each device
 1. repeats each of its tokens once per chosen expert and (with a capacity factor) drops the rows beyond an
    expert's capacity;
 2. with ``ep > 1``, sends each row to the ``ep`` rank that holds its expert: an all-to-all of padded per-rank
-   buffers (``"padded"``: every rank sends ``ep`` buffers of its worst case, all its rows; the dense
-   collective XLA:CPU implements) or of exactly the rows (``"ragged"``: ``jax.lax.ragged_all_to_all``,
-   on GPUs);
+   buffers (``"padded"``: every rank sends ``ep`` buffers of its worst case; the dense collective XLA:CPU
+   implements) or of exactly the rows (``"ragged"``: ``jax.lax.ragged_all_to_all``, on GPUs). Each rank's
+   slice of a buffer holds :func:`rows_per_rank`: a token reaches one rank at most ``min(top_k, experts /
+   ep)`` times, and with a capacity factor each expert takes at most its capacity from each device, so the
+   receive buffers are ``ep x`` that bound rather than ``ep x`` all of a device's rows;
 3. sorts the rows by expert and runs the SwiGLU experts as three grouped matmuls (dropless: no capacity unless
    asked), with the experts' hidden dimension split over ``tp``: tokamax's Triton kernel on GPUs
    (``pip install "zjax[moe-gpu]"``; measured: XLA:GPU in jax 0.10.2 turns ``jax.lax.ragged_dot`` into one dense
@@ -70,6 +72,17 @@ def capacity(tokens: int, top_k: int, experts: int, factor: float) -> int:
     """Rows one expert takes from one device's ``tokens`` (GShard's per-group capacity):
     ``ceil(factor x tokens x top_k / experts)``."""
     return max(1, math.ceil(factor * tokens * top_k / experts))
+
+
+def rows_per_rank(tokens: int, top_k: int, experts: int, ep: int, capacity_factor: float | None) -> int:
+    """The most rows one device's ``tokens`` can send to one ``ep`` rank, the size of each rank's slice of a
+    receive buffer: a token sends at most ``min(top_k, experts / ep)`` rows to one rank (its experts are
+    distinct), and with a capacity factor each of the rank's experts takes at most :func:`capacity` rows."""
+    local = experts // ep
+    bound = tokens * min(top_k, local)
+    if capacity_factor is not None:
+        bound = min(bound, local * capacity(tokens, top_k, experts, capacity_factor))
+    return bound
 
 
 def rank_in_group(ids: jax.Array, groups: int) -> jax.Array:
@@ -138,23 +151,23 @@ def grouped_swiglu(
     return jnp.zeros_like(y).at[order].set(y)
 
 
-def _padded(rows, ids, experts: int, ep: int, weights, grouped: Grouped) -> jax.Array:
-    """Rows to the ``ep`` rank of their expert and back by dense all-to-alls of ``[ep, rows]`` buffers."""
-    n, d = rows.shape
+def _padded(rows, ids, experts: int, ep: int, per_rank: int, weights, grouped: Grouped) -> jax.Array:
+    """Rows to the ``ep`` rank of their expert and back by dense all-to-alls of ``[ep, per_rank]`` buffers."""
+    d = rows.shape[1]
     local = experts // ep
     dest = jnp.minimum(ids // local, ep)  # a dropped row (id == experts) goes nowhere
-    slot = rank_in_group(dest, ep)
-    send = jnp.zeros((ep, n, d), rows.dtype).at[dest, slot].set(rows, mode="drop")
-    send_ids = jnp.full((ep, n), local, jnp.int32).at[dest, slot].set(ids % local, mode="drop")
+    slot = rank_in_group(dest, ep)  # < per_rank for every row sent (rows_per_rank's bound)
+    send = jnp.zeros((ep, per_rank, d), rows.dtype).at[dest, slot].set(rows, mode="drop")
+    send_ids = jnp.full((ep, per_rank), local, jnp.int32).at[dest, slot].set(ids % local, mode="drop")
     swap = lambda x: jax.lax.all_to_all(x, EP, 0, 0, tiled=True)  # noqa: E731 - block r to/from rank r
-    got = swap(send.reshape(ep * n, d))
-    got_ids = swap(send_ids.reshape(ep * n))
+    got = swap(send.reshape(ep * per_rank, d))
+    got_ids = swap(send_ids.reshape(ep * per_rank))
     done = grouped_swiglu(got, got_ids, local, weights[0], weights[1], weights[2], grouped)
-    back = swap(done).reshape(ep, n, d)
+    back = swap(done).reshape(ep, per_rank, d)
     return back.at[dest, slot].get(mode="fill", fill_value=0)
 
 
-def _ragged(rows, ids, experts: int, ep: int, weights, grouped: Grouped) -> jax.Array:
+def _ragged(rows, ids, experts: int, ep: int, per_rank: int, weights, grouped: Grouped) -> jax.Array:
     """Rows to the ``ep`` rank of their expert and back by ``ragged_all_to_all``: only the rows cross."""
     n, d = rows.shape
     local = experts // ep
@@ -168,7 +181,7 @@ def _ragged(rows, ids, experts: int, ep: int, weights, grouped: Grouped) -> jax.
     into = (jnp.cumsum(table, axis=0) - table)[me]  # where my rows start in each destination's buffer
     mine = jnp.cumsum(recv) - recv  # where each source's rows start in my buffer
     home = (jnp.cumsum(table, axis=1) - table)[:, me]  # where each source sent its rows for me from
-    buffer = ep * n  # every rank could send all its rows here
+    buffer = ep * per_rank  # every rank could send this many rows here
     got = jax.lax.ragged_all_to_all(sent, jnp.zeros((buffer, d), rows.dtype), starts, sizes, into, recv, axis_name=EP)
     local_ids = jnp.where(sent_ids < experts, sent_ids % local, local).astype(jnp.int32)
     empty = jnp.full((buffer,), local, jnp.int32)
@@ -192,12 +205,13 @@ def _local(x, ids, gates, w_gate, w_up, w_down, *, experts, ep, tp, capacity_fac
         flat_ids = jnp.where(keep, flat_ids, experts)
         dropped = jnp.sum(~keep).astype(F32)
     weights = (w_gate, w_up, w_down)
+    per_rank = rows_per_rank(b * s, k, experts, ep, capacity_factor)
     if ep == 1:
         y = grouped_swiglu(rows, flat_ids, experts, w_gate, w_up, w_down, grouped)
     elif exchange == "ragged":
-        y = _ragged(rows, flat_ids, experts, ep, weights, grouped)
+        y = _ragged(rows, flat_ids, experts, ep, per_rank, weights, grouped)
     else:
-        y = _padded(rows, flat_ids, experts, ep, weights, grouped)
+        y = _padded(rows, flat_ids, experts, ep, per_rank, weights, grouped)
     out = jnp.sum(y.astype(F32).reshape(b * s, k, d) * gates.reshape(b * s, k, 1).astype(F32), axis=1)
     if tp > 1:
         out = jax.lax.psum(out, TP)  # each tp rank summed over its part of the experts' hidden dimension
@@ -235,14 +249,15 @@ def expert_mlp(
 
     Args:
       x: ``[batch, seq, embed]`` tokens in the compute dtype.
-      expert_ids: ``[batch, seq, top_k]`` int, each token's experts.
+      expert_ids: ``[batch, seq, top_k]`` int, each token's experts, distinct (as a top-k gives them: the
+        exchange's buffers are sized for it, :func:`rows_per_rank`).
       gates: ``[batch, seq, top_k]`` the weights of those experts' outputs (fp32).
       w_gate, w_up: ``[experts, embed, hidden]``; w_down: ``[experts, hidden, embed]``.
       capacity_factor: ``None`` (dropless) or the factor of :func:`capacity`: an expert takes at most that
         many rows of each device's tokens, the first ones in token order; the rest are dropped (their
         output zero, the token keeps its residual) and counted.
       exchange: how rows cross ``ep``: ``"ragged"`` (only the rows; the default on GPUs) or ``"padded"``
-        (dense buffers of every rank's worst case; the default elsewhere: XLA:CPU has no ragged all-to-all).
+        (dense buffers of each rank's bound; the default elsewhere: XLA:CPU has no ragged all-to-all).
       grouped: the grouped matmul: ``"tokamax"`` (its Triton kernel; the default on GPUs when installed) or
         ``"xla"`` (``jax.lax.ragged_dot``; the default elsewhere).
 

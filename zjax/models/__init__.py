@@ -13,6 +13,7 @@ from ._loss import lm_loss as lm_loss
 from ._loss import train_functions as train_functions
 from ._mla import MLA as MLA
 from ._moe import BALANCE_LOSSES as BALANCE_LOSSES
+from ._moe import GROUP_SCORES as GROUP_SCORES
 from ._moe import ROUTER_STATE as ROUTER_STATE
 from ._moe import SCORINGS as SCORINGS
 from ._moe import MoE as MoE

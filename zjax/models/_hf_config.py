@@ -38,6 +38,7 @@ _FAMILIES = {
     "mixtral": _Family("MixtralForCausalLM", moe=True, window="mistral"),
     "qwen2_moe": _Family("Qwen2MoeForCausalLM", qkv_bias=True, moe=True, window="qwen"),
     "qwen3_moe": _Family("Qwen3MoeForCausalLM", qk_norm=True, moe=True, window="qwen"),
+    "deepseek_v2": _Family("DeepseekV2ForCausalLM", moe=True, mla=True),
     "deepseek_v3": _Family("DeepseekV3ForCausalLM", moe=True, mla=True),
 }
 _DEFAULTS = {"mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5}}  # where transformers' defaults differ
@@ -76,7 +77,7 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json", **overrides:
         raise ValueError(
             f"zjax.models: {source} has model_type {model_type!r}; supported model types are {list(_DENSE)} "
             f"(Llama-2/3/3.1, Mistral, Qwen2), ['qwen3'] (Qwen3) and the mixtures of experts "
-            f"{list(MOE_MODEL_TYPES)} (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3)."
+            f"{list(MOE_MODEL_TYPES)} (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2, DeepSeek-V3)."
         )
     family = _FAMILIES[model_type]
     hf = {**_DEFAULTS.get(model_type, {}), **hf}
@@ -186,8 +187,8 @@ def _mla_to_hf(cfg: DecoderConfig, m: MLA) -> dict[str, Any]:
 def model_type_of(cfg: DecoderConfig) -> str:
     """The Hugging Face ``model_type`` a config exports as: q/k norms make a Qwen3, q/k biases (or a shared
     expert) a Qwen2, experts otherwise a Mixtral, a sliding window otherwise a Mistral."""
-    if cfg.mla is not None:
-        return "deepseek_v3"
+    if cfg.mla is not None:  # DeepSeek-V2 scores by softmax (a dense MLA model exports as V3, which has no experts)
+        return "deepseek_v2" if cfg.moe is not None and cfg.moe.scoring == "softmax" else "deepseek_v3"
     if cfg.moe is not None:
         if cfg.qk_norm:
             return "qwen3_moe"

@@ -1,4 +1,4 @@
-"""The mixture-of-experts fields of Hugging Face configs (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3) <-> :class:`MoE`.
+"""The mixture-of-experts fields of Hugging Face configs (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3) <-> :class:`MoE`.
 
 Mixtral's experts have the size ``intermediate_size``; the Qwen MoEs' ``moe_intermediate_size`` (their
 ``intermediate_size`` is a dense MLP's, used by no layer here: :class:`~zjax.models.DecoderConfig`'s
@@ -11,6 +11,11 @@ added ungated (one shared SwiGLU of ``n_shared_experts x moe_intermediate_size``
 (``e_score_correction_bias``) moved by :data:`DEEPSEEK_BIAS_RATE` per step; the sequence-wise loss of weight
 ``aux_loss_alpha`` (:data:`DEEPSEEK_AUX_ALPHA` when absent), divided by ``top_k`` because zjax's per-sequence loss is
 DeepSeek's times ``top_k``. The first ``first_k_dense_replace`` layers are dense (``DecoderConfig.dense_layers``).
+
+DeepSeek-V2 (``deepseek_v2``, V2 and V2-Lite) is laid out alike, with softmax scores, no selection bias, and
+``topk_method`` ``greedy`` (the top-k of all experts: V2-Lite) or ``group_limited_greedy`` (groups ranked by their
+best score: V2); its ``routed_scaling_factor`` scales the gates only when ``norm_topk_prob`` is false (DeepSeek's
+code), so a normalising V2 imports with ``routed_scale=1``.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from typing import Any
 
 from ._moe import MoE
 
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 _AUX_DEFAULT = 0.001  # router_aux_loss_coef's default in transformers' three configs
 DEEPSEEK_BIAS_RATE = 1e-3
 """The selection biases' update rate of an imported DeepSeek-V3 (the paper's gamma for most of pre-training)."""
@@ -40,8 +46,8 @@ def moe_from_hf(hf: dict[str, Any], model_type: str, source: str, mlp: int) -> M
       ValueError: settings the decoder does not have (dense layers among the sparse ones, router jitter),
         or a missing field (``KeyError`` is the caller's to report).
     """
-    if model_type == "deepseek_v3":
-        return _deepseek_from_hf(hf, source, mlp)
+    if model_type in DEEPSEEK_MODEL_TYPES:
+        return _deepseek_from_hf(hf, model_type, source, mlp)
     aux = float(hf.get("router_aux_loss_coef", _AUX_DEFAULT))
     if model_type == "mixtral":
         jitter = hf.get("router_jitter_noise") or 0.0
@@ -84,28 +90,43 @@ def moe_from_hf(hf: dict[str, Any], model_type: str, source: str, mlp: int) -> M
         raise ValueError(f"zjax.models: {source}: {e}") from None
 
 
-def _deepseek_from_hf(hf: dict[str, Any], source: str, mlp: int) -> MoE:
+# model_type: ({topk_method: MoE.group_score, None for no groups}, scoring_func)
+_DEEPSEEK_ROUTING: dict[str, tuple[dict[str, str | None], str]] = {
+    "deepseek_v3": ({"noaux_tc": "top2"}, "sigmoid"),
+    "deepseek_v2": ({"greedy": None, "group_limited_greedy": "max"}, "softmax"),
+}
+
+
+def _deepseek_from_hf(hf: dict[str, Any], model_type: str, source: str, mlp: int) -> MoE:
+    methods, scoring = _DEEPSEEK_ROUTING[model_type]
+    default_method = next(iter(methods))
+    method = hf.get("topk_method", default_method)
     for name, value, want in (
-        ("moe_layer_freq", hf.get("moe_layer_freq", 1), 1),
-        ("topk_method", hf.get("topk_method", "noaux_tc"), "noaux_tc"),
-        ("scoring_func", hf.get("scoring_func", "sigmoid"), "sigmoid"),
+        ("moe_layer_freq", hf.get("moe_layer_freq", 1), (1,)),
+        ("topk_method", method, tuple(methods)),
+        ("scoring_func", hf.get("scoring_func", scoring), (scoring,)),
     ):
-        if value != want:
-            raise unsupported(source, f"{name}={value!r} (DeepSeek-V3's decoder has {name}={want!r})")
+        if value not in want:
+            raise unsupported(source, f"{name}={value!r} ({model_type}'s decoder has {name} in {list(want)})")
     size, top_k = int(hf["moe_intermediate_size"]), int(hf["num_experts_per_tok"])
+    v3 = model_type == "deepseek_v3"
+    normalize = bool(hf.get("norm_topk_prob", v3))
+    scale = float(hf.get("routed_scaling_factor", 1.0))
+    grouped = methods[method] is not None
     try:
         return MoE(
             experts=int(hf["n_routed_experts"]),
             top_k=top_k,
             mlp=None if size == mlp else size,
-            normalize_top_k=bool(hf.get("norm_topk_prob", True)),
+            normalize_top_k=normalize,
             shared_mlp=int(hf.get("n_shared_experts") or 0) * size,
             shared_gate=False,
-            scoring="sigmoid",
-            routed_scale=float(hf.get("routed_scaling_factor", 1.0)),
-            groups=int(hf.get("n_group") or 1),
-            top_groups=int(hf["topk_group"]) if hf.get("topk_group") else None,
-            bias_update_rate=DEEPSEEK_BIAS_RATE,
+            scoring=scoring,
+            routed_scale=scale if v3 or not normalize else 1.0,  # V2 scales unnormalised gates only
+            groups=int(hf.get("n_group") or 1) if grouped else 1,
+            top_groups=int(hf["topk_group"]) if grouped and hf.get("topk_group") else None,
+            group_score=methods[method] or "top2",
+            bias_update_rate=DEEPSEEK_BIAS_RATE if v3 else None,
             balance_loss="per-sequence",
             load_balance_weight=float(hf.get("aux_loss_alpha", DEEPSEEK_AUX_ALPHA)) / top_k,
         )
@@ -113,12 +134,25 @@ def _deepseek_from_hf(hf: dict[str, Any], source: str, mlp: int) -> MoE:
         raise ValueError(f"zjax.models: {source}: {e}") from None
 
 
-def _deepseek_to_hf(moe: MoE, mlp: int, refuse: Any) -> dict[str, Any]:
+def _deepseek_to_hf(moe: MoE, model_type: str, mlp: int, refuse: Any) -> dict[str, Any]:
     size = moe.expert_mlp(mlp)
-    if moe.scoring != "sigmoid" or moe.shared_gate and moe.shared_mlp or moe.shared_mlp % size:
+    methods, scoring = _DEEPSEEK_ROUTING[model_type]
+    if moe.scoring != scoring or moe.shared_gate and moe.shared_mlp or moe.shared_mlp % size:
         raise refuse(
-            f"scoring={moe.scoring!r}, shared_gate={moe.shared_gate}, shared_mlp={moe.shared_mlp}: DeepSeek-V3 scores "
-            f"by sigmoid and adds its shared experts ungated, each of the routed experts' size ({size})"
+            f"scoring={moe.scoring!r}, shared_gate={moe.shared_gate}, shared_mlp={moe.shared_mlp}: {model_type} "
+            f"scores by {scoring} and adds its shared experts ungated, each of the routed experts' size ({size})"
+        )
+    group_score = moe.group_score if moe.groups > 1 else None
+    # one group is any method's top-k of all experts (V3's noaux_tc with n_group=1)
+    method = [m for m, g in methods.items() if g == group_score or (group_score is None and g == "top2")]
+    if not method:
+        ranks = "their best score" if model_type == "deepseek_v2" else "the sum of their two best"
+        raise refuse(f"groups={moe.groups}, group_score={moe.group_score!r}: {model_type} ranks groups by {ranks}")
+    v3 = model_type == "deepseek_v3"
+    if not v3 and (moe.normalize_top_k and moe.routed_scale != 1.0 or moe.bias_update_rate is not None):
+        raise refuse(
+            f"routed_scale={moe.routed_scale} with normalize_top_k, bias_update_rate={moe.bias_update_rate}: "
+            "DeepSeek-V2 scales only unnormalised gates and has no selection bias"
         )
     return {
         "moe_intermediate_size": size,
@@ -129,8 +163,8 @@ def _deepseek_to_hf(moe: MoE, mlp: int, refuse: Any) -> dict[str, Any]:
         "routed_scaling_factor": moe.routed_scale,
         "n_group": moe.groups,
         "topk_group": moe.routed_groups,
-        "topk_method": "noaux_tc",
-        "scoring_func": "sigmoid",
+        "topk_method": method[0],
+        "scoring_func": scoring,
         "moe_layer_freq": 1,
         "aux_loss_alpha": moe.load_balance_weight * moe.top_k,
         "seq_aux": moe.balance_loss == "per-sequence",
@@ -148,8 +182,8 @@ def moe_to_hf(moe: MoE, model_type: str, mlp: int) -> dict[str, Any]:
     def refuse(what: str) -> ValueError:
         return ValueError(f"zjax.models: MoE({what}) cannot be written as model_type {model_type!r}.")
 
-    if model_type == "deepseek_v3":
-        return _deepseek_to_hf(moe, mlp, refuse)
+    if model_type in DEEPSEEK_MODEL_TYPES:
+        return _deepseek_to_hf(moe, model_type, mlp, refuse)
     common = {
         "num_experts_per_tok": moe.top_k,
         "router_aux_loss_coef": moe.load_balance_weight,

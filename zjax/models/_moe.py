@@ -36,6 +36,12 @@ SCORINGS = {
 }
 """The router's scores (``MoE(scoring=...)``); the top-k choice and the gates read them."""
 
+GROUP_SCORES = {
+    "top2": "the sum of the group's two best scores: DeepSeek-V3 (noaux_tc)",
+    "max": "the group's best score: DeepSeek-V2 (group_limited_greedy)",
+}
+"""How group-limited routing ranks the groups (``MoE(group_score=...)``)."""
+
 ROUTER_STATE = "router"
 """The linen collection of the routers' selection biases (``MoE(bias_update_rate=...)``): model state, not
 parameters (:class:`zjax.TrainState`'s ``model_state``)."""
@@ -51,8 +57,9 @@ class MoE:
     the same as a softmax over the top-k logits) and as they are otherwise (Qwen2-MoE), then times
     ``routed_scale`` (DeepSeek's ``routed_scaling_factor``). With ``groups > 1`` the experts form ``groups``
     equal groups (consecutive experts: on an ``ep`` mesh a group lies on one rank when ``groups`` is a multiple
-    of ``ep``) and a token chooses among the ``top_groups`` groups whose two best scores sum highest (DeepSeek-V3's
-    group-limited routing: a token's rows reach at most ``top_groups`` groups). ``bias_update_rate`` (``None``:
+    of ``ep``) and a token chooses among its ``top_groups`` best groups, ranked by ``group_score``
+    (:data:`GROUP_SCORES`: the sum of a group's two best scores, DeepSeek-V3's, or its best, DeepSeek-V2's); a
+    token's rows reach at most ``top_groups`` groups. ``bias_update_rate`` (``None``:
     no bias) adds a per-expert bias to the scores for the choice only (DeepSeek-V3's auxiliary-loss-free
     balancing): model state in the :data:`ROUTER_STATE` collection, moved after each loss by ``rate x sign(mean
     load - load)`` over the tokens counted (0: kept as loaded). ``mlp`` is each expert's hidden size (default:
@@ -85,6 +92,7 @@ class MoE:
     routed_scale: float = 1.0
     groups: int = 1
     top_groups: int | None = None
+    group_score: str = "top2"
     shared_gate: bool = True
     bias_update_rate: float | None = None
     exchange: str | None = None
@@ -123,6 +131,8 @@ class MoE:
                 f"MoE: groups={self.groups!r} must be a positive int dividing experts={self.experts} (the experts "
                 "form equal groups of consecutive experts)."
             )
+        if self.group_score not in GROUP_SCORES:
+            raise ValueError(f"MoE: group_score={self.group_score!r}; use one of {list(GROUP_SCORES)}.")
         top_groups = self.routed_groups
         if not 1 <= top_groups <= self.groups:
             raise ValueError(f"MoE: top_groups={self.top_groups} must be in 1..groups={self.groups}, or None (all).")
@@ -218,7 +228,7 @@ class MoELayer(nn.Module):
             bias = self.variable(ROUTER_STATE, "bias", jnp.zeros, (m.experts,), F32).value
             choice = choice + jax.lax.stop_gradient(bias.astype(F32))
         if m.groups > 1:
-            choice = _within_top_groups(choice, m.groups, m.routed_groups)
+            choice = _within_top_groups(choice, m.groups, m.routed_groups, m.group_score)
         top, ids = jax.lax.top_k(choice, m.top_k)
         if choice is not scores:  # the gates read the unbiased scores
             top = jnp.take_along_axis(scores, ids, axis=-1)
@@ -278,12 +288,14 @@ def _router_sums(m: MoE, ids, probs, logits, mask, dropped) -> dict[str, jax.Arr
     return {**stats, "dropped": dropped}
 
 
-def _within_top_groups(choice: jax.Array, groups: int, top_groups: int) -> jax.Array:
+def _within_top_groups(choice: jax.Array, groups: int, top_groups: int, group_score: str) -> jax.Array:
     """``choice [..., experts]`` with the experts outside each token's ``top_groups`` best groups at ``-inf``;
-    a group's score is the sum of its two best choices (its best alone for groups of one expert)."""
+    a group's score is the sum of its two best choices (``"top2"``; its best alone for groups of one expert) or
+    its best (``"max"``)."""
     per = choice.shape[-1] // groups
     grouped = choice.reshape(*choice.shape[:-1], groups, per)
-    score = jnp.sum(jax.lax.top_k(grouped, min(2, per))[0], axis=-1)  # [..., groups]
+    best_of = 1 if group_score == "max" else min(2, per)
+    score = jnp.sum(jax.lax.top_k(grouped, best_of)[0], axis=-1)  # [..., groups]
     _, best = jax.lax.top_k(score, top_groups)
     keep = jnp.any(best[..., :, None] == jnp.arange(groups), axis=-2)  # [..., groups]
     return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(choice.shape)
