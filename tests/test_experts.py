@@ -557,7 +557,12 @@ def test_the_planner_sizes_the_exchange_by_the_capacity_factor():
     plan = functools.partial(zjax.planner.estimate, TINY, mesh={"dp": 2, "ep": 4}, stages=(0,), batch_size=8)
     slices = [experts.rows_per_rank(16, 2, 8, 4, f) for f in (None, 2.0, 1.0)]
     assert slices == [32, 16, 8]
-    v32, v16, v8 = (plan(seq_len=16, capacity_factor=f).rows[0].comm.volume["all-to-all"] for f in (None, 2.0, 1.0))
+    ests = [plan(seq_len=16, capacity_factor=f) for f in (None, 2.0, 1.0)]
+    v32, v16, v8 = (e.rows[0].comm.volume["all-to-all"] for e in ests)
     assert v32 - v16 == 2 * (v16 - v8) > 0 and v8 - (v16 - v8) < v8 / 8  # linear in the slice, little besides
+    # rows of a search over ep show their own meshes
+    other = dataclasses.replace(ests[0].rows[0], mesh={**ests[0].rows[0].mesh, "dp": 8, "ep": 1})
+    text = str(dataclasses.replace(ests[0], rows=(ests[0].rows[0], other)))
+    assert " acc mesh " in text and " acc mesh " not in str(ests[0]) and " dp=2,ep=4 " in text and " dp=8 " in text
     with pytest.raises(ValueError, match="capacity_factor=1.0 but model 'custom' has no experts"):
         zjax.planner.estimate(dataclasses.replace(TINY, moe=None), mesh={"dp": 8}, capacity_factor=1.0)

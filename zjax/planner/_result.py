@@ -214,7 +214,11 @@ class Estimate:
                 "; copy = whether the state keeps the parameters in the compute dtype beside the fp32 master (no: "
                 "Plan(compute_copy=False), each shard cast before its gather; params = the fp32 weights)"
             )
-        columns = [("stage", ">"), ("remat", "<"), ("acc", ">")] + ([("wire dtype", "<")] if quant else [])
+        meshes = len({mesh_text(r.mesh) for r in self.rows if r.mesh}) > 1  # a search over ep or cp
+        if meshes:
+            head += "; mesh = the row's own (the search took ep or cp out of dp)"
+        columns = [("stage", ">"), ("remat", "<"), ("acc", ">")] + ([("mesh", "<")] if meshes else [])
+        columns += [("wire dtype", "<")] if quant else []
         columns += [("copy", "<")] if copies else []
         hpz = any(r.hpz for r in self.rows)
         if hpz:
@@ -245,7 +249,8 @@ class Estimate:
         cells = []
         for r in self.rows:
             t, c = r.theory, r.compiled
-            row = [str(r.stage), r.remat, str(r.accum)] + ([r.wire] if quant else [])
+            row = [str(r.stage), r.remat, str(r.accum)] + ([mesh_text(r.mesh).replace(" x ", ",")] if meshes else [])
+            row += [r.wire] if quant else []
             row += (["yes" if r.compute_copy else "no"] if copies else []) + (["yes" if r.hpz else "no"] if hpz else [])
             row += [SEP]
             row += [f(t["params"]), f(t["optimizer"]), f(t["grads"]), f(t["total"]), SEP]
