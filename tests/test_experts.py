@@ -156,17 +156,20 @@ def test_receive_buffers_are_the_routing_bound_and_hold_the_worst_case(exchange,
     """dp=1 x ep=8, one 6-token row per device, top-2 of 8 experts: a token reaches one rank at most once, so each
     rank's slice of a buffer is 6 rows, not the 12 a device sends (ep x 6 rows per receive buffer, half the
     worst case of every row to one rank). Under the most skewed routing it allows the outputs, gradients and
-    dropped counts equal one device's; with a capacity factor the bound is the experts' capacity (3 rows)."""
+    dropped counts equal one device's; with a capacity factor the bound is the experts' capacity (3 rows); in two
+    chunks of 3 tokens, dropless, each chunk's slice is 3 rows."""
     monkeypatch.setattr(_dispatch.jax.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
     x, _, gates, w = _inputs()
     ids = _worst_case_ids(8, 6)
     assert experts.rows_per_rank(6, K, E, 8, None) == 6 and experts.rows_per_rank(6, K, E, 8, 2.0) == 3
     assert experts.rows_per_rank(6, K, E, 2, None) == 12  # four experts per rank: a token's two can share one
     mesh = zjax.make_mesh(dp=1, ep=8)
-    for factor in (None, 2.0):
+    for factor, chunks in ((None, 1), (2.0, 1), (None, 2)):
 
-        def loss(x, g, a, b, c, ids, factor=factor):
-            out, dropped = experts.expert_mlp(x, ids, g, a, b, c, capacity_factor=factor, exchange=exchange)
+        def loss(x, g, a, b, c, ids, factor=factor, chunks=chunks):
+            out, dropped = experts.expert_mlp(
+                x, ids, g, a, b, c, capacity_factor=factor, exchange=exchange, chunks=chunks
+            )
             return jnp.sum(out**2), dropped
 
         grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)
@@ -181,9 +184,11 @@ def test_receive_buffers_are_the_routing_bound_and_hold_the_worst_case(exchange,
         for j in range(2, 5):  # the expert weights' gradients: every device's summed
             np.testing.assert_allclose(grads[j], sum(r[1][j] for r in rows), rtol=1e-4, atol=1e-5)
         if exchange == "padded":  # the dense all-to-all's buffers: ep x the bound, rows of D values
-            per_rank = experts.rows_per_rank(6, K, E, 8, factor)
+            per_rank = experts.rows_per_rank(6 // chunks, K, E, 8, factor)
             swaps = [line for line in lowered.as_text().splitlines() if "all_to_all" in line and f"x{D}xf32>" in line]
             assert swaps and all(f"tensor<{8 * per_rank}x{D}xf32>" in line for line in swaps), swaps
+    with pytest.raises(ValueError, match=r"chunks=4 does not divide the 6 tokens each device routes"):
+        experts.expert_mlp(x[:1], ids[:1], gates[:1], *w, chunks=4)
 
 
 def _train(cfg, stage, steps=2, offload="none", pipeline=None, **mesh_axes):
@@ -557,12 +562,12 @@ def test_the_planner_sizes_the_exchange_by_the_capacity_factor():
     plan = functools.partial(zjax.planner.estimate, TINY, mesh={"dp": 2, "ep": 4}, stages=(0,), batch_size=8)
     slices = [experts.rows_per_rank(16, 2, 8, 4, f) for f in (None, 2.0, 1.0)]
     assert slices == [32, 16, 8]
-    ests = [plan(seq_len=16, capacity_factor=f) for f in (None, 2.0, 1.0)]
+    ests = [plan(seq_len=16, moe={"capacity_factor": f}) for f in (None, 2.0, 1.0)]
     v32, v16, v8 = (e.rows[0].comm.volume["all-to-all"] for e in ests)
     assert v32 - v16 == 2 * (v16 - v8) > 0 and v8 - (v16 - v8) < v8 / 8  # linear in the slice, little besides
     # rows of a search over ep show their own meshes
     other = dataclasses.replace(ests[0].rows[0], mesh={**ests[0].rows[0].mesh, "dp": 8, "ep": 1})
     text = str(dataclasses.replace(ests[0], rows=(ests[0].rows[0], other)))
     assert " acc mesh " in text and " acc mesh " not in str(ests[0]) and " dp=2,ep=4 " in text and " dp=8 " in text
-    with pytest.raises(ValueError, match="capacity_factor=1.0 but model 'custom' has no experts"):
-        zjax.planner.estimate(dataclasses.replace(TINY, moe=None), mesh={"dp": 8}, capacity_factor=1.0)
+    with pytest.raises(ValueError, match="capacity_factor.: 1.0} but model 'custom' has no experts"):
+        zjax.planner.estimate(dataclasses.replace(TINY, moe=None), mesh={"dp": 8}, moe={"capacity_factor": 1.0})

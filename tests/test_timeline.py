@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from zjax.planner import count_collectives
 from zjax.planner._timeline import Links, timeline
 
 # a 1000 x 1000 x 1000 bf16 matmul (2e9 FLOPs) beside a weight all-gather of 2 MB over two partitions (1 MB
@@ -125,3 +126,28 @@ ENTRY %main (w: bf16[100,1000,500], i: s32[]) -> bf16[500] {
 """
     t = timeline(hlo, PEAK, HBM, Links(intra=1e12, inter=1e12))
     assert t.compute == pytest.approx((1e6 + 4 + 1000) / HBM)  # the slice, the index and the result
+
+
+def test_a_loop_whose_count_xla_left_unrecorded_is_counted_from_its_fused_compare():
+    """XLA:GPU drops ``known_trip_count`` from a layer scan whose body holds a loop (a chunked expert dispatch) and
+    fuses the condition's compare: the bound is read inside that fusion, so the gathers count 10 trips, not 1."""
+    fused = """
+%fused_compare (p: s32[]) -> pred[] {
+  %p = s32[] parameter(0)
+  %n = s32[] constant(10)
+  ROOT %lt = pred[] compare(%p, %n), direction=LT
+}
+
+%cond (s: STATE) -> pred[] {
+  %s = STATE parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  ROOT %lt = pred[] fusion(%i), kind=kLoop, calls=%fused_compare
+}
+""".replace("STATE", STATE)
+    start = PIPELINED.index("%cond (")
+    unrecorded = PIPELINED[:start] + fused.lstrip("\n") + PIPELINED[PIPELINED.index("ENTRY") :]
+    unrecorded = unrecorded.replace(', backend_config={"known_trip_count":{"n":"10"}}', "")
+    assert "known_trip_count" not in unrecorded and "calls=%fused_compare" in unrecorded
+    sizes = {"dp": 2}
+    assert count_collectives(unrecorded, sizes).volume == count_collectives(PIPELINED, sizes).volume
+    assert count_collectives(PIPELINED, sizes).volume["all-gather"] > 0

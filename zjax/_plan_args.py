@@ -150,6 +150,13 @@ def plan_parser(sub) -> None:
         "the worst case of every token routed to it (default: the model's, dropless)",
     )
     p.add_argument(
+        "--dispatch-chunks",
+        type=int,
+        default=None,
+        help="a mixture of experts: route each device's tokens in this many chunks, one after another "
+        "(MoE(dispatch_chunks=...)): receive buffers that much smaller, one more exchange in the backward",
+    )
+    p.add_argument(
         "--cp",
         type=parse_ints,
         default=None,

@@ -73,9 +73,17 @@ def run_plan(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"zjax plan: --model: {e}", file=sys.stderr)
         return 2
-    if args.capacity_factor is not None and (cfg.moe is None or not args.capacity_factor > 0):
-        why = "has no experts" if cfg.moe is None else "needs a factor > 0"
-        print(f"zjax plan: --capacity-factor {args.capacity_factor}: the model {args.model} {why}", file=sys.stderr)
+    given = (("capacity_factor", args.capacity_factor), ("dispatch_chunks", args.dispatch_chunks))
+    moe = {name: value for name, value in given if value is not None}
+    if moe and cfg.moe is None:
+        flags = ", ".join("--" + name.replace("_", "-") for name in moe)
+        print(f"zjax plan: {flags}: the model {args.model} has no experts", file=sys.stderr)
+        return 2
+    try:
+        if cfg.moe is not None:
+            dataclasses.replace(cfg.moe, **moe)  # the fields' own checks, before any compile
+    except ValueError as e:
+        print(f"zjax plan: {e}", file=sys.stderr)
         return 2
     remats = [r for r in args.remat.split(",") if r]
     bad = [r for r in remats if r not in POLICIES]
@@ -186,7 +194,7 @@ def run_plan(args: argparse.Namespace) -> int:
                     compute_copy=copy == "keep",
                     hpz=hpz == "yes",
                     tx=tx,
-                    capacity_factor=args.capacity_factor,
+                    moe=moe,
                 )  # fmt: skip
                 for hpz in hpzs
                 for copy in copies
@@ -211,7 +219,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 offloads=offloads, pipeline=pipeline, schedules=names if pipeline is not None else (),
                 eps=args.ep or (), cps=args.cp or (), quantized=quantized, reduce_dtype=args.reduce_dtype,
                 compute_copy=copies[0] == "keep", hpz=hpzs[0] == "yes", matmul=args.matmul, tx=tx,
-                capacity_factor=args.capacity_factor,
+                moe=moe,
             )  # fmt: skip
             est = type(tried[0])(**{**tried[0].__dict__, "rows": tuple(r for e in tried for r in e.rows)})
             est = dataclasses.replace(est, show_timeline=args.timeline)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import math
 import warnings
@@ -191,28 +192,48 @@ def _ragged(rows, ids, experts: int, ep: int, per_rank: int, weights, grouped: G
     return jnp.zeros_like(back).at[order].set(back)
 
 
-def _local(x, ids, gates, w_gate, w_up, w_down, *, experts, ep, tp, capacity_factor, exchange, grouped):
-    """One device's tokens ``x [b, s, d]`` through their ``top_k`` experts; returns the output and the dropped
-    row count."""
-    b, s, d = x.shape
+def _routed(x, ids, gates, weights, *, experts, ep, capacity_factor, exchange, grouped):
+    """Tokens ``x [t, d]`` through their ``top_k`` experts (``ids``, ``gates`` ``[t, k]``); returns their gated
+    sums (fp32) and the dropped row count."""
+    t, d = x.shape
     k = ids.shape[-1]
-    w_gate, w_up, w_down = (w.reshape(w.shape[-3:]) for w in (w_gate, w_up, w_down))  # one copy of this rank
     flat_ids = ids.reshape(-1).astype(jnp.int32)
-    rows = jnp.repeat(x.reshape(b * s, d), k, axis=0)  # row i: token i // k, its (i % k)-th expert
+    rows = jnp.repeat(x, k, axis=0)  # row i: token i // k, its (i % k)-th expert
     dropped = jnp.zeros((), F32)
     if capacity_factor is not None:
-        keep = rank_in_group(flat_ids, experts) < capacity(b * s, k, experts, capacity_factor)
+        keep = rank_in_group(flat_ids, experts) < capacity(t, k, experts, capacity_factor)
         flat_ids = jnp.where(keep, flat_ids, experts)
         dropped = jnp.sum(~keep).astype(F32)
-    weights = (w_gate, w_up, w_down)
-    per_rank = rows_per_rank(b * s, k, experts, ep, capacity_factor)
+    per_rank = rows_per_rank(t, k, experts, ep, capacity_factor)
     if ep == 1:
-        y = grouped_swiglu(rows, flat_ids, experts, w_gate, w_up, w_down, grouped)
+        y = grouped_swiglu(rows, flat_ids, experts, *weights, grouped)
     elif exchange == "ragged":
         y = _ragged(rows, flat_ids, experts, ep, per_rank, weights, grouped)
     else:
         y = _padded(rows, flat_ids, experts, ep, per_rank, weights, grouped)
-    out = jnp.sum(y.astype(F32).reshape(b * s, k, d) * gates.reshape(b * s, k, 1).astype(F32), axis=1)
+    return jnp.sum(y.astype(F32).reshape(t, k, d) * gates.reshape(t, k, 1).astype(F32), axis=1), dropped
+
+
+def _local(x, ids, gates, w_gate, w_up, w_down, *, experts, ep, tp, chunks, **options):
+    """One device's tokens ``x [b, s, d]`` through their ``top_k`` experts, in ``chunks`` dispatched one after
+    another (each rematerialized in the backward pass, so that one chunk's buffers are live at a time); returns
+    the output and the dropped row count."""
+    b, s, d = x.shape
+    t = b * s
+    if t % chunks:
+        raise ValueError(
+            f"expert_mlp: chunks={chunks} does not divide the {t} tokens each device routes ({b} rows of {s}); "
+            f"use a divisor of {t}."
+        )
+    weights = tuple(w.reshape(w.shape[-3:]) for w in (w_gate, w_up, w_down))  # one copy of this rank
+    flat = (x.reshape(t, d), ids.reshape(t, -1), gates.reshape(t, -1))
+    route = functools.partial(_routed, experts=experts, ep=ep, **options)
+    if chunks == 1:
+        out, dropped = route(*flat, weights)
+    else:
+        step = jax.checkpoint(lambda piece: route(*piece, weights))
+        outs, drops = jax.lax.map(step, tuple(a.reshape(chunks, t // chunks, *a.shape[1:]) for a in flat))
+        out, dropped = outs.reshape(t, d), jnp.sum(drops)
     if tp > 1:
         out = jax.lax.psum(out, TP)  # each tp rank summed over its part of the experts' hidden dimension
     return out.reshape(b, s, d).astype(x.dtype), dropped
@@ -240,6 +261,7 @@ def expert_mlp(
     capacity_factor: float | None = None,
     exchange: Exchange | None = None,
     grouped: Grouped | None = None,
+    chunks: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
     """The SwiGLU experts of a mixture-of-experts layer applied to the experts each token chose.
 
@@ -260,13 +282,18 @@ def expert_mlp(
         (dense buffers of each rank's bound; the default elsewhere: XLA:CPU has no ragged all-to-all).
       grouped: the grouped matmul: ``"tokamax"`` (its Triton kernel; the default on GPUs when installed) or
         ``"xla"`` (``jax.lax.ragged_dot``; the default elsewhere).
+      chunks: each device's tokens are routed in this many equal chunks, one after another, each recomputed in
+        the backward pass: the exchange's buffers are ``1/chunks`` the size (dropless stays dropless) for one
+        more pass of the exchange in the backward (none when the layer is rematerialized: XLA then drops the
+        layer's own recompute of it). With a capacity factor, capacity is per chunk.
 
     Returns:
       ``(out [batch, seq, embed], dropped)``: the gated sum of each token's experts and the number of
       dropped rows over the whole batch (fp32; 0 when dropless).
 
     Raises:
-      ValueError: experts that ``ep`` does not divide, or an unknown ``exchange`` or ``grouped``.
+      ValueError: experts that ``ep`` does not divide, an unknown ``exchange`` or ``grouped``, or ``chunks`` that
+        do not divide a device's tokens.
 
     Example:
       >>> out, dropped = zjax.experts.expert_mlp(h, ids, gates, wg, wu, wd)   # inside a flax module
@@ -279,7 +306,9 @@ def expert_mlp(
     grouped = default_grouped() if grouped is None else grouped
     if grouped not in GROUPED:
         raise ValueError(f"expert_mlp: grouped={grouped!r}; use one of {list(GROUPED)}.")
-    options = {"capacity_factor": capacity_factor, "exchange": exchange, "grouped": grouped}
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise ValueError(f"expert_mlp: chunks={chunks!r} must be a positive int (1: every token at once).")
+    options = {"capacity_factor": capacity_factor, "exchange": exchange, "grouped": grouped, "chunks": chunks}
     mesh = jax.sharding.get_abstract_mesh()
     free = () if mesh.empty else tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
     if _LOCAL_EXPERTS.get() > 1:  # a region already manual over ep (a pipeline's stage): this rank's experts

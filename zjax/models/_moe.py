@@ -76,7 +76,9 @@ class MoE:
     ``z_loss_weight x`` the router z-loss (``mean(logsumexp(logits)^2)``,
     ST-MoE) averaged over layers. The routers count the tokens whose ``loss_mask`` is nonzero (padding is not
     routed traffic; :func:`zjax.models.lm_loss`). ``exchange`` picks how rows cross
-    ``ep`` and ``grouped`` the grouped matmul (:func:`zjax.experts.expert_mlp`; both by platform by default).
+    ``ep`` and ``grouped`` the grouped matmul (:func:`zjax.experts.expert_mlp`; both by platform by default);
+    ``dispatch_chunks`` routes each device's tokens in that many chunks, one after another (its ``chunks``: the
+    exchange's buffers that much smaller, one more exchange in the backward pass).
     """
 
     experts: int = 8
@@ -97,6 +99,7 @@ class MoE:
     bias_update_rate: float | None = None
     exchange: str | None = None
     grouped: str | None = None
+    dispatch_chunks: int = 1
 
     def __post_init__(self) -> None:
         for name in ("experts", "top_k"):
@@ -146,6 +149,8 @@ class MoE:
                 f"MoE: bias_update_rate={self.bias_update_rate} must be >= 0 (0: a bias kept as loaded), or None "
                 "(no selection bias)."
             )
+        if not isinstance(self.dispatch_chunks, int) or self.dispatch_chunks < 1:
+            raise ValueError(f"MoE: dispatch_chunks={self.dispatch_chunks!r} must be a positive int (1: no chunks).")
         if self.exchange is not None and self.exchange not in EXCHANGES:
             raise ValueError(f"MoE: exchange={self.exchange!r}; use one of {list(EXCHANGES)} or None (by platform).")
         if self.grouped is not None and self.grouped not in GROUPED:
@@ -241,7 +246,7 @@ class MoELayer(nn.Module):
         w_down = param(self, "w_down", (held, f, e), ("expert", "mlp", "embed"))
         out, dropped = expert_mlp(
             h, ids, gates, w_gate, w_up, w_down, capacity_factor=m.capacity_factor,
-            exchange=m.exchange, grouped=m.grouped,  # type: ignore[arg-type]  # validated in MoE
+            exchange=m.exchange, grouped=m.grouped, chunks=m.dispatch_chunks,  # type: ignore[arg-type]  # validated
         )  # fmt: skip
         if m.shared_mlp:
             s = m.shared_mlp

@@ -262,12 +262,12 @@ def estimate(
     hpz: bool = False,
     matmul: str | None = None,
     tx: optax.GradientTransformation | Callable[[Any], optax.GradientTransformation] | None = None,
-    capacity_factor: float | None = None,
+    moe: dict[str, Any] | None = None,
 ) -> Estimate:
     """Estimate a decoder preset (``zjax.models.PRESETS``, e.g. ``"llama2-7b"``) or a ``DecoderConfig``
     (``matmul``: the projections' products, :data:`zjax.fp8.MATMULS`; default the model's; ``tx``: the optimizer,
-    as for :func:`estimate_fn`; ``capacity_factor``: the experts' :class:`zjax.models.MoE` capacity factor,
-    default the model's: with one, each rank's receive buffers hold the experts' capacity, not the worst case).
+    as for :func:`estimate_fn`; ``moe``: fields of the model's :class:`zjax.models.MoE` to replace, e.g.
+    ``{"capacity_factor": 1.25}`` or ``{"dispatch_chunks": 4}``, which size the exchange's receive buffers).
 
     Example:
       >>> est = zjax.planner.estimate("llama2-7b", mesh={"dp": 64}, batch_size=64, seq_len=2048)
@@ -275,10 +275,10 @@ def estimate(
     """
     name, cfg = resolve_model(model)
     cfg = dataclasses.replace(cfg, remat=remat, max_len=seq_len or cfg.max_len, matmul=matmul or cfg.matmul)
-    if capacity_factor is not None:
+    if moe:
         if cfg.moe is None:
-            raise ValueError(f"planner: capacity_factor={capacity_factor} but model {name!r} has no experts.")
-        cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=capacity_factor))
+            raise ValueError(f"planner: moe={moe} but model {name!r} has no experts.")
+        cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, **moe))
     if target is not None:
         gpu = get_target(target)
         check_device(cfg.matmul, gpu.name, gpu.compute_capability, math.prod(mesh.values()))

@@ -179,7 +179,7 @@ def fit(
     hpz: bool = False,
     matmul: str | None = None,
     tx: Any = None,
-    capacity_factor: float | None = None,
+    moe: dict[str, Any] | None = None,
 ) -> Fit:
     """The cheapest (stage, ep, cp, remat, schedule, microbatches, offload) whose compiled per-device total fits
     in ``budget``.
@@ -196,7 +196,7 @@ def fit(
     wire. ``compute_copy=False`` plans stage 3's on-device candidates without the compute copy
     (``Plan(compute_copy=False)``); offloaded ones keep it (their fp32 weights live in host memory); ``hpz``
     plans them with ZeRO++'s hierarchical partitioning (``Plan(hpz=True)``); ``tx`` is the optimizer
-    (:func:`estimate_fn`'s), ``capacity_factor`` the experts' (:func:`estimate`'s). A candidate
+    (:func:`estimate_fn`'s), ``moe`` the experts' fields to replace (:func:`estimate`'s). A candidate
     that cannot
     run (microbatches that do not divide the global batch, an offload the stage does not support) is listed
     in :attr:`Fit.skipped` with the reason.
@@ -248,7 +248,7 @@ def fit(
                     batch_size=batch_size, seq_len=seq_len, accum=c.accum, target=target, offload=c.offload,
                     pipeline=_schedule(base, c, mesh), quantized_comm=q, reduce_dtype=reduce_dtype,
                     compute_copy=compute_copy or c.offload != "none", hpz=hpz and c.offload == "none",
-                    matmul=matmul, tx=tx, capacity_factor=capacity_factor,
+                    matmul=matmul, tx=tx, moe=moe,
                 )  # fmt: skip
             except ValueError as e:
                 if q is None:

@@ -79,8 +79,12 @@ def _trip_count(instr: _Instr, comps: dict[str, list[_Instr]]) -> int:
         return int(m.group(1))
     cond = re.search(r"condition=%?([\w.\-]+)", instr.rest)
     if cond and cond.group(1) in comps:
+        # the bound's constant: in the condition, or in the compare fusion XLA:GPU made of it (where a loop inside
+        # the body kept XLA from recording the count: a layer scan around a chunked expert dispatch)
+        names = [cond.group(1)]
+        names += [c for i in comps[cond.group(1)] for c in re.findall(r"calls=%?([\w.\-]+)", i.rest) if c in comps]
         consts = [
-            int(c) for i in comps[cond.group(1)] if i.opcode == "constant" for c in re.findall(r"^(-?\d+)\)", i.rest)
+            int(c) for n in names for i in comps[n] if i.opcode == "constant" for c in re.findall(r"^(-?\d+)\)", i.rest)
         ]
         if consts:
             return max(consts)
