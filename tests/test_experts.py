@@ -151,7 +151,7 @@ def _worst_case_ids(b: int, s: int) -> jax.Array:
     return jnp.stack([jnp.zeros_like(other), other], axis=-1)
 
 
-@pytest.mark.parametrize("exchange", ["padded", "ragged"])
+@pytest.mark.parametrize("exchange", ["padded", pytest.param("ragged", marks=pytest.mark.slow)])
 def test_receive_buffers_are_the_routing_bound_and_hold_the_worst_case(exchange, monkeypatch):
     """dp=1 x ep=8, one 6-token row per device, top-2 of 8 experts: a token reaches one rank at most once, so each
     rank's slice of a buffer is 6 rows, not the 12 a device sends (ep x 6 rows per receive buffer, half the
@@ -174,7 +174,8 @@ def test_receive_buffers_are_the_routing_bound_and_hold_the_worst_case(exchange,
 
         grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)
         # capacity is per device's tokens: the reference runs each device's row alone and adds them up
-        rows = [grad(x[i : i + 1], gates[i : i + 1], *w, ids[i : i + 1]) for i in range(8)]
+        one = jax.jit(grad)
+        rows = [one(x[i : i + 1], gates[i : i + 1], *w, ids[i : i + 1]) for i in range(8)]
         with jax.set_mesh(mesh), nn.logical_axis_rules(zjax.Rules().activations_for(mesh)):
             lowered = jax.jit(grad).lower(x, gates, *w, ids)
             (value, dropped), grads = lowered.compile()(x, gates, *w, ids)
@@ -554,6 +555,7 @@ def test_the_budget_search_picks_the_largest_ep_that_fits_at_the_lowest_stage():
     assert found.row is not None and found.row.stage == 0 and found.row.mesh["ep"] == 8
 
 
+@pytest.mark.slow  # three compiles; the fast receive-buffer test checks the exchange's buffer shapes
 def test_the_planner_sizes_the_exchange_by_the_capacity_factor():
     """XLA:CPU's padded exchange moves each rank's whole buffers: dp=2 x ep=4, 16 tokens of top-2 per device, two
     experts per rank. Dropless, a rank's slice holds 32 rows (a token's two experts can share a rank); with
