@@ -70,6 +70,26 @@ def test_deepseek_routing_equals_a_numpy_reference_and_keeps_each_token_within_i
     assert not np.array_equal(np.asarray(free_stats["tokens"]), np.asarray(stats["tokens"]))
 
 
+def test_deepseek_v2_ranks_groups_by_their_best_score():
+    """``group_score="max"`` (DeepSeek-V2's group_limited_greedy): softmax scores, each token's two groups with the
+    best single score kept, its top-2 among them; the choices are NumPy's, and differ from ranking by two best."""
+    v2 = MoE(experts=E, top_k=2, groups=4, top_groups=2, group_score="max", normalize_top_k=False, routed_scale=1.5)
+    h = jax.random.normal(jax.random.key(3), (4, S, D))
+    variables = MoELayer(v2, D, F).init(jax.random.key(4), h)
+    _, stats = jax.jit(MoELayer(v2, D, F).apply)(variables, h)
+    x = np.asarray(h, np.float64).reshape(-1, D)
+    logits = x @ np.asarray(nn.unbox(variables["params"])["router"], np.float64)
+    scores = np.exp(logits - logits.max(-1, keepdims=True))
+    grouped = (scores / scores.sum(-1, keepdims=True)).reshape(-1, 4, E // 4)
+    keep = np.argsort(-grouped.max(-1), axis=-1)[:, :2]
+    masked = np.zeros_like(grouped)  # DeepSeek-V2 masks the other groups with 0 (softmax scores are positive)
+    np.put_along_axis(masked, keep[..., None], np.take_along_axis(grouped, keep[..., None], 1), 1)
+    ids = np.argsort(-masked.reshape(-1, E), axis=-1)[:, :2]
+    assert (np.asarray(stats["tokens"]) == np.bincount(ids.ravel(), minlength=E)).all()
+    top2 = MoELayer(dataclasses.replace(v2, group_score="top2"), D, F)
+    assert not np.array_equal(np.asarray(jax.jit(top2.apply)(variables, h)[1]["tokens"]), np.asarray(stats["tokens"]))
+
+
 def test_the_per_sequence_balance_loss_averages_each_rows_own_loss():
     moe = MoE(experts=E, top_k=2, scoring="sigmoid", balance_loss="per-sequence")
     layer = MoELayer(moe, D, F)
