@@ -19,7 +19,6 @@ from collections.abc import Iterator
 
 from ..models import ROUTER_STATE, DecoderConfig
 from ..models._hf_config import model_type_of
-from ..models._hf_moe import DEEPSEEK_MODEL_TYPES
 
 Layout = tuple[tuple[int, ...], ...]
 _LINEAR: Layout = ((1,), (0,))  # a zjax [in, out] matrix is a PyTorch Linear's [out, in] weight
@@ -195,7 +194,7 @@ def _per_layer(cfg: DecoderConfig, dense: bool) -> Iterator[tuple[tuple[str, ...
     for leaf, name in zip(("w_gate", "w_up", "w_down"), experts, strict=True):
         yield ("moe", leaf), name, _LINEAR, cfg.moe.experts
     if cfg.moe.shared_mlp:
-        for sub, name, dims in _DEEPSEEK_SHARED if kind in DEEPSEEK_MODEL_TYPES else _SHARED:
+        for sub, name, dims in _DEEPSEEK_SHARED if cfg.mla is not None else _SHARED:  # DeepSeek-V2/V3 (MLA)
             yield sub, name, dims, 0
 
 
