@@ -240,10 +240,8 @@ def reference(cfg=CFG, packed=False):
 @pytest.mark.parametrize(
     ("mesh_kw", "stage", "mode", "packed", "window"),
     [
-        # the fast suite's one-objective matrix (tests/test_objective.py) holds dp=2 x cp=4 at stage 3 in both modes
-        # with packed rows against one device; these add two steps, a window and tp in the slow step
-        pytest.param({"dp": 2, "cp": 4}, 3, "all-gather", True, None, marks=pytest.mark.slow),
-        pytest.param({"dp": 2, "cp": 4}, 3, "ring", True, None, marks=pytest.mark.slow),
+        # the one-objective matrix (tests/test_objective.py) holds dp=2 x cp=4 at stage 3 in both modes with packed
+        # rows against one device; these add two steps, a window and tp in the slow step
         pytest.param({"dp": 4, "cp": 2}, 3, "ring", False, 5, marks=pytest.mark.slow),
         pytest.param({"dp": 2, "cp": 2, "tp": 2}, 3, "all-gather", True, 5, marks=pytest.mark.slow),
     ],
@@ -275,9 +273,9 @@ CFG4 = dataclasses.replace(CFG, layers=4)
 @pytest.mark.parametrize(
     ("schedule", "mode", "stage", "repeats"),
     [
-        pytest.param("1f1b", "all-gather", 0, 1, marks=pytest.mark.slow),  # fast: cp in GPipe, 1F1B without cp
+        # fast: cp in GPipe, 1F1B without cp; the circular schedule with the ring, zero-bubble with the ring and
+        # 1F1B with the all-gather compute the one-device objective in tests/test_pipeline_objective.py
         pytest.param("interleaved-1f1b", "all-gather", 3, 2, marks=pytest.mark.slow),
-        pytest.param("gpipe", "ring", 2, 2, marks=pytest.mark.slow),  # the circular schedule
     ],
 )
 def test_context_parallel_runs_inside_a_pipeline(schedule, mode, stage, repeats):

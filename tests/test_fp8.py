@@ -85,7 +85,7 @@ def test_a_bad_matmul_names_the_recipes():
 
 
 @pytest.mark.slow  # two deviceless compiles per recipe; the fast tests check the products' rounding
-@pytest.mark.parametrize("recipe", ["fp8-current", "fp8-delayed"])  # the same products, scaled otherwise
+@pytest.mark.parametrize("recipe", ["fp8-current"])  # fp8-delayed: the same products, scaled otherwise
 def test_on_the_h100_target_every_projection_multiplies_fp8_forward_and_backward(recipe):
     """Deviceless H100, ZeRO-3 over dp=8, full remat: each layer's seven projections (q, k, v, o, gate, up, down)
     run one fp8 product forward and three in the backward loop (the recomputed forward, dx, dw), e4m3 x e4m3

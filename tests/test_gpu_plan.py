@@ -168,6 +168,7 @@ def test_quantized_gathers_and_reductions_are_int8_with_their_scales_on_the_gpu_
     assert plan.quantizes_grads
 
 
+@pytest.mark.slow  # a pipelined stage-3 GPU compile; quantized gathers on the GPU target stay in the fast suite
 def test_per_layer_pipeline_gathers_stay_int8_on_the_gpu_target():
     """qwZ under a pipeline's default zero3_gather="layer" (dp=4 x pp=2) on the GPU compiler: every gather over dp
     inside the loop moves int8 blocks and fp32 scales (XLA:GPU combines them into one all-gather), none bf16, and

@@ -39,11 +39,8 @@ def reference():
 @pytest.mark.parametrize(
     ("stage", "mesh_name"),
     [
-        # stage 2 is stage 1 without accumulation (test_accumulation_equals_big_batch covers it), stage 3 on dp8
-        # is tested by the model-state and nnx tests: one pair per stage with tp, one without
-        pytest.param(1, "dp8", marks=pytest.mark.slow),
-        pytest.param(3, "dp8", marks=pytest.mark.slow),
-        # fast: test_tp_matches_pure_dp (tp at stage 0), test_model_state (stage 3 against stage 0)
+        # every stage's one step is the one-device objective's (tests/test_objective.py); three Adam steps here,
+        # stage 3 with tp (fast: test_tp_matches_pure_dp (tp at stage 0), test_model_state (stage 3 on dp=8))
         pytest.param(3, "dp4_tp2", marks=pytest.mark.slow),
     ],
 )
@@ -67,7 +64,8 @@ def test_tp_matches_pure_dp(reference):
 
 # fast: tests/test_objective.py holds accumulation at stages 0 and 2 to the one-device gradient (the decoder, uneven
 # masks); an MLP of scalar means here
-@pytest.mark.parametrize("stage", [pytest.param(s, marks=pytest.mark.slow) for s in (0, 1, 2, 3)])
+# stages 0 and 2 accumulate to the one-device objective in tests/test_objective.py's fast cases
+@pytest.mark.parametrize("stage", [pytest.param(s, marks=pytest.mark.slow) for s in (1, 3)])
 def test_accumulation_equals_big_batch(stage):
     """k microbatches of B/k accumulate to the same step as one batch of B."""
     data = mlp_batches(3, size=64)

@@ -36,13 +36,15 @@ FAST = {("zero-bubble", 4, 3)}  # tests/test_objective.py runs GPipe and 1F1B fa
 
 
 def _grid():
+    """Every schedule at every stage, pp alternating so that each schedule and each stage meets both pp (pairwise,
+    not the full product: the slow step's budget)."""
     for name in SCHEDULES:
-        for pp in (2, 4):
-            for stage in range(4):
-                if name in ("circular", "interleaved") and pp == 4:
-                    continue  # 4 layers make one per chunk at pp=2 already
-                marks = [] if (name, pp, stage) in FAST else [pytest.mark.slow]
-                yield pytest.param(name, pp, stage, marks=marks, id=f"{name}-pp{pp}-stage{stage}")
+        for stage in range(4):
+            # 4 layers make one per chunk at pp=2 already: the chunked schedules run there only; 1F1B takes pp=4
+            # at the stages where GPipe and zero-bubble take pp=2
+            pp = 2 if name in ("circular", "interleaved") else (2, 4)[(stage + (name == "1f1b")) % 2]
+            marks = [] if (name, pp, stage) in FAST else [pytest.mark.slow]
+            yield pytest.param(name, pp, stage, marks=marks, id=f"{name}-pp{pp}-stage{stage}")
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +69,15 @@ def test_every_schedule_and_stage_computes_the_one_device_objective_on_packed_ro
 
 
 OTHERS = {
-    # the gathering modes of stage 3, the whole-gradient region (reduce_dtype), and cp in both modes
+    # the gathering modes of stage 3, the whole-gradient region (reduce_dtype), tp, HSDP, and cp in both modes
     "chunk": ({"dp": 4, "pp": 2}, {"stage": 3, "pipeline": zjax.Pipeline(4, repeats=2, zero3_gather="chunk")}, None),
     "reduce-fp32": ({"dp": 4, "pp": 2}, {"stage": 3, "reduce_dtype": "float32", "pipeline": zjax.Pipeline(4)}, None),
+    "layer-tp": ({"dp": 2, "pp": 2, "tp": 2}, {"stage": 3, "pipeline": zjax.Pipeline(4, zero3_gather="layer")}, None),
+    "reduce-fp32-1f1b": (
+        {"dp": 4, "pp": 2}, {"stage": 1, "reduce_dtype": "float32", "pipeline": zjax.Pipeline(4, schedule="1f1b")}, None
+    ),
     "tp-1f1b": ({"dp": 2, "pp": 2, "tp": 2}, {"stage": 3, "pipeline": zjax.Pipeline(4, schedule="1f1b")}, None),
+    "hsdp-1f1b": ({"dp": (2, 1), "pp": 4}, {"stage": 2, "pipeline": zjax.Pipeline(8, schedule="1f1b")}, None),
     "cp-ring": ({"dp": 2, "pp": 2, "cp": 2}, {"stage": 2, "pipeline": zjax.Pipeline(4, repeats=2)}, "ring"),
     # the ring inside a table schedule's branches (on XLA:CPU its steps move K/V by all-gathers there)
     "cp-ring-zero-bubble": (
@@ -85,8 +92,8 @@ OTHERS = {
 @pytest.mark.slow  # fast budget: the grid's zero-bubble case runs every engine piece but these options
 @pytest.mark.parametrize("name", list(OTHERS))
 def test_gathering_modes_reductions_and_context_parallelism_in_a_pipeline(want, name):
-    """The grid's other options: stage 3's chunk gathers, reduce_dtype, tp, and cp (the ring inside a table
-    schedule runs its steps as all-gathers on XLA:CPU)."""
+    """The grid's other options: stage 3's chunk and layer gathers, reduce_dtype, tp, HSDP (replica=2 x pp=4), and
+    cp (the ring inside a table schedule runs its steps as all-gathers on XLA:CPU)."""
     mesh, kw, mode = OTHERS[name]
     cfg = FOUR if mode is None else dataclasses.replace(FOUR, context_mode=mode)
     _check(zjax.Plan(zjax.make_mesh(**mesh), precision="fp32", **kw), cfg, want)

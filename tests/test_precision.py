@@ -22,7 +22,12 @@ def test_unknown_precision():
         zjax.Plan(zjax.make_mesh(dp=8), precision="fp8")
 
 
-@pytest.mark.parametrize(("precision", "dtype"), [("bf16", jnp.bfloat16), ("fp16", jnp.float16), ("fp32", jnp.float32)])
+# codegen: the master and its cast come out of two fusions of the initializer's arithmetic, equal to the last bit
+# with XLA:CPU's default code generation (with LLVM's optimizations off one fp16 weight in 4,096 rounds the other way)
+@pytest.mark.parametrize(
+    ("precision", "dtype"),
+    [("bf16", jnp.bfloat16), pytest.param("fp16", jnp.float16, marks=pytest.mark.codegen), ("fp32", jnp.float32)],
+)
 def test_state_dtypes(precision, dtype):
     plan = zjax.Plan(zjax.make_mesh(dp=8), stage=1, precision=precision)
     init_fn, _ = linen_mlp_task()
