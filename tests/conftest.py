@@ -8,9 +8,10 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 # The tests compile far more than they run: with LLVM's optimizations off XLA:CPU compiles their programs about
 # 2.5x faster (a stage-3 step of the tiny decoder on 8 devices: 5.2 s against 12.7 s on a busy 2-core Xeon; the
-# fast suite 679 s against 880 s), and every tolerance here holds for any CPU's code. Tests marked ``codegen`` compare two compiled programs to the last bit, which holds with the
-# default code generation only: they run where XLA_FLAGS names a level (CI: ``--xla_backend_optimization_level=3``,
-# XLA's default) and are skipped otherwise. The processes the tests start inherit the flag.
+# fast suite 679 s against 880 s), and every tolerance here holds for any CPU's code. Tests marked ``codegen``
+# compare two compiled programs to the last bit, which holds with the default code generation only: they run where
+# XLA_FLAGS names a level (CI: ``--xla_backend_optimization_level=3``, XLA's default) and are skipped otherwise.
+# The processes the tests start inherit the flag.
 _LEVEL = "--xla_backend_optimization_level"
 if _LEVEL not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_LEVEL}=0".strip()
