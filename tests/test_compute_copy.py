@@ -69,7 +69,7 @@ def test_without_a_compute_copy_the_state_holds_12_bytes_per_parameter_and_train
 @pytest.mark.slow  # four pipelined Decoder compiles; the fast suite trains the linen MLP both ways
 @pytest.mark.parametrize(("gather", "schedule"), [("layer", "gpipe")])
 def test_under_a_pipeline_the_stages_read_the_cast_shards_as_they_would_the_copy(gather, schedule):
-    """Stage 3 on dp=2 x pp=4 in each gathering mode (layer: the default): without the copy the state is its bf16
+    """Stage 3 on dp=2 x pp=4 in the given gathering mode (layer: the default): without the copy the state is its bf16
     bytes smaller, every collective moves what it moved with the copy, and two steps give the same losses."""
     model = Decoder(dataclasses.replace(CFG, layers=4))
     init = lambda r: model.init(r, jnp.zeros((1, CFG.max_len), jnp.int32))["params"]  # noqa: E731
