@@ -20,7 +20,7 @@ from zjax.planner._compile import partitioned_hlo
 from zjax.planner._hlo import collectives, spanned_axes
 
 from ._models import TINY
-from ._objective import SGD, applied, initial, reference, relative, uneven_batch
+from ._objective import SGD, applied, init_fn, initial, reference, relative, uneven_batch
 from .test_experts import TINY as TINY_MOE
 
 ROWS, FP32 = 32, 3e-5
@@ -120,6 +120,59 @@ def test_experts_in_a_pipeline_count_only_the_masked_tokens_of_each_microbatch(m
     np.testing.assert_array_equal(metrics["aux"]["expert_tokens"], aux["expert_tokens"])
     for key in ("load_balance", "z_loss", "ce", "dropped"):
         np.testing.assert_allclose(metrics["aux"][key], aux[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def _per_microbatch(cfg, batch, groups):
+    """The one-device objective of a mixture of experts under a table schedule: ``jax.grad`` (one ``jit``, one device)
+    of the token loss over the whole batch plus the routers' losses of each of ``groups`` blocks of rows (the
+    schedule's microbatches, each data rank's), each weighted by its share of the scored tokens."""
+    model, device = Decoder(cfg), jax.devices()[0]
+    rows = len(batch["tokens"]) // groups
+
+    def mean(p, b):
+        blocks = jax.tree.map(lambda a: a.reshape(groups, rows, *a.shape[1:]), b)
+        parts = [lm_loss(model, p, jax.tree.map(lambda a: a[i], blocks))[0] for i in range(groups)]  # noqa: B023
+        return sum(x.sum for x in parts) / sum(x.count for x in parts)
+
+    params, batch = jax.device_put((initial(cfg), batch), device)
+    loss, grads = jax.jit(jax.value_and_grad(mean))(params, batch)
+    return float(loss), jax.tree.map(np.asarray, grads)
+
+
+# (schedule, repeats, mesh, stage, balance_loss); each with 4 microbatches per data rank
+TABLED_MOE = {
+    "1f1b-dp4-stage1": ("1f1b", 1, {"dp": 4, "pp": 2}, 1, "per-layer"),
+    "zero-bubble-ep2-stage3": ("zero-bubble", 1, {"dp": 2, "ep": 2, "pp": 2}, 3, "per-layer"),
+    "interleaved-ep4-per-sequence": ("interleaved-1f1b", 2, {"ep": 4, "pp": 2}, 2, "per-sequence"),
+}
+
+
+@pytest.mark.slow  # fast budget (the suite's 10 minutes); the fast suite traces the pooled loss's refusal
+@pytest.mark.parametrize("name", list(TABLED_MOE))
+def test_experts_under_a_table_schedule_weigh_each_microbatchs_routers_losses(name):
+    """Under 1F1B, interleaved 1F1B and zero-bubble each microbatch's routers' losses are its own (a data rank's
+    microbatch, Megatron-LM's), weighted by its scored tokens as gradient accumulation weighs them: loss and
+    gradients equal the one-device objective of the same blocks of rows (the whole batch's routers' losses differ:
+    0.2 relative in the gradients), with the experts over ep too; the metrics are the whole batch's sums."""
+    schedule, repeats, mesh, stage, balance = TABLED_MOE[name]
+    cfg = dataclasses.replace(TINY_MOE, layers=2 * repeats, moe=dataclasses.replace(TINY_MOE.moe, balance_loss=balance))
+    batch = uneven_batch(ROWS, cfg)
+    ranks = mesh.get("dp", 1) * mesh.get("ep", 1)
+    loss, grads = _per_microbatch(cfg, batch, ranks * 4)
+    pipe = zjax.Pipeline(4, repeats=repeats, schedule=schedule, zero3_gather="step" if "ep" in mesh else None)
+    plan = zjax.Plan(zjax.make_mesh(**mesh), stage=stage, precision="fp32", pipeline=pipe)
+    got, metrics = applied(plan, cfg, batch)
+    assert relative(got, grads) <= FP32, relative(got, grads)
+    assert abs(float(metrics["loss"]) - loss) <= FP32 * loss, (float(metrics["loss"]), loss)
+    model = Decoder(cfg)
+    _, whole = jax.jit(lambda p, b: lm_loss(model, p, b))(initial(cfg), batch)
+    np.testing.assert_array_equal(metrics["aux"]["expert_tokens"], whole["expert_tokens"])
+    for key in ("load_balance", "z_loss", "ce", "dropped"):
+        np.testing.assert_allclose(metrics["aux"][key], whole[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    if schedule == "1f1b":  # evaluation computes the same objective (the schedule without differentiation)
+        state = plan.init(init_fn(cfg), SGD, jax.random.key(0), params=initial(cfg))
+        out, _ = plan.eval_step(lambda p, b: lm_loss(model, p, b))(state, plan.shard_batch(batch))
+        assert abs(float(out.mean) - loss) <= FP32 * loss, (float(out.mean), loss)
 
 
 QGZ_1F1B = {

@@ -28,11 +28,10 @@ from ..sharding import EP
 from ._block import Block, _constrain, _region
 from ._config import DecoderConfig
 from ._layers import RMSNorm
-from ._moe import check_experts_in_pipeline
+from ._moe import check_experts_in_pipeline, expert_splits
 from ._mtp import MTP
 from ._params import param
 
-EXPERT_KEYS = ("['w_gate']", "['w_up']", "['w_down']")
 """The expert weights of a layer (``[experts, ...]``; stacked ``[layers, experts, ...]``), as ``keystr`` names."""
 
 MOE_STATS = "moe"
@@ -97,33 +96,8 @@ class Decoder(nn.Module):
         policy = RematPolicy.from_str(c.remat)
         schedule = pipeline.current()
         stats = None
-        biased = c.moe is not None and c.moe.bias_update_rate is not None
-        if biased and not self.is_initializing() and (schedule is not None or policy.kind == "nested"):
-            raise ValueError(
-                "Decoder: MoE(bias_update_rate=...) (the routers' selection biases, model state) is not supported "
-                f"under {'pipeline parallelism' if schedule is not None else f'remat={c.remat!r}'} yet: the "
-                "biases would have to travel with each stage's or group's parameters. Use bias_update_rate=None "
-                "(an auxiliary load-balancing loss), or pp=1 and a non-nested remat policy."
-            )
-        qgz = c.scan and _overlaps_reductions(c, policy)
-        if c.bf16_edge_layers and (schedule is not None or qgz) and not self.is_initializing():
-            raise ValueError(
-                f"Decoder: bf16_edge_layers={c.bf16_edge_layers} under "
-                f"{'pipeline parallelism' if schedule is not None else 'quantized gradient reductions (qgZ)'} is not "
-                "supported yet (their layers run one stack alike). Use bf16_edge_layers=0 there."
-            )
-        functional = schedule is not None or policy.kind == "nested" or qgz
-        if c.matmul == "fp8-delayed" and functional and not self.is_initializing():
-            where = (
-                "pipeline parallelism"
-                if schedule is not None
-                else (f"remat={c.remat!r}" if policy.kind == "nested" else "quantized gradient reductions (qgZ)")
-            )
-            raise ValueError(
-                f"Decoder: matmul='fp8-delayed' under {where} is not supported yet: the layers run from their "
-                "parameters alone there, and the amax histories (model state) would have to travel with them. "
-                "Use matmul='fp8-current' (no state), or pp=1, a non-nested remat policy and no qgZ."
-            )  # fmt: skip
+        if not self.is_initializing():
+            check_unsupported(c, schedule)
         if c.dense_layers:  # DeepSeek's first dense layers, one scan of their own before the experts' layers
             x = self._dense_layers(x, positions, segment_ids, load_balanced, policy)
         if schedule is not None and not self.is_initializing():
@@ -137,9 +111,7 @@ class Decoder(nn.Module):
             if c.moe is None:
                 x = pipeline.apply(stage_fn, layers, x, schedule, side=side or None)
             else:  # the routers' sums over every microbatch and rank, per layer; experts enter split over ep
-                split_over = jax.tree_util.tree_map_with_path(
-                    lambda path, _: {1: EP} if jax.tree_util.keystr(path[-1:]) in EXPERT_KEYS else None, layers
-                )
+                split_over = expert_splits(layers)
                 with local_experts(int(jax.sharding.get_abstract_mesh().shape.get(EP, 1))):
                     x, stats = pipeline.apply(
                         stage_fn, layers, x, schedule, outputs=True, split_over=split_over, side=side or None
@@ -254,11 +226,6 @@ class Decoder(nn.Module):
     ) -> jax.Array:
         """The first ``dense_layers`` layers (dense MLPs): ``dense_layers`` stacked (``scan``) or ``layer_{i}``."""
         c = self.cfg
-        if pipeline.current() is not None and not self.is_initializing():
-            raise ValueError(
-                f"Decoder: dense_layers={c.dense_layers} under pipeline parallelism is not supported yet: a "
-                "pipeline's stages split one stack of identical layers. Train with pp=1, or dense_layers=0."
-            )
         dense = dataclasses.replace(c, moe=None, layers=c.dense_layers, dense_layers=0)
         if c.scan:  # a nested policy's groups are the experts' layers'; these run whole-layer remat
             made = "full" if policy.kind == "nested" else policy
@@ -268,6 +235,44 @@ class Decoder(nn.Module):
         for i in range(c.dense_layers):
             x = block(dense, load_balanced, name=f"layer_{i}")(x, positions, segment_ids)[0]
         return x
+
+
+def check_unsupported(c: DecoderConfig, schedule: Any) -> None:
+    """Raise for what the decoder cannot run yet where it is traced: under pipeline parallelism (``schedule``; both
+    engines' stages, :func:`pipeline_stage_fn`, check), nested remat or quantized gradient reductions."""
+    policy = RematPolicy.from_str(c.remat)
+    biased = c.moe is not None and c.moe.bias_update_rate is not None
+    if biased and (schedule is not None or policy.kind == "nested"):
+        raise ValueError(
+            "Decoder: MoE(bias_update_rate=...) (the routers' selection biases, model state) is not supported "
+            f"under {'pipeline parallelism' if schedule is not None else f'remat={c.remat!r}'} yet: the "
+            "biases would have to travel with each stage's or group's parameters. Use bias_update_rate=None "
+            "(an auxiliary load-balancing loss), or pp=1 and a non-nested remat policy."
+        )
+    qgz = c.scan and _overlaps_reductions(c, policy)
+    if c.bf16_edge_layers and (schedule is not None or qgz):
+        raise ValueError(
+            f"Decoder: bf16_edge_layers={c.bf16_edge_layers} under "
+            f"{'pipeline parallelism' if schedule is not None else 'quantized gradient reductions (qgZ)'} is not "
+            "supported yet (their layers run one stack alike). Use bf16_edge_layers=0 there."
+        )
+    functional = schedule is not None or policy.kind == "nested" or qgz
+    if c.matmul == "fp8-delayed" and functional:
+        where = (
+            "pipeline parallelism"
+            if schedule is not None
+            else (f"remat={c.remat!r}" if policy.kind == "nested" else "quantized gradient reductions (qgZ)")
+        )
+        raise ValueError(
+            f"Decoder: matmul='fp8-delayed' under {where} is not supported yet: the layers run from their "
+            "parameters alone there, and the amax histories (model state) would have to travel with them. "
+            "Use matmul='fp8-current' (no state), or pp=1, a non-nested remat policy and no qgZ."
+        )  # fmt: skip
+    if c.dense_layers and schedule is not None:
+        raise ValueError(
+            f"Decoder: dense_layers={c.dense_layers} under pipeline parallelism is not supported yet: a "
+            "pipeline's stages split one stack of identical layers. Train with pp=1, or dense_layers=0."
+        )
 
 
 def _overlaps_reductions(c: DecoderConfig, policy: RematPolicy) -> bool:
@@ -288,14 +293,15 @@ def pipeline_stage_fn(
 
     Raises:
       ValueError: ``scan=False``, a partitioned remat policy (none run in a pipeline); a mixture of experts
-        under a table schedule.
+        that a schedule cannot run (:func:`zjax.models._moe.check_experts_in_pipeline`).
     """
     policy = RematPolicy.from_str(c.remat)
     schedule = pipeline.current()
     if not c.scan:
         raise ValueError("Decoder: pipeline parallelism needs scan=True (layers stacked on one axis).")
+    check_unsupported(c, schedule)
     if c.moe is not None:
-        check_experts_in_pipeline(schedule)
+        check_experts_in_pipeline(c.moe, schedule)
     if policy.partition:
         raise ValueError(
             f"Decoder: remat={c.remat!r} under pipeline parallelism: ZeRO-R partitioned checkpoints "

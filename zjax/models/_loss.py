@@ -23,12 +23,14 @@ from jax.sharding import PartitionSpec as P
 from .. import comm, pipeline
 from ..context import context_size, load_balance
 from ..core import LossSum, Variables
-from ..sharding._axes import DATA_AXES, PP
+from ..experts._dispatch import local_experts
+from ..sharding._axes import DATA_AXES, EP, PP
 from ..sharding._mesh import in_manual_data_axes
 from ._config import DecoderConfig
 from ._decoder import MOE_STATS, pipeline_stage_fn
 from ._layers import RMSNorm
-from ._moe import with_moved_biases
+from ._moe import expert_splits, with_moved_biases
+from ._mtp import mtp_rows
 
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
 
@@ -196,7 +198,7 @@ def _loss_and_stats(model: Any, params: Any, batch: Any, model_state: Any, vocab
     tokens, positions, segment_ids, loss_mask = read_batch(batch)
     depth = getattr(model.cfg, "mtp_layers", 0)
     # multi-token prediction: module k's inputs (the tokens k places after each input), targets and weights
-    ahead = _ahead(tokens, segment_ids, loss_mask, depth) if depth else None
+    ahead = mtp_rows(tokens, segment_ids, loss_mask, depth) if depth else None
     weights = None if loss_mask is None else loss_mask[:, 1:].astype(jnp.float32)
     if segment_ids is not None:
         same = (segment_ids[:, 1:] == segment_ids[:, :-1]).astype(jnp.float32)
@@ -234,8 +236,11 @@ def _loss_and_stats(model: Any, params: Any, batch: Any, model_state: Any, vocab
         share = w / jnp.where(count > 0, count, 1.0)
         named = (("positions", positions), ("segment_ids", segment_ids), ("router_mask", routed))
         side = {k: v for k, v in named if v is not None} or None
-        mean = _pipelined_sum(model.cfg, nn.unbox(params), inputs, targets, share, vocab_chunk, balanced, side)
-        return LossSum(mean * count, count), None
+        mean, stats = _pipelined_sum(model.cfg, nn.unbox(params), inputs, targets, share, vocab_chunk, balanced, side)
+        if stats is None:
+            return LossSum(mean * count, count), None
+        aux, stats = stats  # the routers' losses, each microbatch's own, weighted by its share of the count
+        return _with_experts(model.cfg, LossSum((mean - aux) * count, count), stats, aux), stats
     variables = {**(model_state or {}), "params": params}
     ranks = _data_ranks()
     if model.cfg.tie_embeddings and ranks:
@@ -262,29 +267,6 @@ def _loss_and_stats(model: Any, params: Any, batch: Any, model_state: Any, vocab
     return _with_experts(model.cfg, LossSum(total, count), stats), stats
 
 
-def _ahead(
-    tokens: jax.Array, segment_ids: jax.Array | None, loss_mask: jax.Array | None, depth: int
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(inputs, targets, weights)``, each ``[depth, B, S]``, of the multi-token prediction modules from the batch's
-    ``[B, S+1]`` rows: module ``k`` (1-based) reads the token ``k`` places after each input and predicts the one
-    ``k + 1`` places after it; a target past the row, outside the input's document or masked weighs 0."""
-    s = tokens.shape[1] - 1
-    inputs, targets, weights = [], [], []
-    for k in range(1, depth + 1):
-        shifted = lambda x, by: jnp.pad(x[:, by:], ((0, 0), (0, max(by - 1, 0))))[:, :s]  # noqa: E731
-        inputs.append(shifted(tokens, k))
-        target = jnp.pad(tokens[:, k + 1 :], ((0, 0), (0, k)))[:, :s]
-        weight = jnp.broadcast_to((jnp.arange(s) + k + 1 <= s).astype(jnp.float32), target.shape)
-        if loss_mask is not None:
-            weight = weight * jnp.pad(loss_mask[:, k + 1 :].astype(jnp.float32), ((0, 0), (0, k)))[:, :s]
-        if segment_ids is not None:  # documents are contiguous: the same document at i and i + k + 1
-            later = jnp.pad(segment_ids[:, k + 1 :], ((0, 0), (0, k)))[:, :s]
-            weight = weight * (later == segment_ids[:, :s]).astype(jnp.float32)
-        targets.append(target)
-        weights.append(weight)
-    return jnp.stack(inputs), jnp.stack(targets), jnp.stack(weights)
-
-
 def _hidden(model: Any, variables: Any, *args: Any, **kwargs: Any) -> tuple[jax.Array, Any]:
     """The decoder's final hidden states and, for a mixture of experts, its router statistics (per layer)."""
     if getattr(model.cfg, "moe", None) is None:
@@ -293,12 +275,15 @@ def _hidden(model: Any, variables: Any, *args: Any, **kwargs: Any) -> tuple[jax.
     return hidden, sown["intermediates"][MOE_STATS][0]
 
 
-def _with_experts(cfg: DecoderConfig, ce: LossSum, stats: Any) -> Any:
+def _with_experts(cfg: DecoderConfig, ce: LossSum, stats: Any, aux: jax.Array | None = None) -> Any:
     """``ce`` for a dense decoder; ``(ce + the routers' auxiliary losses per counted token, metrics)`` for a
-    mixture of experts: ``ce`` (mean), ``load_balance`` and ``z_loss`` (:meth:`MoE.aux_losses`), ``dropped`` rows
-    (all layers) and ``expert_tokens`` ``[layers, experts]`` (rows each expert was chosen for)."""
+    mixture of experts: ``ce`` (mean), ``load_balance`` and ``z_loss`` (:meth:`MoE.aux_losses`, of the whole
+    part's sums), ``dropped`` rows (all layers) and ``expert_tokens`` ``[layers, experts]`` (rows each expert was
+    chosen for). ``aux``: the weighted auxiliary losses as the part computed them (a table schedule's, per
+    microbatch), else :meth:`MoE.loss` of ``stats``."""
     if stats is None or cfg.moe is None:
         return ce
+    aux = cfg.moe.loss(stats) if aux is None else aux
     balance, z = cfg.moe.aux_losses(stats)
     metrics = {
         "ce": ce.mean,
@@ -307,7 +292,7 @@ def _with_experts(cfg: DecoderConfig, ce: LossSum, stats: Any) -> Any:
         "dropped": jnp.sum(stats["dropped"]),
         "expert_tokens": stats["tokens"],
     }
-    return LossSum(ce.sum + ce.count * cfg.moe.loss(stats), ce.count), metrics
+    return LossSum(ce.sum + ce.count * aux, ce.count), metrics
 
 
 def _read_head(cfg: DecoderConfig, params: Any, looped: bool = False) -> jax.Array:
@@ -365,7 +350,9 @@ def _pipelined_sum(
 ) -> jax.Array:  # fmt: skip
     """The weighted loss sum of a decoder run whole through :func:`zjax.pipeline.loss` (the table
     schedules): the embedding on stage 0, the final norm, head and cross-entropy on the last stage; ``side``
-    the per-token arrays every stage reads (positions, segment ids)."""
+    the per-token arrays every stage reads (positions, segment ids). Returns ``(sum, None)``; for a mixture of
+    experts ``(sum, (its routers' weighted losses, their sums per layer))``: each microbatch's losses (each
+    stage's layers' part, :meth:`MoE.layers_loss`) weighted by its share of the count, in ``sum`` too."""
     stage_fn = pipeline_stage_fn(cfg, load_balanced=balanced)
     norm = RMSNorm(cfg.embed, cfg.norm_eps)
     rows = {"tokens": inputs, "targets": targets, "weights": weights}
@@ -385,4 +372,16 @@ def _pipelined_sum(
     schedule = pipeline.current()
     if schedule is None or schedule.zero3_gather != "layer":  # "layer": each stage gathers each layer it applies
         layers = comm.gathered_tree(layers, ("layers",))
-    return pipeline.loss(stage_fn, layers, rows, first=first, last=last, params=edge, side=side)
+    if cfg.moe is None:
+        return pipeline.loss(stage_fn, layers, rows, first=first, last=last, params=edge, side=side), None
+    moe, count = cfg.moe, jax.tree.leaves(layers)[0].shape[0]
+
+    def tally(stats: dict, mb: dict) -> jax.Array:  # the microbatch's routers' losses, its share of the mean
+        return jnp.sum(mb["weights"]) * moe.layers_loss(stats, count)
+
+    # the experts enter each stage split over ep, and rows cross ep inside it
+    with local_experts(int(jax.sharding.get_abstract_mesh().shape.get(EP, 1))):
+        return pipeline.loss(
+            stage_fn, layers, rows, first=first, last=last, params=edge, side=side, tally=tally,
+            split_over=expert_splits(layers),
+        )  # fmt: skip

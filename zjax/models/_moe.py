@@ -183,23 +183,37 @@ class MoE:
         sequence, the rows' sums of ``f_lbe P_lbe`` over the rows that counted a token) and
         the mean over layers of ``z_l / N_l``. Computed from sums, they are the same however the tokens were split
         on the way (microbatches of a pipeline, data-parallel ranks); a layer that counted no token adds 0."""
-        count = stats["count"]
-        safe = jnp.where(count > 0, count, 1.0)
         if self.balance_loss == "pooled":
+            count = stats["count"]
             total = jnp.maximum(jnp.sum(count), 1.0)
             share, prob = jnp.sum(stats["tokens"], axis=0) / total, jnp.sum(stats["probs"], axis=0) / total
-            balance = self.experts * jnp.sum(share * prob)
-        elif self.balance_loss == "per-sequence":
+            z = jnp.mean(stats["z"] / jnp.where(count > 0, count, 1.0))
+            return self.experts * jnp.sum(share * prob), z
+        balance, z = self._per_layer(stats)
+        return jnp.mean(balance), jnp.mean(z)
+
+    def _per_layer(self, stats: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """``(load_balance, z_loss)`` of each layer (``[layers]``): the losses are their means, but ``"pooled"``'s."""
+        count = stats["count"]
+        safe = jnp.where(count > 0, count, 1.0)
+        if self.balance_loss == "per-sequence":
             rows = stats["rows"]
-            balance = jnp.mean(self.experts * stats["row_balance"] / jnp.where(rows > 0, rows, 1.0))
+            balance = self.experts * stats["row_balance"] / jnp.where(rows > 0, rows, 1.0)
         else:
-            balance = jnp.mean(self.experts * jnp.sum(stats["tokens"] * stats["probs"], axis=-1) / (safe * safe))
-        return balance, jnp.mean(stats["z"] / safe)
+            balance = self.experts * jnp.sum(stats["tokens"] * stats["probs"], axis=-1) / (safe * safe)
+        return balance, stats["z"] / safe
 
     def loss(self, stats: dict[str, jax.Array]) -> jax.Array:
         """The weighted auxiliary losses of ``stats`` (per layer, stacked)."""
         balance, z = self.aux_losses(stats)
         return self.load_balance_weight * balance + self.z_loss_weight * z
+
+    def layers_loss(self, stats: dict[str, jax.Array], layers: int) -> jax.Array:
+        """:meth:`loss`'s part from the layers of ``stats`` (some of a model's ``layers``: a pipeline stage's), so
+        that the parts of all stages add up to :meth:`loss`; not for ``balance_loss="pooled"``, whose layers
+        meet before its product."""
+        balance, z = self._per_layer(stats)
+        return jnp.sum(self.load_balance_weight * balance + self.z_loss_weight * z) / layers
 
 
 def _swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
@@ -315,21 +329,35 @@ def moved_bias(moe: MoE, bias: jax.Array, tokens: jax.Array) -> jax.Array:
     return bias + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
 
 
-def check_experts_in_pipeline(schedule: Any) -> None:
-    """A mixture of experts runs in GPipe and the circular schedule.
+EXPERT_KEYS = ("['w_gate']", "['w_up']", "['w_down']")
 
-    Its load-balancing loss multiplies each expert's token share by its mean probability over the whole batch,
-    so the gradient of any microbatch's router needs every microbatch's routing: GPipe's backward starts after
-    the last forward and gets it exactly (the stages carry the routers' sums); a table schedule runs some
-    backward passes first.
+
+def expert_splits(layers: Any) -> Any:
+    """A pipeline's ``split_over`` for stacked layers ``[L, ...]``: ``{1: ep}`` for the experts' weights (their
+    experts split over ``ep``, each rank's stage holding its own), ``None`` for the rest."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: {1: EP} if jax.tree_util.keystr(path[-1:]) in EXPERT_KEYS else None, layers
+    )
+
+
+def check_experts_in_pipeline(moe: MoE, schedule: Any) -> None:
+    """A mixture of experts runs under every schedule.
+
+    Its load-balancing loss multiplies each expert's token share by its mean probability, so the gradient of a
+    microbatch's router needs the routing of every row the loss pools. GPipe's backward starts after the last
+    forward: it pools the whole batch (the stages carry the routers' sums). A table schedule runs some backward
+    passes first: there each microbatch's losses are its own (each data-parallel rank's microbatch, as
+    Megatron-LM computes them), weighted by its share of the scored tokens, as gradient accumulation weighs them;
+    ``balance_loss="pooled"``, whose layers meet before its product, then has no per-stage part.
     """
     if schedule is None:
         return
-    if schedule.tabled:
+    if schedule.tabled and moe.balance_loss == "pooled":
         raise ValueError(
-            f"Decoder: a mixture-of-experts model under the table schedule {schedule.name!r} is not supported: "
-            "its load-balancing loss couples every microbatch's routing, which a schedule that starts backward "
-            "passes before the last forward cannot see. Use schedule='gpipe' (or the circular gpipe, repeats > 1)."
+            f"Decoder: MoE(balance_loss='pooled') under the table schedule {schedule.name!r}: the pooled loss "
+            "multiplies the token shares and probabilities summed over every layer, which no stage holds while "
+            "its microbatch's backward pass runs. Use balance_loss='per-layer' (Megatron-LM's, per microbatch "
+            "there) or 'per-sequence', or schedule='gpipe'."
         )
     sizes = jax.sharding.get_abstract_mesh().shape
     if int(sizes.get(EP, 1)) > 1 and int(sizes.get(DP, 1)) > 1 and schedule.zero3_gather == "layer":

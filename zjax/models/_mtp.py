@@ -43,3 +43,26 @@ class MTP(nn.Module):
         x = _constrain(jnp.concatenate([e, h], axis=-1) @ w.astype(e.dtype))
         x, _ = Block(c.mtp_layer, self.load_balanced, name="layer")(x, positions, segment_ids)
         return x, RMSNorm(c.embed, c.norm_eps, name="norm")(x)
+
+
+def mtp_rows(
+    tokens: jax.Array, segment_ids: jax.Array | None, loss_mask: jax.Array | None, depth: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(inputs, targets, weights)``, each ``[depth, B, S]``, of the multi-token prediction modules from the batch's
+    ``[B, S+1]`` rows: module ``k`` (1-based) reads the token ``k`` places after each input and predicts the one
+    ``k + 1`` places after it; a target past the row, outside the input's document or masked weighs 0."""
+    s = tokens.shape[1] - 1
+    inputs, targets, weights = [], [], []
+    for k in range(1, depth + 1):
+        shifted = lambda x, by: jnp.pad(x[:, by:], ((0, 0), (0, max(by - 1, 0))))[:, :s]  # noqa: E731
+        inputs.append(shifted(tokens, k))
+        target = jnp.pad(tokens[:, k + 1 :], ((0, 0), (0, k)))[:, :s]
+        weight = jnp.broadcast_to((jnp.arange(s) + k + 1 <= s).astype(jnp.float32), target.shape)
+        if loss_mask is not None:
+            weight = weight * jnp.pad(loss_mask[:, k + 1 :].astype(jnp.float32), ((0, 0), (0, k)))[:, :s]
+        if segment_ids is not None:  # documents are contiguous: the same document at i and i + k + 1
+            later = jnp.pad(segment_ids[:, k + 1 :], ((0, 0), (0, k)))[:, :s]
+            weight = weight * (later == segment_ids[:, :s]).astype(jnp.float32)
+        targets.append(target)
+        weights.append(weight)
+    return jnp.stack(inputs), jnp.stack(targets), jnp.stack(weights)

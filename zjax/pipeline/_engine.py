@@ -234,9 +234,7 @@ def apply(
             return _chunked(fn, w, io, cfg, stages, _bubble_fill, dims, sd)
 
     # a leaf that a region axis already splits (split_over, in the natural [L, ...] dims) enters split over it
-    is_split = lambda x: x is None or (isinstance(x, dict) and all(isinstance(k, int) for k in x))  # noqa: E731
-    splits = jax.tree.leaves(split_over, is_leaf=is_split) if split_over is not None else []
-    views = [{d + 2: a for d, a in sp.items()} if sp else None for sp in splits] or [None] * len(leaves)
+    views = [{d + 2: a for d, a in sp.items()} if sp else None for sp in split_leaves(split_over, len(leaves))]
     specs, entered = zip(
         *[_enter(w, d, region, sizes, v) for w, d, v in zip(leaves, dims, views, strict=True)], strict=True
     )
@@ -309,6 +307,15 @@ def sequential(
         return h, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), sums)
     h, _ = jax.lax.scan(lambda h, w: (call_stage(stage_fn, w, h, side), None), x, chunks)
     return h
+
+
+def split_leaves(split_over: Any, count: int) -> list[dict[int, str] | None]:
+    """``split_over`` (a pytree like the layers of ``{dim: mesh axis}`` or ``None``) per leaf of the layers (``count``
+    of them), in ``jax.tree.leaves`` order."""
+    if split_over is None:
+        return [None] * count
+    is_split = lambda x: x is None or (isinstance(x, dict) and all(isinstance(k, int) for k in x))  # noqa: E731
+    return jax.tree.leaves(split_over, is_leaf=is_split)
 
 
 def _enter(

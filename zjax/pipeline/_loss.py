@@ -14,7 +14,7 @@ from ..sharding._axes import PP
 from . import _ticks
 from ._config import Pipeline
 from ._context import current, data_axes_here, own_reads
-from ._engine import _dp_dim, _layer_count, apply, by_visit
+from ._engine import _dp_dim, _layer_count, apply, by_visit, split_leaves
 from ._stash import keep_of
 
 
@@ -28,7 +28,9 @@ def loss(
     params: Any,
     pipeline: Pipeline | None = None,
     side: Any = None,
-) -> jax.Array:
+    tally: Callable[[Any, Any], jax.Array] | None = None,
+    split_over: Any = None,
+) -> Any:
     """``last(params, layers(first(params, inputs)), inputs)`` summed over microbatches.
 
     The whole model in the pipeline: stage 0 starts each microbatch with ``first`` (an embedding, say),
@@ -52,18 +54,33 @@ def loss(
       pipeline: the schedule; by default the plan's (:func:`current`).
       side: per-row arrays ``[B, ...]`` every stage reads (a packed row's positions and segment ids), cut into
         microbatches as ``inputs`` are; ``stage_fn`` is then called ``stage_fn(stage_layers, h, side_mb)``.
+      tally: ``tally(sums, inputs_mb) -> scalar``: ``stage_fn`` returns ``(h, sums)``, ``sums`` a pytree of
+        per-layer arrays ``[Lps, ...]`` (a mixture of experts' router statistics), and each stage adds
+        ``tally`` of its sums on each microbatch to the loss (a loss term per microbatch and layer, such as the
+        routers' load-balancing loss, differentiated with it). Every schedule then runs on the table engine.
+      split_over: as for :func:`apply`: leaves of ``layers`` that a data axis splits (the experts over ``ep``)
+        enter each rank as its own shard, and ``stage_fn`` runs with that axis manual.
 
     Returns:
-      The fp32 sum of ``last`` over all microbatches. Its gradients are made during the schedule (seeded
-      by the train step's loss scale) and returned when it is differentiated.
+      The fp32 sum of ``last`` (and ``tally``) over all microbatches. Its gradients are made during the
+      schedule (seeded by the train step's loss scale) and returned when it is differentiated. With ``tally``:
+      ``(that sum, (tally's part of it, sums))``, ``sums`` ``[L, ...]`` in the layers' order, summed over every
+      microbatch and data-parallel rank (neither differentiated).
     """
     cfg = current() if pipeline is None else pipeline
-    if cfg is None or not cfg.tabled:
-        h = first(params, inputs)
-        y = apply(stage_fn, layers, h, cfg, side=side)
-        return jnp.asarray(last(params, y, inputs), jnp.float32)
     sizes = dict(jax.sharding.get_abstract_mesh().shape)
     stages = sizes.get(PP, 1)
+    if cfg is None and tally is not None:  # the whole batch one microbatch
+        y, sums = apply(stage_fn, layers, first(params, inputs), None, outputs=True, side=side, split_over=split_over)
+        term = jnp.asarray(tally(sums, inputs), jnp.float32)
+        value = jnp.asarray(last(params, y, inputs), jnp.float32) + term
+        return value, jax.lax.stop_gradient((term, sums))
+    if cfg is None or not cfg.tabled and tally is None:
+        h = first(params, inputs)
+        y = apply(stage_fn, layers, h, cfg, side=side, split_over=split_over)
+        return jnp.asarray(last(params, y, inputs), jnp.float32)
+    if not cfg.tabled:  # a term per microbatch: GPipe's order on the table engine
+        cfg = dataclasses.replace(cfg, schedule=cfg.table(stages))
     ranks = math.prod(sizes[a] for a in data_axes_here(sizes))
     rows = jax.tree.leaves(inputs)[0].shape[0]
     cfg.check(stages, _layer_count(layers), rows // ranks if rows % ranks == 0 else None)
@@ -86,16 +103,22 @@ def loss(
 
     def table_run(layers, ep, inputs, scale, side):
         stacked = by_visit(layers, cfg.repeats, stages)
-        value, dw, dep = _ticks.run(staged, first, last, cfg, stacked, ep, inputs, scale, side, dims, keep)
+        split = split_leaves(split_over, len(jax.tree.leaves(layers)))
+        value, dw, dep, sums = _ticks.run(
+            staged, first, last, cfg, stacked, ep, inputs, scale, side, dims, keep, tally, split
+        )
         dw = jax.tree.map(lambda g, w: g.reshape(w.shape), dw, layers)
-        return value, (dw, dep)
+        out = (
+            value if tally is None else (value, (sums[0], jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), sums[1])))
+        )
+        return out, (dw, dep)
 
     @jax.custom_vjp
     def run(layers, ep, inputs, scale, side):
         m_, s_ = cfg.microbatches, stages
-        if m_ >= s_ and m_ % s_ == 0:  # forward only (eval): GPipe's scan keeps nothing
+        if m_ >= s_ and m_ % s_ == 0 and tally is None:  # forward only (eval): GPipe's scan keeps nothing
             scan = dataclasses.replace(cfg, schedule="gpipe", zero3_gather="step")
-            h = apply(stage_fn, layers, first(ep, inputs), scan, side=side)
+            h = apply(stage_fn, layers, first(ep, inputs), scan, side=side, split_over=split_over)
             return jnp.asarray(last(ep, h, inputs), jnp.float32)
         return table_run(layers, ep, inputs, scale, side)[0]
 
@@ -105,6 +128,7 @@ def loss(
 
     def bwd(res, g):
         grads, scale = res
+        g = g if tally is None else g[0]  # the sums are not differentiated
         k = g / scale
         scaled = jax.tree.map(lambda a, dt: (a * k).astype(dt), grads, dtypes)
         return (*scaled, None, None, None)

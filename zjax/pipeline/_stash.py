@@ -33,17 +33,18 @@ def pullback(stage_fn: Callable, w: Any, x: jax.Array, side: Any) -> tuple[jax.A
     return jax.vjp(lambda w_, x_: call_stage(stage_fn, w_, x_, side), w, x)
 
 
-def pulled(pull: Callable, dy: jax.Array, part: int) -> Any:
+def pulled(pull: Callable, dy: Any, part: int) -> Any:
     """``pull(dy)[part]`` (0: the weights' gradient, 1: the input's), with the other part's program cut from the
     backward pass before it is emitted: XLA keeps it once it is an output of a loop (the layer scan's transpose makes
-    both in one loop), which would make B compute the weights' products too."""
+    both in one loop), which would make B compute the weights' products too. ``dy``: the stage output's cotangent
+    (a pytree where the stage returns more than ``h``)."""
     leaves, treedef = jax.tree.flatten(pull)
     closed, shapes = jax.make_jaxpr(lambda leaves, dy: jax.tree.unflatten(treedef, leaves)(dy), return_shape=True)(
         leaves, dy
     )
     used = [i == part for i, tree in enumerate(shapes) for _ in jax.tree.leaves(tree)]
     jaxpr, used_in = dce_jaxpr(closed.jaxpr, used)
-    args = [a for a, u in zip([*leaves, dy], used_in, strict=True) if u]
+    args = [a for a, u in zip([*leaves, *jax.tree.leaves(dy)], used_in, strict=True) if u]
     return jax.tree.unflatten(jax.tree.structure(shapes[part]), jaxpr_as_fun(ClosedJaxpr(jaxpr, closed.consts))(*args))
 
 

@@ -120,6 +120,18 @@ def _check_reads(
         )
 
 
+def _tallied(stage_fn: Callable, tally: Callable) -> Callable:
+    """``stage_fn`` (returning ``(h, sums)``) as the engine runs it with ``tally``: its side input ``(side,
+    microbatch)``, its output ``(h, (tally(sums, microbatch), sums))``, the sums not differentiated."""
+
+    def fn(w: Any, h: jax.Array, both: tuple) -> Any:
+        side, mb = both
+        h, sums = call_stage(stage_fn, w, h, side)
+        return h, (jnp.asarray(tally(sums, mb), jnp.float32), jax.lax.stop_gradient(sums))
+
+    return fn
+
+
 def _zeros(tree: Any, dtype: Any = None) -> Any:
     return jax.tree.map(lambda a: jnp.zeros(a.shape, dtype or a.dtype), tree)
 
@@ -127,22 +139,42 @@ def _zeros(tree: Any, dtype: Any = None) -> Any:
 def _tick_loop(
     stage_fn: Callable, first: Callable, last: Callable, cfg: Pipeline, stages: int,
     w: Any, ep: Any, inputs: Any, scale: jax.Array, side: Any = None, keep: tuple[Keep, Callable] | None = None,
+    tally: Callable | None = None,
 ) -> tuple:  # fmt: skip
     """One device's part of the schedule (inside the manual region): ``w`` its chunks ``[v, Lps, ...]``, ``ep``
-    (the parameters ``first`` and ``last`` read) whole, ``inputs`` its rows. Returns ``(loss, dw, dep)`` summed
-    over its microbatches (one accumulator for ``first`` and ``last``: a tied table's two gradients meet
+    (the parameters ``first`` and ``last`` read) whole, ``inputs`` its rows. Returns ``(loss, dw, dep, sums)``
+    summed over its microbatches (one accumulator for ``first`` and ``last``: a tied table's two gradients meet
     there, before the one reduction over the ranks). ``keep``: which action makes the residuals B and W pull
-    back from, and the stage function whose pullback they are (:func:`zjax.pipeline.scan_layers` says)."""
+    back from, and the stage function whose pullback they are (:func:`zjax.pipeline.scan_layers` says).
+    ``tally``: the stage returns ``(h, sums)`` (per-layer sums ``[Lps, ...]``) and ``tally(sums, mb)`` is the
+    microbatch's loss term of them, part of ``loss`` and differentiated with it; ``sums`` is then ``(the terms'
+    sum, the sums per chunk [v, Lps, ...])`` over the microbatches (``None`` without ``tally``)."""
     mode, saving = keep or ("F", stage_fn)
+    if tally is not None:  # the stage's sums: the loss term of the microbatch's own, and the sums themselves
+        stage_fn, saving = _tallied(stage_fn, tally), _tallied(saving, tally)
     tab = cfg.table(stages)
     plan = _slots.slots(tab, mode)
     m_ = cfg.microbatches
     mbs, sides = jax.tree.map(lambda a: a.reshape(m_, a.shape[0] // m_, *a.shape[1:]), (inputs, side))
+    if tally is not None:
+        sides = (sides, mbs)
     probe = jax.eval_shape(first, ep, jax.tree.map(lambda a: a[0], mbs))
     h_zero = jnp.zeros(probe.shape, probe.dtype)
     chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), w)
+    side0 = jax.tree.map(lambda a: a[0], sides)
     with nn.logical_axis_rules(()):
-        stash = Stash.of(saving, chunk, probe, jax.tree.map(lambda a: a[0], sides))
+        stash = Stash.of(saving, chunk, probe, side0)
+        out = jax.eval_shape(lambda w, x, sd: call_stage(stage_fn, w, x, sd), chunk, probe, side0)
+    sums_zero = None if tally is None else _zeros(out[1][1])
+
+    def output(y: Any) -> tuple[jax.Array, jax.Array, Any]:
+        """The stage's output: ``(h, its loss term, its sums)``."""
+        return (y, jnp.float32(0), None) if tally is None else (y[0], y[1][0], y[1][1])
+
+    def cotangent(dy: jax.Array) -> Any:
+        """The stage output's cotangent: ``dy`` for ``h``, the loss scale for the loss term."""
+        return dy if tally is None else (dy, (scale, sums_zero))
+
     ring = cfg.repeats > 1
     fwd_pairs = [(i, (i + 1) % stages) for i in range(stages if ring else stages - 1)]
     bwd_pairs = [((i + 1) % stages, i) for i in range(stages if ring else stages - 1)]
@@ -171,6 +203,7 @@ def _tick_loop(
             rbuf = keep_res(rbuf, row, pull, wc)
         else:
             y = call_stage(stage_fn, wc, x, sd)
+        y, term, sums = output(y)
 
         def with_loss():
             value, pull = jax.vjp(lambda ep_, y_: last(ep_, y_, mb), ep, y)
@@ -180,8 +213,10 @@ def _tick_loop(
         value, dep, dy = jax.lax.cond(
             row["last"], _ends(with_loss), lambda: (jnp.float32(0), _zeros(ep, jnp.float32), jnp.zeros_like(y))
         )
-        loss, dw, dep_acc = acc
-        return y, h_zero, x, dy, rbuf, (loss + value, dw, jax.tree.map(jnp.add, dep_acc, dep))
+        loss, dw, dep_acc, sums_acc = acc
+        if sums is not None:  # (the loss terms, the sums per chunk)
+            sums_acc = (sums_acc[0] + term, jax.tree.map(lambda a, s: a.at[row["chunk"]].add(s), sums_acc[1], sums))
+        return y, h_zero, x, dy, rbuf, (loss + value + term, dw, jax.tree.map(jnp.add, dep_acc, dep), sums_acc)
 
     def backward(row, mb, sd, wc, x, dy, rbuf, acc):
         if mode == "F":
@@ -189,7 +224,7 @@ def _tick_loop(
         else:  # B recomputes the stage keeping what its W needs
             _, pull = pullback(saving, wc, x, sd)
             rbuf = keep_res(rbuf, row, pull, wc)
-        dx = pulled(pull, dy, 1)
+        dx = pulled(pull, cotangent(dy), 1)
 
         def into_first():
             _, pull_first = jax.vjp(lambda ep_: first(ep_, mb).astype(h_zero.dtype), ep)
@@ -197,15 +232,15 @@ def _tick_loop(
             return jax.tree.map(lambda a: a.astype(jnp.float32), dep)
 
         dep = jax.lax.cond(row["first"], _ends(into_first), lambda: _zeros(ep, jnp.float32))
-        loss, dw, dep_acc = acc
-        return h_zero, dx, h_zero, h_zero, rbuf, (loss, dw, jax.tree.map(jnp.add, dep_acc, dep))
+        loss, dw, dep_acc, sums_acc = acc
+        return h_zero, dx, h_zero, h_zero, rbuf, (loss, dw, jax.tree.map(jnp.add, dep_acc, dep), sums_acc)
 
     def weights(row, mb, sd, wc, x, dy, rbuf, acc):
-        dwc = pulled(read_res(rbuf, row, wc), dy, 0)
-        loss, dw, dep = acc
+        dwc = pulled(read_res(rbuf, row, wc), cotangent(dy), 0)
+        loss, dw, dep, sums_acc = acc
         c = row["chunk"]
         dw = jax.tree.map(lambda a, g: a.at[c].add(g.astype(a.dtype)), dw, dwc)
-        return h_zero, h_zero, h_zero, h_zero, rbuf, (loss, dw, dep)
+        return h_zero, h_zero, h_zero, h_zero, rbuf, (loss, dw, dep, sums_acc)
 
     # indexed by _schedule.IDLE, F, B, W; each action's ops named for the planner's FLOPs per action
     branches = [idle] + [_named(f, a) for f, a in zip((forward, backward, weights), _schedule.ACTIONS[1:], strict=True)]
@@ -226,7 +261,10 @@ def _tick_loop(
         bmsg = jax.lax.ppermute(dx, PP, bwd_pairs) if bwd_pairs else h_zero
         return (xbuf, gbuf, rbuf, fmsg, bmsg, acc), None
 
-    acc = (jnp.float32(0), _zeros(w, jnp.float32), _zeros(ep, jnp.float32))
+    per_chunk = None
+    if tally is not None:
+        per_chunk = (jnp.float32(0), jax.tree.map(lambda a: jnp.zeros((cfg.repeats, *a.shape), a.dtype), sums_zero))
+    acc = (jnp.float32(0), _zeros(w, jnp.float32), _zeros(ep, jnp.float32), per_chunk)
     carry: tuple = (
         jnp.zeros((plan.n_x + 1, *probe.shape), probe.dtype),  # + 1: the scratch slot
         jnp.zeros((plan.n_g + 1, *probe.shape), probe.dtype),
@@ -243,8 +281,9 @@ def _tick_loop(
 def run(
     stage_fn: Callable, first: Callable, last: Callable, cfg: Pipeline, stacked: Any, ep: Any, inputs: Any,
     scale: jax.Array, side: Any = None, dims: list[int | None] | None = None, keep: tuple[Keep, Callable] | None = None,
+    tally: Callable | None = None, split: list[dict[int, str] | None] | None = None,
 ) -> tuple:  # fmt: skip
-    """The schedule over the mesh: ``(loss, dw, dep)`` with ``stacked`` leaves ``[R, S, Lps, ...]``;
+    """The schedule over the mesh: ``(loss, dw, dep, sums)`` with ``stacked`` leaves ``[R, S, Lps, ...]``;
     gradients seeded with ``scale``, accumulated in fp32 on each rank and summed over the ranks in the
     parameters' dtypes. ``side``: per-row side inputs every stage reads (``stage_fn(w, h, side_mb)``).
 
@@ -255,7 +294,13 @@ def run(
 
     ``keep``: ``("F", fn)`` (the default, with ``stage_fn``): each forward keeps the residuals of ``fn``'s pullback
     (what its remat policy saves) and B and W pull back from them; ``("B", fn)``: each forward keeps its input,
-    and B recomputes the stage as ``fn`` (which saves what W needs), keeping the residuals for its W."""
+    and B recomputes the stage as ``fn`` (which saves what W needs), keeping the residuals for its W.
+
+    ``split``: per leaf, ``{dim: data axis}`` (natural ``[L, ...]`` dims) that splits it on every rank (an expert
+    weight's experts over ``ep``): it enters as that axis's shard and is copied over the other data axes only.
+
+    ``tally`` (:func:`zjax.pipeline.loss`'s): ``sums`` is ``(the loss terms' sum, the per-layer sums [R, S, Lps,
+    ...])`` over every microbatch and rank (``None`` without it)."""
     sizes = dict(jax.sharding.get_abstract_mesh().shape)
     stages = sizes.get(PP, 1)
     data = data_axes_here(sizes)
@@ -272,16 +317,21 @@ def run(
 
     leaves, treedef = jax.tree.flatten(stacked)
     dims = dims or [None] * len(leaves)
-    rest = tuple(a for a in data if a != DP)  # the data axes a leaf split over dp is copied over
 
-    def enter(a: jax.Array, d: int | None) -> tuple[jax.Array, P]:
-        if d is None:
+    def enter(a: jax.Array, d: int | None, sp: dict[int, str] | None) -> tuple[jax.Array, P]:
+        kept = {**({} if d is None else {d: DP}), **{k: x for k, x in (sp or {}).items() if x in data}}
+        if not kept:
             return copies(a, n, lambda a: P(lead, None, PP, *free(a.ndim - 3)))
+        rest = tuple(x for x in data if x not in kept.values())  # the data axes it is copied over
         entries: list[Any] = [rest or None, None, PP, *free(a.ndim - 2)]
-        entries[d + 3] = DP  # natural dim d of [L, ...] is d + 2 of [R, S, Lps, ...], + 1 for the copies
+        for k, x in kept.items():  # natural dim k of [L, ...] is k + 2 of [R, S, Lps, ...], + 1 for the copies
+            entries[k + 3] = x
         return copies(a, math.prod(sizes[x] for x in rest), lambda _: P(*entries))
 
-    w_in, w_spec = (jax.tree.unflatten(treedef, t) for t in zip(*map(enter, leaves, dims), strict=True))
+    w_in, w_spec = (
+        jax.tree.unflatten(treedef, t)
+        for t in zip(*map(enter, leaves, dims, split or [None] * len(leaves)), strict=True)
+    )
     if any(d is not None for d in dims):
         layer_dims = [None if d is None else d - 1 for d in dims]
         _check_reads(stage_fn, first, cfg, stacked, layer_dims, ep, (inputs, side), n)
@@ -293,13 +343,18 @@ def run(
     def body(w, ep, rows, scale):
         w = jax.tree.map(lambda a: a[0, :, 0], w)  # [R, Lps, ...]: this stage's chunks
         ep = jax.tree.map(lambda a: a[0], ep)
-        loss, dw, dep = _tick_loop(stage_fn, first, last, cfg, stages, w, ep, rows[0], scale, rows[1], keep)
-        return loss[None], jax.tree.map(lambda a: a[None, :, None], dw), jax.tree.map(lambda a: a[None], dep)
+        loss, dw, dep, sums = _tick_loop(
+            stage_fn, first, last, cfg, stages, w, ep, rows[0], scale, rows[1], keep, tally
+        )
+        if sums is not None:  # the terms per rank; the sums over the data ranks, [R, 1, Lps, ...] per stage
+            per_layer = jax.tree.map(lambda a: (jax.lax.psum(a, data) if data else a)[:, None], sums[1])
+            sums = (sums[0][None], per_layer)
+        return loss[None], jax.tree.map(lambda a: a[None, :, None], dw), jax.tree.map(lambda a: a[None], dep), sums
 
-    loss, dw, dep = jax.shard_map(
+    loss, dw, dep, sums = jax.shard_map(
         body,
         in_specs=(w_spec, ep_spec, in_rows, P()),
-        out_specs=(P(every), w_spec, ep_spec),
+        out_specs=(P(every), w_spec, ep_spec, None if tally is None else (P(every), P(None, PP))),
         axis_names={*data, PP},
         check_vma=False,
     )(w_in, ep_in, (inputs, side), scale)
@@ -316,4 +371,5 @@ def run(
 
         return jax.tree.map(one, tree, like)
 
-    return jnp.sum(loss), total(dw, stacked), total(dep, ep)
+    sums = None if sums is None else (jnp.sum(sums[0]), sums[1])
+    return jnp.sum(loss), total(dw, stacked), total(dep, ep), sums
