@@ -31,8 +31,9 @@ SCHEDULES = {  # name: (schedule, repeats)
     "1f1b": ("1f1b", 1),
     "interleaved": ("interleaved-1f1b", 2),
     "zero-bubble": ("zero-bubble", 1),
+    "zb-v": ("zb-v", 2),
 }
-FAST = {("zero-bubble", 4, 3)}  # tests/test_objective.py runs GPipe and 1F1B fast on packed rows too
+FAST = {("zb-v", 2, 3)}  # tests/test_objective.py runs GPipe and 1F1B fast on packed rows too
 
 
 def _grid():
@@ -42,7 +43,7 @@ def _grid():
         for stage in range(4):
             # 4 layers make one per chunk at pp=2 already: the chunked schedules run there only; 1F1B takes pp=4
             # at the stages where GPipe and zero-bubble take pp=2
-            pp = 2 if name in ("circular", "interleaved") else (2, 4)[(stage + (name == "1f1b")) % 2]
+            pp = 2 if name in ("circular", "interleaved", "zb-v") else (2, 4)[(stage + (name == "1f1b")) % 2]
             marks = [] if (name, pp, stage) in FAST else [pytest.mark.slow]
             yield pytest.param(name, pp, stage, marks=marks, id=f"{name}-pp{pp}-stage{stage}")
 
@@ -63,7 +64,7 @@ def _check(plan, cfg, want, accum=1):
 @pytest.mark.parametrize(("name", "pp", "stage"), list(_grid()))
 def test_every_schedule_and_stage_computes_the_one_device_objective_on_packed_rows(want, name, pp, stage):
     schedule, repeats = SCHEDULES[name]
-    pipe = zjax.Pipeline(4 if schedule == "gpipe" or repeats > 1 else 8, repeats=repeats, schedule=schedule)
+    pipe = zjax.Pipeline(4 if schedule in ("gpipe", "interleaved-1f1b") else 8, repeats=repeats, schedule=schedule)
     plan = zjax.Plan(zjax.make_mesh(dp=8 // pp, pp=pp), stage=stage, precision="fp32", pipeline=pipe)
     _check(plan, FOUR, want)
 
@@ -89,7 +90,7 @@ OTHERS = {
 }  # fmt: skip
 
 
-@pytest.mark.slow  # fast budget: the grid's zero-bubble case runs every engine piece but these options
+@pytest.mark.slow  # fast budget: the grid's zb-v case runs every engine piece but these options
 @pytest.mark.parametrize("name", list(OTHERS))
 def test_gathering_modes_reductions_and_context_parallelism_in_a_pipeline(want, name):
     """The grid's other options: stage 3's chunk and layer gathers, reduce_dtype, tp, HSDP (replica=2 x pp=4), and
@@ -142,7 +143,7 @@ def _per_microbatch(cfg, batch, groups):
 # (schedule, repeats, mesh, stage, balance_loss); each with 4 microbatches per data rank
 TABLED_MOE = {
     "1f1b-dp4-stage1": ("1f1b", 1, {"dp": 4, "pp": 2}, 1, "per-layer"),
-    "zero-bubble-ep2-stage3": ("zero-bubble", 1, {"dp": 2, "ep": 2, "pp": 2}, 3, "per-layer"),
+    "zb-v-ep2-stage3": ("zb-v", 2, {"dp": 2, "ep": 2, "pp": 2}, 3, "per-layer"),
     "interleaved-ep4-per-sequence": ("interleaved-1f1b", 2, {"ep": 4, "pp": 2}, 2, "per-sequence"),
 }
 
@@ -150,7 +151,7 @@ TABLED_MOE = {
 @pytest.mark.slow  # fast budget (the suite's 10 minutes); the fast suite traces the pooled loss's refusal
 @pytest.mark.parametrize("name", list(TABLED_MOE))
 def test_experts_under_a_table_schedule_weigh_each_microbatchs_routers_losses(name):
-    """Under 1F1B, interleaved 1F1B and zero-bubble each microbatch's routers' losses are its own (a data rank's
+    """Under 1F1B, interleaved 1F1B and ZB-V each microbatch's routers' losses are its own (a data rank's
     microbatch, Megatron-LM's), weighted by its scored tokens as gradient accumulation weighs them: loss and
     gradients equal the one-device objective of the same blocks of rows (the whole batch's routers' losses differ:
     0.2 relative in the gradients), with the experts over ep too; the metrics are the whole batch's sums."""

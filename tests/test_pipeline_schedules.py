@@ -35,15 +35,32 @@ def check_dependencies(tab) -> None:
                 assert key not in at, key
                 at[key] = t
     assert len(at) == 3 * s_ * tab.microbatches * v
+    feeds = {_reads(s, c, s_, tab.placement): (s, c) for s in range(s_) for c in range(v) if (s, c) != (0, 0)}
     for (kind, s, m, c), t in at.items():
         if kind == F and (s, c) != (0, 0):
-            assert at[(F, s - 1, m, c) if s else (F, s_ - 1, m, c - 1)] < t
+            src = _reads(s, c, s_, tab.placement)
+            assert at[(F, src[0], m, src[1])] < t
         if kind == B:
             assert at[(F, s, m, c)] < t
-            if (s, c) != (s_ - 1, v - 1):
-                assert at[(B, s + 1, m, c) if s < s_ - 1 else (B, 0, m, c + 1)] < t
+            if (s, c) in feeds:  # not the last layers: the backward of the chunk it feeds first
+                nxt = feeds[(s, c)]
+                assert at[(B, nxt[0], m, nxt[1])] < t
+            else:
+                assert (s, c) == ((0, v - 1) if tab.placement == "v" else (s_ - 1, v - 1))
         if kind == W:
             assert at[(B, s, m, c)] < t
+
+
+def _reads(s: int, c: int, s_: int, placement: str) -> tuple[int, int]:
+    """The (stage, chunk) whose forward output the forward of chunk ``c`` on stage ``s`` reads: in a loop the previous
+    stage's (stage 0: the last stage's previous chunk); in a V even chunks run up the stages and odd ones down, each
+    turning on its own stage."""
+    if placement == "v":
+        up = c % 2 == 0
+        if s == (0 if up else s_ - 1):
+            return (s, c - 1)
+        return (s - 1 if up else s + 1, c)
+    return (s - 1, c) if s else (s_ - 1, c - 1)
 
 
 @pytest.mark.parametrize("stages", [2, 4])
@@ -68,6 +85,31 @@ def test_tables_keep_dependencies_and_the_bubbles_of_their_papers(stages, microb
     assert list(one.in_flight()) == [min(s_ - s, m_) for s in range(s_)]
     assert max(zb.in_flight()) <= max(one.in_flight())
     assert list(gpipe.in_flight()) == [m_] * s_
+
+
+@pytest.mark.parametrize("stages", [2, 4, 8])
+def test_zb_v_keeps_1f1bs_memory_at_about_half_zero_bubbles_bubble(stages):
+    """ZB-V: two chunks per stage in a V (stage 0 holds the first and the last layers), each action on half a stage's
+    layers. At most 2S chunk inputs in flight (1F1B's peak of S whole-stage inputs), the step at most zero-bubble's
+    time (its ticks cost half), the bubble at most 0.6 of zero-bubble's from M = S on; the printed table reads back."""
+    s_ = stages
+    for m_ in (1, s_, 2 * s_, 4 * s_, 3 * s_ + 1):
+        zbv, zb = schedule_table("zb-v", s_, m_, 2), schedule_table("zero-bubble", s_, m_)
+        check_dependencies(zbv)
+        assert max(zbv.in_flight()) <= 2 * s_ and zbv.ticks <= 2 * zb.ticks
+        if m_ >= s_:
+            assert zbv.bubble() <= 0.6 * zb.bubble(), (m_, zbv.bubble(), zb.bubble())
+        again = pipeline.parse_table(str(zbv), name="zb-v")
+        assert again.placement == "v" and np.array_equal(again.kind, zbv.kind)
+        assert np.array_equal(again.micro, zbv.micro) and np.array_equal(again.chunk, zbv.chunk)
+        plan = slots(zbv)  # stage 0 starts each microbatch and ends it in the loss
+        assert (
+            plan.first[:, 1:].sum() == 0 and plan.last[:, 1:].sum() == 0 and (plan.last & (zbv.kind == F)).sum() == m_
+        )
+    with pytest.raises(ValueError, match=r"schedule='zb-v' runs two chunks .* use repeats=2 \(got 1\)"):
+        Pipeline(4, schedule="zb-v")
+    with pytest.raises(ValueError, match=r"placement 'w' is not one of \('loop', 'v'\)"):
+        pipeline.parse_table("placement: w\nF0 B0 W0")
 
 
 def test_the_bubble_in_time_weighs_each_tick_by_its_longest_action():

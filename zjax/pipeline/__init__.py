@@ -1,4 +1,4 @@
-"""Pipeline parallelism over the mesh axis ``pp``: GPipe, circular, 1F1B, interleaved 1F1B and zero-bubble.
+"""Pipeline parallelism over the mesh axis ``pp``: GPipe, circular, 1F1B, interleaved 1F1B, zero-bubble and ZB-V.
 
 Example (inside a model's loss; the plan sets the schedule)::
 
@@ -21,6 +21,7 @@ from ._engine import apply as apply
 from ._engine import scan_layers as scan_layers
 from ._loss import loss as loss
 from ._scan import ITERATION_INPUT as ITERATION_INPUT
+from ._schedule import PLACEMENTS as PLACEMENTS
 from ._schedule import SCHEDULES as SCHEDULES
 from ._schedule import Table as Table
 from ._schedule import parse_table as parse_table

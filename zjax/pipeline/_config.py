@@ -37,9 +37,11 @@ class Pipeline:
         multiple of S): 1F1B over R chunks per stage, the bubble divided by R. ``"zero-bubble"`` (ZB-H1):
         1F1B with each backward split into its input part (B) and weight part (W), the W deferred into
         the ticks where the stage would wait; the bubble a third of 1F1B's at the memory of 1F1B's first
-        stage. The last three run the whole model per microbatch (:func:`zjax.pipeline.loss`: the loss is
-        computed by the last stage as each microbatch arrives) from a table of ticks
-        (:func:`zjax.pipeline.schedule_table`).
+        stage. ``"zb-v"`` (ZB-V, R = 2, any M): two chunks per stage in a V (chunk 1 of stage s holds block
+        2S - 1 - s, so stage 0 holds the first and the last), F, B and W apart and placed greedily; 1F1B's peak
+        memory and about half zero-bubble's bubble. The last four run the whole model per microbatch
+        (:func:`zjax.pipeline.loss`: the loss is computed by the stage with the last layers as each microbatch
+        arrives) from a table of ticks (:func:`zjax.pipeline.schedule_table`).
       zero3_gather: how weights and gradients split over ``dp`` (stages 2 and 3) meet the stages.
         ``"step"``: every stage's weights are gathered once per step, before the loop, and stay whole,
         with whole gradients, until the backward pass is done; the gradients are reduced over ``dp``
@@ -108,6 +110,11 @@ class Pipeline:
             raise ValueError(
                 "Pipeline: schedule='interleaved-1f1b' interleaves chunks of layers: it needs repeats > 1 (chunks "
                 "per stage). Use repeats=2 or more, or schedule='1f1b'."
+            )
+        if self.schedule == "zb-v" and self.repeats != 2:
+            raise ValueError(
+                f"Pipeline: schedule='zb-v' runs two chunks of layers per stage in a V (the first and the last on "
+                f"stage 0); use repeats=2 (got {self.repeats})."
             )
         if self.schedule == "1f1b" and self.repeats > 1:
             raise ValueError(
@@ -207,7 +214,8 @@ class Pipeline:
         m, r = self.microbatches, self.repeats
         if isinstance(self.schedule, Table):  # its own order: any M
             self.table(stages)
-        grouped = self.schedule == "gpipe" or (r > 1 and not isinstance(self.schedule, Table))  # stream io, groups of S
+        # the scan's stream and Megatron's interleaving take microbatches in groups of S
+        grouped = self.schedule == "gpipe" or (r > 1 and self.schedule in ("interleaved-1f1b", "zero-bubble"))
         if grouped and m < stages:
             raise ValueError(
                 f"Pipeline: microbatches={m} < pp={stages} stages: schedule={self.name!r} with repeats={r} "

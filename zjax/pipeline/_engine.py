@@ -283,17 +283,35 @@ def _layer_count(layers: Any) -> int:
     return count
 
 
-def by_visit(layers: Any, repeats: int, stages: int) -> Any:
+def by_visit(layers: Any, repeats: int, stages: int, placement: str = "loop") -> Any:
     """Natural order ``[L, ...]`` -> ``[R, S, Lps, ...]``: layer ``(r*S + s)*Lps + j`` is stage ``s``'s
-    ``j``-th on visit ``r``."""
+    ``j``-th on visit ``r``; in a V (``placement="v"``, :data:`zjax.pipeline.PLACEMENTS`) odd visits run back
+    down: their stage ``s`` holds block ``r*S + S - 1 - s``."""
 
     def one(w: jax.Array) -> jax.Array:
         w = w.reshape(repeats, stages, w.shape[0] // (repeats * stages), *w.shape[1:])
+        if placement == "v":
+            w = _turned(w)
         if repeats == 1 or stages == 1:
             return w  # each stage's contiguous block: S stays over pp, nothing moves
         return jax.lax.with_sharding_constraint(w, P(None, PP, *([P.UNCONSTRAINED] * (w.ndim - 2))))
 
     return jax.tree.map(one, layers)
+
+
+def _turned(w: jax.Array) -> jax.Array:
+    """``w [R, S, ...]`` with the stages of its odd visits in reverse (its own inverse)."""
+    return jnp.stack([w[r, ::-1] if r % 2 else w[r] for r in range(w.shape[0])])
+
+
+def natural(stacked: Any, placement: str = "loop") -> Any:
+    """:func:`by_visit`'s inverse: ``[R, S, Lps, ...]`` -> ``[L, ...]``."""
+
+    def one(w: jax.Array) -> jax.Array:
+        w = _turned(w) if placement == "v" else w
+        return w.reshape(-1, *w.shape[3:])
+
+    return jax.tree.map(one, stacked)
 
 
 def sequential(

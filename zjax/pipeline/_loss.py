@@ -14,7 +14,7 @@ from ..sharding._axes import PP
 from . import _ticks
 from ._config import Pipeline
 from ._context import current, data_axes_here, own_reads
-from ._engine import _dp_dim, _layer_count, apply, by_visit, split_leaves
+from ._engine import _dp_dim, _layer_count, apply, by_visit, natural, split_leaves
 from ._stash import keep_of
 
 
@@ -101,16 +101,16 @@ def loss(
     mode, saving = keep_of(stage_fn, cfg.recompute)
     keep = (mode, saving if dims else own_reads(saving))
 
+    placement = cfg.table(stages).placement
+
     def table_run(layers, ep, inputs, scale, side):
-        stacked = by_visit(layers, cfg.repeats, stages)
+        stacked = by_visit(layers, cfg.repeats, stages, placement)
         split = split_leaves(split_over, len(jax.tree.leaves(layers)))
         value, dw, dep, sums = _ticks.run(
             staged, first, last, cfg, stacked, ep, inputs, scale, side, dims, keep, tally, split
         )
-        dw = jax.tree.map(lambda g, w: g.reshape(w.shape), dw, layers)
-        out = (
-            value if tally is None else (value, (sums[0], jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), sums[1])))
-        )
+        dw = natural(dw, placement)
+        out = value if tally is None else (value, (sums[0], natural(sums[1], placement)))
         return out, (dw, dep)
 
     @jax.custom_vjp

@@ -28,8 +28,13 @@ import re
 
 import numpy as np
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zb-v")
 """The schedules :class:`zjax.Pipeline` runs (``gpipe`` with ``repeats > 1`` is the circular one)."""
+
+PLACEMENTS = ("loop", "v")
+"""Where a stage's chunks of layers lie in the model (:class:`Table`'s ``placement``): ``"loop"``, chunk ``c`` of
+stage ``s`` holds block ``c*S + s`` (a microbatch loops through the stages once per chunk); ``"v"``, odd chunks run
+back down, so chunk 1 of stage ``s`` holds block ``2S - 1 - s`` (ZB-V: the first and the last block on stage 0)."""
 
 IDLE, F, B, W = 0, 1, 2, 3
 ACTIONS = ".FBW"
@@ -46,6 +51,7 @@ class Table:
     kind: np.ndarray
     micro: np.ndarray
     chunk: np.ndarray
+    placement: str = "loop"
 
     @property
     def ticks(self) -> int:
@@ -80,7 +86,8 @@ class Table:
             )
             for s in range(self.stages)
         ]
-        return "\n".join(f"stage {s}: {row}" for s, row in enumerate(rows))
+        head = [] if self.placement == "loop" else [f"placement: {self.placement}"]
+        return "\n".join(head + [f"stage {s}: {row}" for s, row in enumerate(rows)])
 
 
 def _forwards(m_: int, s_: int, v: int, schedule: str) -> list[tuple[int, int]]:
@@ -106,15 +113,29 @@ def _warmup(schedule: str, s_: int, stage: int, v: int, total: int) -> int:
     return min((s_ - stage - 1) * 2 + (v - 1) * s_, total)
 
 
-def _before(s: int, c: int, s_: int) -> tuple[int, int]:
+def _before(s: int, c: int, s_: int, placement: str = "loop") -> tuple[int, int]:
     """The (stage, chunk) whose forward output the forward of (s, c) takes: the previous stage, or the last
-    stage's previous chunk (the ring)."""
+    stage's previous chunk (the ring); in a V, an odd chunk's the next stage, or its own stage's previous chunk at
+    the turn."""
+    if placement == "v" and c % 2:
+        return (s + 1, c) if s < s_ - 1 else (s, c - 1)
+    if placement == "v" and s == 0:
+        return (0, c - 1)
     return (s - 1, c) if s > 0 else (s_ - 1, c - 1)
 
 
-def _after(s: int, c: int, s_: int) -> tuple[int, int]:
-    """The (stage, chunk) whose input gradient the backward of (s, c) takes."""
+def _after(s: int, c: int, s_: int, placement: str = "loop") -> tuple[int, int]:
+    """The (stage, chunk) whose input gradient the backward of (s, c) takes (the forward of (s, c) feeds it)."""
+    if placement == "v" and c % 2:
+        return (s - 1, c) if s > 0 else (0, c + 1)
+    if placement == "v":
+        return (s + 1, c) if s < s_ - 1 else (s, c + 1)
     return (s + 1, c) if s < s_ - 1 else (0, c + 1)
+
+
+def _is_last(s: int, c: int, s_: int, v: int, placement: str = "loop") -> bool:
+    """Whether chunk ``c`` of stage ``s`` holds the model's last layers (its forward ends in the loss)."""
+    return c == v - 1 and s == (0 if placement == "v" and v % 2 == 0 else s_ - 1)
 
 
 def _action(kind: int, m: int, c: int, v: int) -> str:
@@ -132,6 +153,8 @@ def schedule_table(schedule: str, stages: int, microbatches: int, chunks: int = 
     if schedule not in SCHEDULES:
         raise ValueError(f"Pipeline: schedule={schedule!r} is not one of {SCHEDULES}.")
     s_, m_, v = stages, microbatches, chunks
+    if schedule == "zb-v":
+        return _zb_v(s_, m_, v)
     defer = schedule == "zero-bubble"
     orders: list[list[tuple[int, int, int]]] = []
     fwd, bwd = _forwards(m_, s_, v, schedule), _backwards(m_, s_, v, schedule)
@@ -149,6 +172,59 @@ def schedule_table(schedule: str, stages: int, microbatches: int, chunks: int = 
     return _place(schedule, s_, m_, v, orders, caps if defer else None)
 
 
+def _zb_v(s_: int, m_: int, v: int) -> Table:
+    """ZB-V (Qi et al. 2024): two chunks per stage in a V (:data:`PLACEMENTS`), F, B and W apart, placed greedily
+    tick by tick: each stage runs a ready B (the oldest microbatch), else a forward (the later chunk first) while
+    it keeps fewer than 2S chunk inputs (1F1B's peak: S whole-stage inputs), else its oldest pending W, else idles."""
+    if v != 2:
+        raise ValueError(f"Pipeline: schedule='zb-v' runs two chunks per stage in a V; use repeats=2 (got {v}).")
+    cap = 2 * s_
+    done: dict[tuple[int, int, int, int], int] = {}
+    nxt = {(k, s, c): 0 for k in (F, B) for s in range(s_) for c in range(v)}  # the next microbatch per queue
+    pending: list[list[tuple[int, int]]] = [[] for _ in range(s_)]
+    live = [0] * s_
+    rows: list[list[tuple[int, int, int]]] = []
+
+    def ready(kind: int, s: int, m: int, c: int, t: int) -> bool:
+        if m >= m_:
+            return False
+        if kind == F:
+            needed = None if (s, c) == (0, 0) else _key(F, _before(s, c, s_, "v"), m)
+        else:
+            needed = (F, s, m, c) if _is_last(s, c, s_, v, "v") else _key(B, _after(s, c, s_, "v"), m)
+            if done.get((F, s, m, c), t) >= t:
+                return False
+        return needed is None or done.get(needed, t) < t
+
+    while len(done) < 3 * s_ * m_ * v:
+        t, row = len(rows), []
+        for s in range(s_):
+            backs = [(nxt[(B, s, c)], c) for c in range(v) if ready(B, s, nxt[(B, s, c)], c, t)]
+            fores = [c for c in reversed(range(v)) if live[s] < cap and ready(F, s, nxt[(F, s, c)], c, t)]
+            if backs:
+                m, c = min(backs)
+                run = (B, m, c)
+                pending[s].append((m, c))
+            elif fores:
+                run = (F, nxt[(F, s, fores[0])], fores[0])
+                live[s] += 1
+            elif pending[s]:
+                run = (W, *pending[s].pop(0))
+                live[s] -= 1
+            else:
+                row.append((IDLE, 0, 0))
+                continue
+            if run[0] != W:
+                nxt[(run[0], s, run[2])] += 1
+            done[(run[0], s, run[1], run[2])] = t
+            row.append(run)
+        rows.append(row)
+        if all(kind == IDLE for kind, _, _ in row):  # never seen: S = 2..8, M = 1..48
+            raise RuntimeError(f"zb-v: no stage can run at tick {t} (pp={s_}, microbatches={m_}).")
+    grid = np.asarray(rows, dtype=np.int32)
+    return Table("zb-v", s_, m_, v, grid[..., 0], grid[..., 1], grid[..., 2], "v")
+
+
 def _place(
     schedule: str,
     s_: int,
@@ -157,6 +233,7 @@ def _place(
     orders: list[list[tuple[int, int, int]]],
     caps: list[int] | None,
     split: bool = False,
+    placement: str = "loop",
 ) -> Table:
     """Lockstep list scheduling: each stage runs its next action once what it needs was done on an earlier
     tick. With ``caps`` (zero-bubble), W actions are not in the orders: a stage runs its oldest pending W when
@@ -171,10 +248,10 @@ def _place(
 
     def need(kind: int, stage: int, m: int, c: int) -> tuple[int, int, int, int] | None:
         if kind == F:
-            return None if (stage, c) == (0, 0) else _key(F, _before(stage, c, s_), m)
+            return None if (stage, c) == (0, 0) else _key(F, _before(stage, c, s_, placement), m)
         if kind == B:  # the next stage's backward; a fused one (B then W, as one) is done after its W
-            last = (stage, c) == (s_ - 1, v - 1)
-            return (F, stage, m, c) if last else _key(after, _after(stage, c, s_), m)
+            last = _is_last(stage, c, s_, v, placement)
+            return (F, stage, m, c) if last else _key(after, _after(stage, c, s_, placement), m)
         return (B, stage, m, c)
 
     def ready(kind: int, stage: int, m: int, c: int, t: int) -> bool:
@@ -222,7 +299,7 @@ def _place(
                 "or the waiting one later."
             )
     grid = np.asarray(rows, dtype=np.int32)  # [T, S, 3]
-    return Table(schedule, s_, m_, v, grid[..., 0], grid[..., 1], grid[..., 2])
+    return Table(schedule, s_, m_, v, grid[..., 0], grid[..., 1], grid[..., 2], placement)
 
 
 _TOKEN = re.compile(r"([FBW])(\d+)(?:\.(\d+))?")
@@ -249,7 +326,8 @@ def parse_table(text: str, name: str = "custom") -> Table:
     stage's actions in the order it runs them: ``F3`` (the forward of microbatch 3), ``B3`` (its backward to the
     stage's input), ``W3`` (to the stage's weights), ``F3.1`` (chunk 1 of the stage's layers, with chunks: chunk
     ``c`` of stage ``s`` holds the layers ``(c*S + s)*Lps ...``, so a microbatch runs chunk c on stages 0 .. S-1,
-    then chunk c + 1). ``.`` (an idle tick of a printed :class:`Table`) and lines starting with ``#`` are skipped.
+    then chunk c + 1; after a line ``placement: v`` the odd chunks run back down, :data:`PLACEMENTS`, as ZB-V's).
+    ``.`` (an idle tick of a printed :class:`Table`) and lines starting with ``#`` are skipped.
     Each action is placed on the first tick its inputs exist, in its stage's order (``str`` of the result prints
     the ticks; ``parse_table(str(table))`` gives ``table`` back). ``Pipeline(M, schedule=table)`` runs it.
 
@@ -258,7 +336,13 @@ def parse_table(text: str, name: str = "custom") -> Table:
         F or W before its B; orders that wait on each other (the tick, the stages and what each waits for).
     """
     orders: list[list[tuple[int, int, int]]] = []
+    placement = "loop"
     for line in text.splitlines():
+        if line.strip().startswith("placement:"):
+            placement = line.split(":", 1)[1].strip()
+            if placement not in PLACEMENTS:
+                raise ValueError(f"pipeline table: placement {placement!r} is not one of {PLACEMENTS}.")
+            continue
         line = line.split(":", 1)[1] if line.strip().startswith("stage") and ":" in line else line
         if not line.strip() or line.strip().startswith("#"):
             continue
@@ -295,4 +379,4 @@ def parse_table(text: str, name: str = "custom") -> Table:
                 f"pipeline table, stage {s}: lacks {', '.join(_action(*a, v) for a in missing[:6])}: every stage "
                 f"runs F, B and W of each of the {m_} microbatches" + (f" and {v} chunks." if v > 1 else ".")
             )
-    return _place(name, len(orders), m_, v, orders, None, split=True)
+    return _place(name, len(orders), m_, v, orders, None, split=True, placement=placement)

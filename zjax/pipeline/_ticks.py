@@ -36,6 +36,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ..comm import Reduction, shard_reads
@@ -175,14 +176,19 @@ def _tick_loop(
         """The stage output's cotangent: ``dy`` for ``h``, the loss scale for the loss term."""
         return dy if tally is None else (dy, (scale, sums_zero))
 
-    ring = cfg.repeats > 1
-    fwd_pairs = [(i, (i + 1) % stages) for i in range(stages if ring else stages - 1)]
-    bwd_pairs = [((i + 1) % stages, i) for i in range(stages if ring else stages - 1)]
+    ring = cfg.repeats > 1 and tab.placement == "loop"
+    pairs = {  # the channels' pp neighbours (_slots.UP, DOWN)
+        _slots.UP: [(i, (i + 1) % stages) for i in range(stages if ring else stages - 1)],
+        _slots.DOWN: [((i + 1) % stages, i) for i in range(stages if ring else stages - 1)],
+    }
+    # which channel brings inputs (x) and which output gradients (g): in a loop forwards go up and backwards down
+    carries = {b: [ch for ch in range(3) if np.any(r[..., ch] != n)] for b, r, n in (("x", plan.recv_x, plan.n_x),
+               ("g", plan.recv_g, plan.n_g))}  # fmt: skip
     stage = jax.lax.axis_index(PP)
     columns = {
         "kind": tab.kind, "micro": tab.micro, "chunk": tab.chunk, "recv_x": plan.recv_x, "recv_g": plan.recv_g,
         "read_x": plan.read_x, "read_g": plan.read_g, "read_r": plan.read_r, "store_x": plan.store_x,
-        "store_g": plan.store_g, "store_r": plan.store_r, "first": plan.first, "last": plan.last,
+        "store_g": plan.store_g, "store_r": plan.store_r, "first": plan.first, "last": plan.last, "send": plan.send,
     }  # fmt: skip
     xs = {k: jnp.asarray(v) for k, v in columns.items()}
 
@@ -245,11 +251,23 @@ def _tick_loop(
     # indexed by _schedule.IDLE, F, B, W; each action's ops named for the planner's FLOPs per action
     branches = [idle] + [_named(f, a) for f, a in zip((forward, backward, weights), _schedule.ACTIONS[1:], strict=True)]
 
+    def send(row: Any, y: jax.Array, dx: jax.Array) -> list[jax.Array]:
+        """The messages on the channels (up, down, self) that the stages read on the next tick."""
+        if tab.placement == "loop":  # a forward's output goes up, a backward's down
+            outs = [y, dx, None]
+        else:  # in a V either goes either way (or stays, at the turn); an action makes one of them
+            out = y + dx
+            outs = [jnp.where(row["send"] == ch, out, jnp.zeros_like(out)) for ch in range(3)]
+        msgs = [jax.lax.ppermute(o, PP, pairs[ch]) if pairs[ch] else h_zero for ch, o in enumerate(outs[:2])]
+        return [*msgs, h_zero if outs[2] is None else outs[2]]
+
     def tick(carry, columns):
-        xbuf, gbuf, rbuf, fmsg, bmsg, acc = carry
+        xbuf, gbuf, rbuf, msgs, acc = carry
         row = jax.tree.map(lambda a: a[stage], columns)
-        xbuf = xbuf.at[row["recv_x"]].set(fmsg)
-        gbuf = gbuf.at[row["recv_g"]].set(bmsg)
+        for ch in carries["x"]:
+            xbuf = xbuf.at[row["recv_x"][ch]].set(msgs[ch])
+        for ch in carries["g"]:
+            gbuf = gbuf.at[row["recv_g"][ch]].set(msgs[ch])
         mb, sd = jax.tree.map(lambda a: a[row["micro"]], (mbs, sides))
         wc = jax.tree.map(lambda a: a[row["chunk"]], w)
         y, dx, x_new, dy_new, rbuf, acc = jax.lax.switch(
@@ -257,9 +275,7 @@ def _tick_loop(
         )
         xbuf = xbuf.at[row["store_x"]].set(x_new)
         gbuf = gbuf.at[row["store_g"]].set(dy_new)
-        fmsg = jax.lax.ppermute(y, PP, fwd_pairs) if fwd_pairs else h_zero
-        bmsg = jax.lax.ppermute(dx, PP, bwd_pairs) if bwd_pairs else h_zero
-        return (xbuf, gbuf, rbuf, fmsg, bmsg, acc), None
+        return (xbuf, gbuf, rbuf, send(row, y, dx), acc), None
 
     per_chunk = None
     if tally is not None:
@@ -269,8 +285,7 @@ def _tick_loop(
         jnp.zeros((plan.n_x + 1, *probe.shape), probe.dtype),  # + 1: the scratch slot
         jnp.zeros((plan.n_g + 1, *probe.shape), probe.dtype),
         [jnp.zeros((plan.n_r, *a.shape), a.dtype) for a in stash.kept],
-        h_zero,
-        h_zero,
+        [h_zero] * 3,
         acc,
     )
     with nn.logical_axis_rules(()):  # the model's activation constraints do not apply per stage
