@@ -69,8 +69,19 @@ def test_every_schedule_and_stage_computes_the_one_device_objective_on_packed_ro
     _check(plan, FOUR, want)
 
 
+@pytest.mark.slow  # the grid runs ZB-V at pp=2 (four layers make two chunks of one layer per stage there)
+def test_zb_v_at_pp4_with_fewer_microbatches_than_stages():
+    """ZB-V on dp=2 x pp=4 at stage 3 with eight layers and 2 microbatches (fewer than the stages: the V's turn and
+    the loss on stage 0 with most ticks idle) equals the one-device objective."""
+    eight = dataclasses.replace(TINY, layers=8)
+    batch = uneven_batch(ROWS, eight)
+    pipe = zjax.Pipeline(2, repeats=2, schedule="zb-v")
+    _check(zjax.Plan(zjax.make_mesh(dp=2, pp=4), stage=3, precision="fp32", pipeline=pipe), eight,
+           (batch, *reference(eight, batch)))  # fmt: skip
+
+
 OTHERS = {
-    # the gathering modes of stage 3, the whole-gradient region (reduce_dtype), tp, HSDP, and cp in both modes
+    # the gathering modes of stage 3, the whole-gradient region (reduce_dtype), tp, HSDP, offload, cp in both modes
     "chunk": ({"dp": 4, "pp": 2}, {"stage": 3, "pipeline": zjax.Pipeline(4, repeats=2, zero3_gather="chunk")}, None),
     "reduce-fp32": ({"dp": 4, "pp": 2}, {"stage": 3, "reduce_dtype": "float32", "pipeline": zjax.Pipeline(4)}, None),
     "layer-tp": ({"dp": 2, "pp": 2, "tp": 2}, {"stage": 3, "pipeline": zjax.Pipeline(4, zero3_gather="layer")}, None),
@@ -79,6 +90,11 @@ OTHERS = {
     ),
     "tp-1f1b": ({"dp": 2, "pp": 2, "tp": 2}, {"stage": 3, "pipeline": zjax.Pipeline(4, schedule="1f1b")}, None),
     "hsdp-1f1b": ({"dp": (2, 1), "pp": 4}, {"stage": 2, "pipeline": zjax.Pipeline(8, schedule="1f1b")}, None),
+    "offload-zb-v": (
+        {"dp": 4, "pp": 2},
+        {"stage": 3, "offload": "optimizer+params", "pipeline": zjax.Pipeline(4, 2, schedule="zb-v")},
+        None,
+    ),
     "cp-ring": ({"dp": 2, "pp": 2, "cp": 2}, {"stage": 2, "pipeline": zjax.Pipeline(4, repeats=2)}, "ring"),
     # the ring inside a table schedule's branches (on XLA:CPU its steps move K/V by all-gathers there)
     "cp-ring-zero-bubble": (
@@ -93,8 +109,9 @@ OTHERS = {
 @pytest.mark.slow  # fast budget: the grid's zb-v case runs every engine piece but these options
 @pytest.mark.parametrize("name", list(OTHERS))
 def test_gathering_modes_reductions_and_context_parallelism_in_a_pipeline(want, name):
-    """The grid's other options: stage 3's chunk and layer gathers, reduce_dtype, tp, HSDP (replica=2 x pp=4), and
-    cp (the ring inside a table schedule runs its steps as all-gathers on XLA:CPU)."""
+    """The grid's other options: stage 3's chunk and layer gathers, reduce_dtype, tp, HSDP (replica=2 x pp=4),
+    ZeRO-Offload (optimizer and parameters in host memory) and cp (the ring inside a table schedule runs its steps
+    as all-gathers on XLA:CPU)."""
     mesh, kw, mode = OTHERS[name]
     cfg = FOUR if mode is None else dataclasses.replace(FOUR, context_mode=mode)
     _check(zjax.Plan(zjax.make_mesh(**mesh), precision="fp32", **kw), cfg, want)
