@@ -347,7 +347,7 @@ def _tied_per_rank(
 def _pipelined_sum(
     cfg: DecoderConfig, params: Any, inputs: jax.Array, targets: jax.Array, weights: jax.Array,
     vocab_chunk: int | None, balanced: bool, side: dict | None,
-) -> jax.Array:  # fmt: skip
+) -> tuple[jax.Array, Any]:  # fmt: skip
     """The weighted loss sum of a decoder run whole through :func:`zjax.pipeline.loss` (the table
     schedules): the embedding on stage 0, the final norm, head and cross-entropy on the last stage; ``side``
     the per-token arrays every stage reads (positions, segment ids). Returns ``(sum, None)``; for a mixture of

@@ -75,7 +75,7 @@ def loss(
         term = jnp.asarray(tally(sums, inputs), jnp.float32)
         value = jnp.asarray(last(params, y, inputs), jnp.float32) + term
         return value, jax.lax.stop_gradient((term, sums))
-    if cfg is None or not cfg.tabled and tally is None:
+    if cfg is None or (not cfg.tabled and tally is None):
         h = first(params, inputs)
         y = apply(stage_fn, layers, h, cfg, side=side, split_over=split_over)
         return jnp.asarray(last(params, y, inputs), jnp.float32)
