@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from .. import comm, pipeline
 from ..context import check_sequence, context_size, load_balance
-from ..experts._dispatch import local_experts
+from ..experts import local_experts
 from ..remat import RematPolicy, linen_scan, nested_scan
 from ..sharding import EP
 from ._block import Block, _constrain, _region

@@ -23,8 +23,8 @@ from jax.sharding import PartitionSpec as P
 from .. import comm, pipeline
 from ..context import context_size, load_balance
 from ..core import LossSum, Variables
-from ..experts._dispatch import local_experts
-from ..sharding._axes import DATA_AXES, EP, PP
+from ..experts import local_experts
+from ..sharding import DATA_AXES, EP, PP
 from ..sharding._mesh import in_manual_data_axes
 from ._config import DecoderConfig
 from ._decoder import MOE_STATS, pipeline_stage_fn

@@ -16,8 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ..experts import EXCHANGES, GROUPED, expert_mlp
-from ..experts._dispatch import experts_held
+from ..experts import EXCHANGES, GROUPED, expert_mlp, experts_held
 from ..sharding import DP, EP
 from ._params import param
 
