@@ -172,6 +172,19 @@ def schedule_table(schedule: str, stages: int, microbatches: int, chunks: int = 
     return _place(schedule, s_, m_, v, orders, caps if defer else None)
 
 
+def _need(
+    kind: int, s: int, m: int, c: int, s_: int, v: int, placement: str, after: int
+) -> tuple[int, int, int, int] | None:
+    """The action whose result the action ``kind`` of microbatch ``m`` on chunk ``c`` of stage ``s`` reads: a forward
+    the previous chunk's forward, a B the backward of the chunk it feeds (``after``: B, or W where B and W are one
+    backward pass, done after its W), the last layers' B their own forward, a W its B."""
+    if kind == F:
+        return None if (s, c) == (0, 0) else _key(F, _before(s, c, s_, placement), m)
+    if kind == B:
+        return (F, s, m, c) if _is_last(s, c, s_, v, placement) else _key(after, _after(s, c, s_, placement), m)
+    return (B, s, m, c)
+
+
 def _zb_v(s_: int, m_: int, v: int) -> Table:
     """ZB-V (Qi et al. 2024): two chunks per stage in a V (:data:`PLACEMENTS`), F, B and W apart, placed greedily
     tick by tick: each stage runs a ready B (the oldest microbatch), else a forward (the later chunk first) while
@@ -186,14 +199,9 @@ def _zb_v(s_: int, m_: int, v: int) -> Table:
     rows: list[list[tuple[int, int, int]]] = []
 
     def ready(kind: int, s: int, m: int, c: int, t: int) -> bool:
-        if m >= m_:
+        if m >= m_ or (kind == B and done.get((F, s, m, c), t) >= t):
             return False
-        if kind == F:
-            needed = None if (s, c) == (0, 0) else _key(F, _before(s, c, s_, "v"), m)
-        else:
-            needed = (F, s, m, c) if _is_last(s, c, s_, v, "v") else _key(B, _after(s, c, s_, "v"), m)
-            if done.get((F, s, m, c), t) >= t:
-                return False
+        needed = _need(kind, s, m, c, s_, v, "v", B)
         return needed is None or done.get(needed, t) < t
 
     while len(done) < 3 * s_ * m_ * v:
@@ -247,12 +255,7 @@ def _place(
     after = B if caps is not None or split else W
 
     def need(kind: int, stage: int, m: int, c: int) -> tuple[int, int, int, int] | None:
-        if kind == F:
-            return None if (stage, c) == (0, 0) else _key(F, _before(stage, c, s_, placement), m)
-        if kind == B:  # the next stage's backward; a fused one (B then W, as one) is done after its W
-            last = _is_last(stage, c, s_, v, placement)
-            return (F, stage, m, c) if last else _key(after, _after(stage, c, s_, placement), m)
-        return (B, stage, m, c)
+        return _need(kind, stage, m, c, s_, v, placement, after)
 
     def ready(kind: int, stage: int, m: int, c: int, t: int) -> bool:
         needed = need(kind, stage, m, c)
