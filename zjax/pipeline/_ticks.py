@@ -165,8 +165,13 @@ def _tick_loop(
     side0 = jax.tree.map(lambda a: a[0], sides)
     with nn.logical_axis_rules(()):
         stash = Stash.of(saving, chunk, probe, side0)
-        out = jax.eval_shape(lambda w, x, sd: call_stage(stage_fn, w, x, sd), chunk, probe, side0)
-    sums_zero = None if tally is None else _zeros(out[1][1])
+        # the sums' shapes (a tallied stage's only: the stage is traced abstractly once more for them)
+        out = (
+            None
+            if tally is None
+            else jax.eval_shape(lambda w, x, sd: call_stage(stage_fn, w, x, sd), chunk, probe, side0)
+        )
+    sums_zero = None if out is None else _zeros(out[1][1])
 
     def output(y: Any) -> tuple[jax.Array, jax.Array, Any]:
         """The stage's output: ``(h, its loss term, its sums)``."""
