@@ -21,11 +21,10 @@ CFG = DecoderConfig(vocab=256, embed=128, layers=2, heads=4, head_dim=32, mlp=51
 TOKENS = np.random.RandomState(0).randint(0, CFG.vocab, (8, CFG.max_len + 1)).astype(np.int32)
 
 
-def _decoder_step(hpz: bool, precision: str = "bf16", quantized_comm: str | None = None, **plan_kw):
+def _decoder_step(hpz: bool, precision: str = "bf16", quantized_comm: str | None = None, mesh_shape=None, **plan_kw):
     model = Decoder(CFG)
-    plan = zjax.Plan(
-        zjax.make_mesh(dp=(2, 4)), stage=3, precision=precision, hpz=hpz, quantized_comm=quantized_comm, **plan_kw
-    )
+    mesh = zjax.make_mesh(**(mesh_shape or {}), dp=(2, 4 // (mesh_shape or {}).get("pp", 1)))
+    plan = zjax.Plan(mesh, stage=3, precision=precision, hpz=hpz, quantized_comm=quantized_comm, **plan_kw)
     init = lambda r: model.init(r, jnp.zeros((1, CFG.max_len), jnp.int32))["params"]  # noqa: E731
     state = plan.init(init, optax.adamw(1e-3), jax.random.key(0))
     return plan, state, plan.train_step(lambda p, b: lm_loss(model, p, b)), plan.shard_batch(TOKENS)
@@ -139,6 +138,20 @@ def test_hpz_with_quantized_weights_crosses_nodes_as_int8():
     assert across.get("s8", 0) > 0 and "f32" in across, moved
     assert across.get("bf16", 0) < across["s8"] / 4, across  # measured: 16,384 bf16 bytes vs 147,616 int8
     assert {axes for (k, _, loop, axes) in moved if k == "all-gather" and loop} == {("dp",)}, moved
+
+
+@pytest.mark.slow  # a Decoder compile under 1F1B
+def test_hpz_under_a_table_schedule_crosses_nodes_once_and_gathers_each_layer_inside_the_node():
+    """hpZ with qwZ under 1F1B (stage 3's per-layer gathers in the tick loop), replica=2 x dp=2 x pp=2: the parameters
+    cross ``replica`` once per step as int8, before the loop; every gather inside the loop runs over ``dp`` alone, in
+    bf16 (the node's shards are bf16 once across). The numbers: tests/test_pipeline_objective.py's hpz case."""
+    pipe = zjax.Pipeline(2, schedule="1f1b")
+    plan, state, step, batch = _decoder_step(True, quantized_comm="weights", pipeline=pipe, mesh_shape={"pp": 2})
+    moved = _moved(plan, partitioned_hlo(step.lower(state, batch))[1])
+    gathers = {(d, loop, axes) for (k, d, loop, axes) in moved if k == "all-gather"}
+    assert ("s8", False, ("replica",)) in gathers, gathers
+    assert {axes for _, loop, axes in gathers if loop} == {("dp",)}, gathers
+    assert {d for d, loop, _ in gathers if loop} == {"bf16"}, gathers
 
 
 @pytest.mark.slow  # two Decoder compiles and runs

@@ -90,6 +90,10 @@ OTHERS = {
     ),
     "tp-1f1b": ({"dp": 2, "pp": 2, "tp": 2}, {"stage": 3, "pipeline": zjax.Pipeline(4, schedule="1f1b")}, None),
     "hsdp-1f1b": ({"dp": (2, 1), "pp": 4}, {"stage": 2, "pipeline": zjax.Pipeline(8, schedule="1f1b")}, None),
+    # hpZ: the node's shards gathered across replica once per step, each layer inside the tick loop over dp
+    "hpz-1f1b": (
+        {"dp": (2, 2), "pp": 2}, {"stage": 3, "hpz": True, "pipeline": zjax.Pipeline(4, schedule="1f1b")}, None
+    ),
     "offload-zb-v": (
         {"dp": 4, "pp": 2},
         {"stage": 3, "offload": "optimizer+params", "pipeline": zjax.Pipeline(4, 2, schedule="zb-v")},
@@ -109,7 +113,7 @@ OTHERS = {
 @pytest.mark.slow  # fast budget: the grid's zb-v case runs every engine piece but these options
 @pytest.mark.parametrize("name", list(OTHERS))
 def test_gathering_modes_reductions_and_context_parallelism_in_a_pipeline(want, name):
-    """The grid's other options: stage 3's chunk and layer gathers, reduce_dtype, tp, HSDP (replica=2 x pp=4),
+    """The grid's other options: stage 3's chunk and layer gathers, reduce_dtype, tp, HSDP (replica=2 x pp=4), hpZ,
     ZeRO-Offload (optimizer and parameters in host memory) and cp (the ring inside a table schedule runs its steps
     as all-gathers on XLA:CPU)."""
     mesh, kw, mode = OTHERS[name]

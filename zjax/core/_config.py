@@ -160,8 +160,6 @@ class PlanConfig:
             if not self.stage.shard_parameters
             else f"{REPLICA}={axis_size(self.mesh, REPLICA)} (hpZ keeps a shard per node: the mesh needs replica > 1)"
             if axis_size(self.mesh, REPLICA) < 2
-            else "a pipeline"
-            if self.pipeline is not None
             else f"offload={offload.name!r}"
             if offload.enabled
             else f"{CP}={axis_size(self.mesh, CP)}"
@@ -174,7 +172,7 @@ class PlanConfig:
             raise ValueError(
                 f"Plan: hpz=True (ZeRO++'s hierarchical partitioning: stage 3's state split over {REPLICA} x {DP}, "
                 f"the per-layer weight gathers inside a node) is supported at stage 3 on a mesh with "
-                f"{REPLICA} > 1, without a pipeline, offload, {CP} or {EP}; not with {problem}. "
+                f"{REPLICA} > 1, without offload, {CP} or {EP}; not with {problem}. "
                 f"Use hpz=False (HSDP: state split over {DP} alone)."
             )
 

@@ -52,6 +52,7 @@ def placing(plan: PlanConfig, layout: StateLayout) -> contextlib.ExitStack:
     the wire of a pipeline's chunk gathers."""
     stack = contextlib.ExitStack()
     if plan.stage.shard_parameters:
-        stack.enter_context(quantizing(plan.weights_wire, plan.grads_wire))
+        # hpZ: qwZ crosses nodes once per step (compute_params); a pipeline's gathers inside a node stay unquantized
+        stack.enter_context(quantizing(None if plan.hpz else plan.weights_wire, plan.grads_wire))
         stack.enter_context(comm.use(layout.params.placements, plan.read_wire))
     return stack
