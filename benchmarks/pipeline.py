@@ -2,7 +2,7 @@
 
     python benchmarks/pipeline.py [--json runs/pipeline.json] [--gpu-target h100] [--schedules-only]
 
-First, one row per schedule (GPipe, circular, 1F1B, interleaved 1F1B, zero-bubble) at M = 8 and 32
+First, one row per schedule (GPipe, circular, 1F1B, interleaved 1F1B, zero-bubble, ZB-V) at M = 8 and 32
 microbatches of two 128-token sequences (the example's small preset, dp=2 x pp=4, ZeRO-3, bf16): the
 bubble of the table the step runs (in ticks, and in time: each tick as long as its longest action, by the
 actions' FLOPs), compiled temporaries and peak per device, dp and pp bytes per step, FLOPs per step (loops
@@ -158,7 +158,7 @@ def gpu_table(target: str) -> list[dict]:
     return out
 
 
-SCHEDULES = (("gpipe", 1), ("gpipe", 2), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 1))
+SCHEDULES = (("gpipe", 1), ("gpipe", 2), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 1), ("zb-v", 2))
 SMALL_8 = DecoderConfig(max_len=128, layers=8)  # the small preset, deepened (as the example does) for 2 chunks/stage
 
 

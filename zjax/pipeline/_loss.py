@@ -103,13 +103,13 @@ def loss(
 
     placement = cfg.table(stages).placement
 
-    def table_run(layers, ep, inputs, scale, side):
+    def table_run(layers, ep, inputs, scale, side, forward_only=False):
         stacked = by_visit(layers, cfg.repeats, stages, placement)
         split = split_leaves(split_over, len(jax.tree.leaves(layers)))
         value, dw, dep, sums = _ticks.run(
-            staged, first, last, cfg, stacked, ep, inputs, scale, side, dims, keep, tally, split
+            staged, first, last, cfg, stacked, ep, inputs, scale, side, dims, keep, tally, split, forward_only
         )
-        dw = natural(dw, placement)
+        dw = None if forward_only else natural(dw, placement)
         out = value if tally is None else (value, (sums[0], natural(sums[1], placement)))
         return out, (dw, dep)
 
@@ -120,7 +120,7 @@ def loss(
             scan = dataclasses.replace(cfg, schedule="gpipe", zero3_gather="step")
             h = apply(stage_fn, layers, first(ep, inputs), scan, side=side, split_over=split_over)
             return jnp.asarray(last(ep, h, inputs), jnp.float32)
-        return table_run(layers, ep, inputs, scale, side)[0]
+        return table_run(layers, ep, inputs, scale, side, forward_only=True)[0]  # the table's forwards alone
 
     def fwd(layers, ep, inputs, scale, side):
         value, grads = table_run(layers, ep, inputs, scale, side)

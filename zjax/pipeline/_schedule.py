@@ -78,6 +78,15 @@ class Table:
         live = np.cumsum(self.kind == F, axis=0) - np.cumsum(self.kind == W, axis=0)
         return np.max(live, axis=0)
 
+    def forwards(self) -> Table:
+        """The table's forwards alone, each stage's in its order, placed again on the first ticks their inputs exist
+        (an evaluation's schedule: nothing is differentiated, so nothing waits for a backward pass)."""
+        orders = [
+            [(F, int(self.micro[t, s]), int(self.chunk[t, s])) for t in range(self.ticks) if self.kind[t, s] == F]
+            for s in range(self.stages)
+        ]
+        return _place(self.schedule, self.stages, self.microbatches, self.chunks, orders, None, False, self.placement)
+
     def __str__(self) -> str:
         rows = [
             " ".join(

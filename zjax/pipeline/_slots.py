@@ -83,16 +83,19 @@ def slots(tab: Table, keep: Keep = "B") -> Slots:
     is_first = lambda s, c: s == 0 and c == 0  # noqa: E731
     is_last = lambda s, c: _is_last(s, c, s_, v, where)  # noqa: E731
     lives: list[tuple[list, list, list]] = [([], [], []) for _ in range(s_)]  # x, g, r intervals per stage
-    for (kind, s, m, c), t in at.items():
-        if kind != W:
+    for (kind, s, m, c), t_f in at.items():
+        if kind != F:
             continue
-        t_f, t_b = at[(F, s, m, c)], at[(B, s, m, c)]
         # an input from its arrival (a first stage's from its own forward) until the action that last reads it
         x_start = t_f if is_first(s, c) else at[_key(F, _before(s, c, s_, where), m)] + 1
+        if (W, s, m, c) not in at:  # a table of forwards alone (Table.forwards): no gradient, no residuals
+            lives[s][0].append((x_start, t_f, (m, c)))
+            continue
+        t_b, t_w = at[(B, s, m, c)], at[(W, s, m, c)]
         g_start = t_f if is_last(s, c) else at[_key(B, _after(s, c, s_, where), m)] + 1
         lives[s][0].append((x_start, t_f if keep == "F" else t_b, (m, c)))
-        lives[s][1].append((g_start, t, (m, c)))
-        lives[s][2].append((t_f if keep == "F" else t_b, t, (m, c)))
+        lives[s][1].append((g_start, t_w, (m, c)))
+        lives[s][2].append((t_f if keep == "F" else t_b, t_w, (m, c)))
     colours = [tuple(_colour(iv) for iv in stage) for stage in lives]
     n_x, n_g = (max([1] + [stage[i][1] for stage in colours]) for i in (0, 1))
     n_r = max([0] + [stage[2][1] for stage in colours])
@@ -109,16 +112,17 @@ def slots(tab: Table, keep: Keep = "B") -> Slots:
     for (kind, s, m, c), t in at.items():
         (x_of, _), (g_of, _), (r_of, _) = colours[s]
         first[t, s], last[t, s] = is_first(s, c), is_last(s, c)
-        read_x[t, s], read_r[t, s] = x_of[(m, c)], r_of[(m, c)]
+        backward = (m, c) in g_of  # not in a table of forwards alone
+        read_x[t, s], read_r[t, s] = x_of[(m, c)], r_of.get((m, c), 0)
         if kind != F:
             read_g[t, s] = g_of[(m, c)]
-        if kind == (F if keep == "F" else B):
+        if kind == (F if keep == "F" else B) and backward:
             store_r[t, s] = r_of[(m, c)]
         if kind == F:
             if is_first(s, c):
                 store_x[t, s] = x_of[(m, c)]
             if is_last(s, c):
-                store_g[t, s] = g_of[(m, c)]
+                store_g[t, s] = g_of[(m, c)] if backward else n_g
             else:
                 nxt, nc = _after(s, c, s_, where)  # the stage (and chunk) that reads it receives it at t + 1
                 send[t, s] = channel(s, nxt, F)

@@ -16,7 +16,7 @@ microbatches in flight, not the number of microbatches.
 The gradients are made in the forward pass (the schedule interleaves F, B and W), so :func:`loss` is a
 ``custom_vjp`` whose backward pass only scales them by the loss's cotangent. They are seeded with
 :func:`seed` (the train step's loss scale) so that fp16 loss scaling protects them as it protects the
-GPipe engine's. Without differentiation (``eval_step``) the loss runs the forward-only scan engine.
+GPipe engine's. Without differentiation (``eval_step``) the loss runs GPipe's scan, or the table's forwards alone.
 
 The data axes are manual here. With ``zero3_gather="step"`` every data-parallel rank keeps whole weights
 and whole gradients for the step (gathered over ``dp`` once at the start at stages 2 and 3, reduced once at
@@ -140,7 +140,7 @@ def _zeros(tree: Any, dtype: Any = None) -> Any:
 def _tick_loop(
     stage_fn: Callable, first: Callable, last: Callable, cfg: Pipeline, stages: int,
     w: Any, ep: Any, inputs: Any, scale: jax.Array, side: Any = None, keep: tuple[Keep, Callable] | None = None,
-    tally: Callable | None = None,
+    tally: Callable | None = None, forward_only: bool = False,
 ) -> tuple:  # fmt: skip
     """One device's part of the schedule (inside the manual region): ``w`` its chunks ``[v, Lps, ...]``, ``ep``
     (the parameters ``first`` and ``last`` read) whole, ``inputs`` its rows. Returns ``(loss, dw, dep, sums)``
@@ -149,11 +149,12 @@ def _tick_loop(
     back from, and the stage function whose pullback they are (:func:`zjax.pipeline.scan_layers` says).
     ``tally``: the stage returns ``(h, sums)`` (per-layer sums ``[Lps, ...]``) and ``tally(sums, mb)`` is the
     microbatch's loss term of them, part of ``loss`` and differentiated with it; ``sums`` is then ``(the terms'
-    sum, the sums per chunk [v, Lps, ...])`` over the microbatches (``None`` without ``tally``)."""
+    sum, the sums per chunk [v, Lps, ...])`` over the microbatches (``None`` without ``tally``). ``forward_only``
+    (an evaluation): the table's forwards alone (:meth:`Table.forwards`); ``dw`` and ``dep`` are then ``None``."""
     mode, saving = keep or ("F", stage_fn)
     if tally is not None:  # the stage's sums: the loss term of the microbatch's own, and the sums themselves
         stage_fn, saving = _tallied(stage_fn, tally), _tallied(saving, tally)
-    tab = cfg.table(stages)
+    tab = cfg.table(stages).forwards() if forward_only else cfg.table(stages)
     plan = _slots.slots(tab, mode)
     m_ = cfg.microbatches
     mbs, sides = jax.tree.map(lambda a: a.reshape(m_, a.shape[0] // m_, *a.shape[1:]), (inputs, side))
@@ -166,12 +167,8 @@ def _tick_loop(
     with nn.logical_axis_rules(()):
         stash = Stash.of(saving, chunk, probe, side0)
         # the sums' shapes (a tallied stage's only: the stage is traced abstractly once more for them)
-        out = (
-            None
-            if tally is None
-            else jax.eval_shape(lambda w, x, sd: call_stage(stage_fn, w, x, sd), chunk, probe, side0)
-        )
-    sums_zero = None if out is None else _zeros(out[1][1])
+        out: Any = tally and jax.eval_shape(lambda w, x, sd: call_stage(stage_fn, w, x, sd), chunk, probe, side0)
+    sums_zero = None if tally is None else _zeros(out[1][1])
 
     def output(y: Any) -> tuple[jax.Array, jax.Array, Any]:
         """The stage's output: ``(h, its loss term, its sums)``."""
@@ -209,7 +206,7 @@ def _tick_loop(
 
     def forward(row, mb, sd, wc, x, dy, rbuf, acc):
         x = jax.lax.cond(row["first"], _ends(lambda: first(ep, mb).astype(h_zero.dtype)), lambda: x)
-        if mode == "F":  # the forward keeps what the remat policy saves
+        if mode == "F" and not forward_only:  # the forward keeps what the remat policy saves
             y, pull = pullback(saving, wc, x, sd)
             rbuf = keep_res(rbuf, row, pull, wc)
         else:
@@ -221,9 +218,11 @@ def _tick_loop(
             dep, dy = pull(scale.astype(value.dtype))
             return value.astype(jnp.float32), jax.tree.map(lambda a: a.astype(jnp.float32), dep), dy
 
-        value, dep, dy = jax.lax.cond(
-            row["last"], _ends(with_loss), lambda: (jnp.float32(0), _zeros(ep, jnp.float32), jnp.zeros_like(y))
-        )
+        def with_loss_only():  # an evaluation's
+            return jnp.asarray(last(ep, y, mb), jnp.float32), None, jnp.zeros_like(y)
+
+        ends, none = (with_loss_only, None) if forward_only else (with_loss, _zeros(ep, jnp.float32))
+        value, dep, dy = jax.lax.cond(row["last"], _ends(ends), lambda: (jnp.float32(0), none, jnp.zeros_like(y)))
         loss, dw, dep_acc, sums_acc = acc
         if sums is not None:  # (the loss terms, the sums per chunk)
             sums_acc = (sums_acc[0] + term, jax.tree.map(lambda a, s: a.at[row["chunk"]].add(s), sums_acc[1], sums))
@@ -253,8 +252,10 @@ def _tick_loop(
         dw = jax.tree.map(lambda a, g: a.at[c].add(g.astype(a.dtype)), dw, dwc)
         return h_zero, h_zero, h_zero, h_zero, rbuf, (loss, dw, dep, sums_acc)
 
-    # indexed by _schedule.IDLE, F, B, W; each action's ops named for the planner's FLOPs per action
-    branches = [idle] + [_named(f, a) for f, a in zip((forward, backward, weights), _schedule.ACTIONS[1:], strict=True)]
+    # indexed by _schedule.IDLE, F, B, W (a table of forwards alone runs no B or W); each action's ops named for the
+    # planner's FLOPs per action
+    actions = zip((forward, backward, weights)[: 1 if forward_only else 3], _schedule.ACTIONS[1:], strict=False)
+    branches = [idle] + [_named(f, a) for f, a in actions]
 
     def send(row: Any, y: jax.Array, dx: jax.Array) -> list[jax.Array]:
         """The messages on the channels (up, down, self) that the stages read on the next tick."""
@@ -285,7 +286,8 @@ def _tick_loop(
     per_chunk = None
     if tally is not None:
         per_chunk = (jnp.float32(0), jax.tree.map(lambda a: jnp.zeros((cfg.repeats, *a.shape), a.dtype), sums_zero))
-    acc = (jnp.float32(0), _zeros(w, jnp.float32), _zeros(ep, jnp.float32), per_chunk)
+    grads = (None, None) if forward_only else (_zeros(w, jnp.float32), _zeros(ep, jnp.float32))
+    acc = (jnp.float32(0), *grads, per_chunk)
     carry: tuple = (
         jnp.zeros((plan.n_x + 1, *probe.shape), probe.dtype),  # + 1: the scratch slot
         jnp.zeros((plan.n_g + 1, *probe.shape), probe.dtype),
@@ -301,7 +303,7 @@ def _tick_loop(
 def run(
     stage_fn: Callable, first: Callable, last: Callable, cfg: Pipeline, stacked: Any, ep: Any, inputs: Any,
     scale: jax.Array, side: Any = None, dims: list[int | None] | None = None, keep: tuple[Keep, Callable] | None = None,
-    tally: Callable | None = None, split: list[dict[int, str] | None] | None = None,
+    tally: Callable | None = None, split: list[dict[int, str] | None] | None = None, forward_only: bool = False,
 ) -> tuple:  # fmt: skip
     """The schedule over the mesh: ``(loss, dw, dep, sums)`` with ``stacked`` leaves ``[R, S, Lps, ...]``;
     gradients seeded with ``scale``, accumulated in fp32 on each rank and summed over the ranks in the
@@ -320,7 +322,7 @@ def run(
     weight's experts over ``ep``): it enters as that axis's shard and is copied over the other data axes only.
 
     ``tally`` (:func:`zjax.pipeline.loss`'s): ``sums`` is ``(the loss terms' sum, the per-layer sums [R, S, Lps,
-    ...])`` over every microbatch and rank (``None`` without it)."""
+    ...])`` over every microbatch and rank (``None`` without it). ``forward_only``: as for :func:`_tick_loop`."""
     sizes = dict(jax.sharding.get_abstract_mesh().shape)
     stages = sizes.get(PP, 1)
     data = data_axes_here(sizes)
@@ -364,17 +366,18 @@ def run(
         w = jax.tree.map(lambda a: a[0, :, 0], w)  # [R, Lps, ...]: this stage's chunks
         ep = jax.tree.map(lambda a: a[0], ep)
         loss, dw, dep, sums = _tick_loop(
-            stage_fn, first, last, cfg, stages, w, ep, rows[0], scale, rows[1], keep, tally
+            stage_fn, first, last, cfg, stages, w, ep, rows[0], scale, rows[1], keep, tally, forward_only
         )
         if sums is not None:  # the terms per rank; the sums over the data ranks, [R, 1, Lps, ...] per stage
             per_layer = jax.tree.map(lambda a: (jax.lax.psum(a, data) if data else a)[:, None], sums[1])
             sums = (sums[0][None], per_layer)
         return loss[None], jax.tree.map(lambda a: a[None, :, None], dw), jax.tree.map(lambda a: a[None], dep), sums
 
+    grad_specs = (None, None) if forward_only else (w_spec, ep_spec)
     loss, dw, dep, sums = jax.shard_map(
         body,
         in_specs=(w_spec, ep_spec, in_rows, P()),
-        out_specs=(P(every), w_spec, ep_spec, None if tally is None else (P(every), P(None, PP))),
+        out_specs=(P(every), *grad_specs, None if tally is None else (P(every), P(None, PP))),
         axis_names={*data, PP},
         check_vma=False,
     )(w_in, ep_in, (inputs, side), scale)
@@ -392,4 +395,4 @@ def run(
         return jax.tree.map(one, tree, like)
 
     sums = None if sums is None else (jnp.sum(sums[0]), sums[1])
-    return jnp.sum(loss), total(dw, stacked), total(dep, ep), sums
+    return jnp.sum(loss), *((None, None) if forward_only else (total(dw, stacked), total(dep, ep))), sums
