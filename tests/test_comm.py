@@ -262,14 +262,14 @@ def _run(mesh_axes, stage, steps=3, cfg=CFG, accum=2, **plan_kw):
     )
     step = plan.train_step(lambda p, b: lm_loss(model, p, b), accum_steps=accum)
     batch = plan.shard_batch(np.random.RandomState(0).randint(0, cfg.vocab, (16, 33)).astype(np.int32))
-    _, hlo = partitioned_hlo(step.lower(state, batch))
+    compiled, hlo = partitioned_hlo(step.lower(state, batch))  # the program the steps below run, compiled once
     sizes = dict(plan.mesh.shape)
     # parameters per tp rank: what each data-parallel group reduces
     placements = state.layout.params.placements
     local = sum(np.prod(p.leaf.shape) / np.prod([sizes[a] for a in spec_axes(p.compute)]) for p in placements)
     losses = []
     for _ in range(steps):
-        state, metrics = step(state, batch)
+        state, metrics = compiled(state, batch)
         losses.append(float(metrics["loss"]))
     return losses, jax.device_get(state.opt_state.master), hlo, local
 

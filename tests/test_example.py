@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from .test_train_example import recorded
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--preset", "tiny", "--steps", "4", "--seq-len", "32", "--batch-size", "16", "--no-progress"]
 
@@ -22,15 +24,25 @@ def run_example(tmp_path: Path, name: str, *flags: str) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.slow  # two runs of the script (its determinism: the recorded losses of test_train_example.py)
-def test_metrics_schema_and_offload(tmp_path):
-    a = run_example(tmp_path, "a", "--stage", "3", "--mesh", "dp=8", "--seed", "1")
+@pytest.mark.slow  # three runs of the script (its determinism: the recorded losses of test_train_example.py)
+def test_metrics_schema_offload_and_a_compilation_cache_that_serves_a_restarted_run(tmp_path):
+    """The metrics file's schema; ``--compilation-cache DIR``: the first run writes its compiled programs there, a
+    second run of the same job finds every one of them (it adds no entry) and trains to the same losses; with the
+    optimizer and the parameters offloaded the run trains to the same bits."""
+    cache = tmp_path / "xla_cache"
+    flags = ("--stage", "3", "--mesh", "dp=8", "--seed", "1")
+    a = run_example(tmp_path, "a", *flags, "--compilation-cache", str(cache))
     assert a["stage"] == 3 and a["mesh"] == {"replica": 1, "dp": 8, "ep": 1, "cp": 1, "tp": 1, "pp": 1}
     assert len(a["losses"]) == 4 and all(isinstance(x, float) for x in a["losses"])
     assert set(a["state_bytes_per_device"]) == {"theory", "compiled"}
     assert a["state_bytes_per_device"]["compiled"] == pytest.approx(a["state_bytes_per_device"]["theory"], rel=0.01)
     assert isinstance(a["temp_bytes_per_device"], int) and a["temp_bytes_per_device"] > 0
-    c = run_example(tmp_path, "c", "--stage", "3", "--mesh", "dp=8", "--seed", "1", "--offload", "optimizer+params")
+    entries = sorted(p.name for p in cache.iterdir())
+    assert entries
+    second = run_example(tmp_path, "second", *flags, "--compilation-cache", str(cache))
+    assert sorted(p.name for p in cache.iterdir()) == entries
+    assert second["losses"] == a["losses"]
+    c = run_example(tmp_path, "c", *flags, "--offload", "optimizer+params")
     assert c["offload"] == "optimizer+params" and a["offload"] == "none"
     assert c["losses"] == a["losses"]  # every parameter of the small preset fits in one chunk: the same bits
 
@@ -132,11 +144,14 @@ def test_logs_evaluates_and_profiles(tmp_path):
 @pytest.mark.slow  # five runs of the script end to end
 def test_resume_on_another_mesh_and_process_count_sees_the_same_batches(tmp_path):
     """Stopped at step 3 and resumed on dp=4 x tp=2, and stopped in 2 processes and resumed in 1: the
-    same batches and losses as the straight run (fp32)."""
+    same batches and losses as the straight run (fp32). The stopped run and the resumed one in 1 process are
+    tests/train_loop_baseline.json's recorded commands (stage3_fp32_stop_at_3, stage3_fp32_resumed): their losses
+    are the recorded ones (within 1%, test_train_example.py's tolerance across CPUs)."""
     flags = ["--precision", "fp32", "--stage", "3", "--steps", "6", "--save-every", "3"]
     straight = run_example(tmp_path, "straight", *flags)
     ckpt = str(tmp_path / "ckpt")
-    run_example(tmp_path, "first", *flags, "--stop-at", "3", "--checkpoint-dir", ckpt)
+    first = run_example(tmp_path, "first", *flags, "--stop-at", "3", "--checkpoint-dir", ckpt)
+    recorded(first["losses"], "stage3_fp32_stop_at_3")
     resumed = run_example(tmp_path, "resumed", *flags, "--mesh", "dp=4,tp=2", "--checkpoint-dir", ckpt, "--resume")
     np.testing.assert_allclose(resumed["losses"], straight["losses"][3:], rtol=1e-5)
     # 2 processes x 4 devices read disjoint rows of the same global batches: the same losses as 1 x 8; their
@@ -149,19 +164,8 @@ def test_resume_on_another_mesh_and_process_count_sees_the_same_batches(tmp_path
     np.testing.assert_allclose(json.loads(out.read_text())["losses"], straight["losses"][:3], rtol=1e-5)
     alone = run_example(tmp_path, "alone", *flags, "--checkpoint-dir", ckpt2, "--resume")
     np.testing.assert_allclose(alone["losses"], straight["losses"][3:], rtol=1e-5)
-
-
-@pytest.mark.slow  # two runs of the script
-def test_compilation_cache_serves_a_restarted_run(tmp_path):
-    """``--compilation-cache DIR``: the first run writes its compiled programs there; a second run of the same
-    job finds every one of them (it adds no entry) and trains to the same losses."""
-    cache = tmp_path / "xla_cache"
-    first = run_example(tmp_path, "first", "--compilation-cache", str(cache))
-    entries = sorted(p.name for p in cache.iterdir())
-    assert entries
-    second = run_example(tmp_path, "second", "--compilation-cache", str(cache))
-    assert sorted(p.name for p in cache.iterdir()) == entries
-    assert second["losses"] == first["losses"]
+    assert alone["resumed_from"] == 3
+    recorded(alone["losses"], "stage3_fp32_resumed")
 
 
 def test_evaluation_does_not_change_the_training_rows():

@@ -30,25 +30,6 @@ def _decoder_step(hpz: bool, precision: str = "bf16", quantized_comm: str | None
     return plan, state, plan.train_step(lambda p, b: lm_loss(model, p, b)), plan.shard_batch(TOKENS)
 
 
-@pytest.mark.slow  # the fast 7B figure tests read hpZ's bytes across and inside nodes from the GPU compiler
-def test_hpz_gathers_across_nodes_once_per_step_and_every_layer_inside_the_node():
-    """The Decoder on replica=2 x dp=4 with hpZ: the state is split over all 8 ranks, the parameters cross
-    ``replica`` before the layer loop, and every gather inside it stays within ``dp``."""
-    plan, state, step, batch = _decoder_step(True)
-    held = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.params))
-    assert held * 8 == sum(x.nbytes for x in jax.tree.leaves(state.params))  # every leaf split 8 ways
-    _, hlo = partitioned_hlo(step.lower(state, batch))
-    gathers = [
-        (c.in_loop, spanned_axes(c.groups, dict(plan.mesh.shape))) for c in collectives(hlo) if c.kind == "all-gather"
-    ]
-    assert {axes for loop, axes in gathers if loop} == {("dp",)}, gathers
-    assert (False, ("replica",)) in gathers
-    hsdp = zjax.Plan(plan.mesh, stage=3)  # the other layout: a step of one refuses a state of the other
-    with pytest.raises(ValueError, match="hpz=True, but this step's plan .* hpz=False; call state = plan.reshard"):
-        hsdp.train_step(lambda p, b: 0.0)(state, batch)
-    assert hsdp.reshard(state).layout.params.hierarchical is False
-
-
 @pytest.mark.slow  # four Decoder compiles; the fast suite checks hpZ's layout and gathers
 def test_hpz_splits_the_state_over_every_rank_gathers_across_nodes_once_and_trains_like_hsdp():
     """The Decoder on replica=2 x dp=4 in fp32 (so that only the order of sums differs): with hpZ the state is
@@ -128,18 +109,6 @@ def _moved(plan, hlo) -> Counter:
     return out
 
 
-@pytest.mark.slow  # a Decoder compile; the 7B figure test below reads the same layout's bytes
-def test_hpz_with_quantized_weights_crosses_nodes_as_int8():
-    """qwZ + hpZ: the once-per-step gather across nodes moves int8 blocks with fp32 scales (no bf16 weights left
-    on it but a few small leaves); the per-layer gathers inside the node stay bf16 over ``dp``."""
-    plan, state, step, batch = _decoder_step(True, quantized_comm="weights")
-    moved = _moved(plan, partitioned_hlo(step.lower(state, batch))[1])
-    across = {d: b for (k, d, loop, axes), b in moved.items() if k == "all-gather" and axes == ("replica",)}
-    assert across.get("s8", 0) > 0 and "f32" in across, moved
-    assert across.get("bf16", 0) < across["s8"] / 4, across  # measured: 16,384 bf16 bytes vs 147,616 int8
-    assert {axes for (k, _, loop, axes) in moved if k == "all-gather" and loop} == {("dp",)}, moved
-
-
 @pytest.mark.slow  # a Decoder compile under 1F1B
 def test_hpz_under_a_table_schedule_crosses_nodes_once_and_gathers_each_layer_inside_the_node():
     """hpZ with qwZ under 1F1B (stage 3's per-layer gathers in the tick loop), replica=2 x dp=2 x pp=2: the parameters
@@ -178,36 +147,28 @@ def test_hpz_reduces_in_fp32_inside_the_node_and_across_nodes_as_hsdp_does():
     np.testing.assert_allclose(runs[True][1], runs[False][1], rtol=2e-5)
 
 
-@pytest.mark.slow  # a Decoder compile; the 7B figure test below reads the same plan's bytes across nodes
-def test_hpz_with_quantized_gradients_reduces_inside_the_node_then_across_nodes_as_int8():
-    """ZeRO++'s three together (hpZ, qwZ, qgZ): each layer's gradient is summed inside the node (an int8
-    all-to-all over ``dp``) and its node shard across nodes (an int8 all-to-all over ``replica``); the node shards
-    cross ``replica`` as int8 once per microbatch; no collective spans nodes and GPUs at once but the loss's
-    scalars, and no gradient crosses in bf16."""
-    plan, state, step, batch = _decoder_step(True, quantized_comm="weights+grads")
-    moved = _moved(plan, partitioned_hlo(step.lower(state, batch))[1])
-    # inside the node per layer (the layer loop); across nodes once per microbatch (one: no loop around it)
-    assert moved["all-to-all", "s8", True, ("dp",)] > 0 and moved["all-to-all", "s8", False, ("replica",)] > 0, moved
-    assert moved["all-gather", "s8", False, ("replica",)] > 0
-    assert not [key for key in moved if key[2] and "replica" in key[3]], moved
-    both = {key: b for key, b in moved.items() if key[3] == ("replica", "dp")}
-    assert sum(both.values()) <= 128, both  # (the loss and the gradient norm)
-    assert not [key for key in moved if key[0] in ("reduce-scatter", "all-to-all") and key[1] == "bf16"], moved
-    # across nodes, each parameter's node shard twice, as int8 (its gather and its gradient's all-to-all, one byte
-    # a value), and the scales (one fp32 per block of at most 256)
-    across = sum(b for key, b in moved.items() if key[3] == ("replica",))
-    node_shard = sum(x.size for x in jax.tree.leaves(state.params)) // 4  # parameters per node shard (dp=4)
-    assert 2 * node_shard <= across <= 2 * node_shard * 1.06, (across, node_shard)
-
-
-@pytest.mark.slow  # three Decoder compiles and runs
+@pytest.mark.slow  # three Decoder compiles and runs; the 7B figure tests read the same plans' bytes in the fast suite
 def test_hpz_with_quantized_collectives_trains_like_hpz_and_cuts_the_bytes_across_nodes():
-    """int8 across nodes: qwZ's gather moves about half of bf16 hpZ's gather bytes; with qgZ too, the step moves
-    about a fifth of its bytes across nodes (the gradients no longer reduce over all ranks at once); three steps
-    follow hpZ's bf16 losses within the blocks' rounding (measured: 1.1e-4 and 2.5e-4 relative)."""
+    """The Decoder on replica=2 x dp=4 with hpZ, in bf16 alone, with qwZ and with qwZ + qgZ (ZeRO++'s three), each
+    program compiled once for its collectives and its three steps.
+
+    hpZ: the state is split over all 8 ranks, the parameters cross ``replica`` before the layer loop, every gather
+    inside it stays within ``dp``; a step of the HSDP plan refuses hpZ's state and names ``plan.reshard``.
+    qwZ: the once-per-step gather across nodes moves int8 blocks with fp32 scales (no bf16 weights left on it but a
+    few small leaves), about half of bf16 hpZ's gather bytes; the per-layer gathers inside the node stay over ``dp``.
+    qwZ + qgZ: each layer's gradient is summed inside the node (an int8 all-to-all over ``dp``) and its node shard
+    across nodes (an int8 all-to-all over ``replica``); the node shards cross ``replica`` as int8 once per
+    microbatch; no collective spans nodes and GPUs at once but the loss's scalars, no gradient crosses in bf16, and
+    the step moves about a fifth of hpZ's bytes across nodes (the gradients no longer reduce over all ranks at
+    once). Three steps follow hpZ's bf16 losses within the blocks' rounding (measured: 1.1e-4 and 2.5e-4
+    relative)."""
     runs = {}
     for q in (None, "weights", "weights+grads"):
         plan, state, step, batch = _decoder_step(True, quantized_comm=q)
+        if q is None:
+            held = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.params))
+            assert held * 8 == sum(x.nbytes for x in jax.tree.leaves(state.params))  # every leaf split 8 ways
+        node_shard = sum(x.size for x in jax.tree.leaves(state.params)) // 4  # parameters per node shard (dp=4)
         compiled, hlo = partitioned_hlo(step.lower(state, batch))
         moved = _moved(plan, hlo)
         across = (
@@ -218,7 +179,36 @@ def test_hpz_with_quantized_collectives_trains_like_hpz_and_cuts_the_bytes_acros
         for _ in range(3):
             state, metrics = compiled(state, batch)
             losses.append(float(metrics["loss"]))
-        runs[q] = across, losses
+        if q is None:
+            hsdp = zjax.Plan(plan.mesh, stage=3)  # the other layout: a step of one refuses a state of the other
+            refused = "hpz=True, but this step's plan .* hpz=False; call state = plan.reshard"
+            with pytest.raises(ValueError, match=refused):
+                hsdp.train_step(lambda p, b: 0.0)(state, batch)
+            assert hsdp.reshard(state).layout.params.hierarchical is False
+        runs[q] = across, losses, moved, node_shard
+    # hpZ alone: every gather inside the layer loop over dp, the parameters across replica outside it
+    moved = runs[None][2]
+    assert {axes for (k, _, loop, axes) in moved if k == "all-gather" and loop} == {("dp",)}, moved
+    assert any(k == "all-gather" and not loop and axes == ("replica",) for (k, _, loop, axes) in moved), moved
+    # qwZ
+    moved = runs["weights"][2]
+    gathered = {d: b for (k, d, loop, axes), b in moved.items() if k == "all-gather" and axes == ("replica",)}
+    assert gathered.get("s8", 0) > 0 and "f32" in gathered, moved
+    assert gathered.get("bf16", 0) < gathered["s8"] / 4, gathered  # measured: 16,384 bf16 bytes vs 147,616 int8
+    assert {axes for (k, _, loop, axes) in moved if k == "all-gather" and loop} == {("dp",)}, moved
+    # qwZ + qgZ: inside the node per layer (the layer loop); across nodes once per microbatch (one: no loop around it)
+    moved, node_shard = runs["weights+grads"][2], runs["weights+grads"][3]
+    assert moved["all-to-all", "s8", True, ("dp",)] > 0 and moved["all-to-all", "s8", False, ("replica",)] > 0, moved
+    assert moved["all-gather", "s8", False, ("replica",)] > 0
+    assert not [key for key in moved if key[2] and "replica" in key[3]], moved
+    both = {key: b for key, b in moved.items() if key[3] == ("replica", "dp")}
+    assert sum(both.values()) <= 128, both  # (the loss and the gradient norm)
+    assert not [key for key in moved if key[0] in ("reduce-scatter", "all-to-all") and key[1] == "bf16"], moved
+    # across nodes, each parameter's node shard twice, as int8 (its gather and its gradient's all-to-all, one byte
+    # a value), and the scales (one fp32 per block of at most 256)
+    crossing = sum(b for key, b in moved.items() if key[3] == ("replica",))
+    assert 2 * node_shard <= crossing <= 2 * node_shard * 1.06, (crossing, node_shard)
+    # the bytes across nodes against bf16 hpZ's, and the losses
     assert runs["weights"][0][0] < 0.6 * runs[None][0][0], runs  # the gather across nodes (measured 0.52x)
     assert runs["weights+grads"][0][1] < 0.3 * runs[None][0][1], runs  # all bytes across nodes (measured 0.22x)
     for q in ("weights", "weights+grads"):

@@ -20,6 +20,7 @@ import zjax
 from zjax.models import MLA, Decoder, DecoderConfig, YarnScaling, lm_loss
 
 from ._objective import applied, initial, reference, relative, uneven_batch
+from .test_gpu_plan import _figure
 
 LATENT = MLA(kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12)
 TINY_MLA = DecoderConfig(vocab=64, embed=64, layers=2, heads=4, head_dim=16, mlp=128, max_len=16, mla=LATENT)
@@ -118,32 +119,25 @@ def test_latent_attention_computes_the_one_device_objective(name):
     assert abs(float(metrics["loss"]) - loss) <= 3e-5 * loss
 
 
-def _attention_cp_volume(cfg: DecoderConfig) -> dict[str, int]:
-    """Attention's collective volume per kind at cp=8 (stage 0): the all-gather mode's less the ring's (whose
-    keys and values travel by permutes; every other collective of the two programs is the same)."""
-    volume = {}
-    for mode in ("all-gather", "ring"):
-        est = zjax.planner.estimate(
-            dataclasses.replace(cfg, context_mode=mode), mesh={"cp": 8}, stages=(0,), batch_size=1, precision="fp32"
-        )
-        volume[mode] = est.rows[0].comm.volume
-    kinds = ("all-gather", "reduce-scatter", "all-reduce")
-    return {k: volume["all-gather"][k] - volume["ring"][k] for k in kinds}
-
-
-@pytest.mark.slow  # four compiles (benchmarks/mla_context.py's figure, in the docs' check, is the same count)
 def test_under_cp_the_ranks_gather_the_latent_not_the_keys_and_values():
-    """cp=8, all-gather mode: MLA's collectives over cp move the latent and the rotated key part (24 values per
-    token here): gathered forward and in the recompute, its cotangent summed once. A grouped-query model whose
-    keys and values are as wide (16 heads of 24 + 24) moves them instead: more than 20x the bytes."""
-    wide = MLA(kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
-    cfg = DecoderConfig(vocab=64, embed=64, layers=1, heads=16, head_dim=24, mlp=64, max_len=16, mla=wide)
-    latent = _attention_cp_volume(cfg)
-    whole = 16 * (16 + 8) * 4  # bytes of the whole sequence's latent and rotated key part
-    assert latent == {"all-gather": 2 * whole, "reduce-scatter": 0, "all-reduce": 2 * whole}, latent
-    keys_values = _attention_cp_volume(dataclasses.replace(cfg, mla=None))
-    assert keys_values["all-gather"] == 2 * 16 * 16 * (24 + 24) * 4, keys_values
-    assert sum(latent.values()) * 20 <= sum(keys_values.values()), (latent, keys_values)
+    """cp=8, all-gather mode, one DeepSeek-V3-shaped layer over a 4,096-token sequence, read from the figure on
+    docs/concepts/experts.md (benchmarks/mla_context.py: the planner's collective volume over cp per kind, the
+    all-gather mode's less the ring's; recomputed by CI's docs/figures.py --check): MLA's collectives over cp move
+    the latent and the rotated key part (512 + 64 values per token, bf16), gathered forward and in the recompute,
+    its cotangent summed once. A grouped-query layer whose keys and values are as wide (128 heads of 192 + 192)
+    moves them instead: more than 20x the bytes."""
+    text = _figure("docs/concepts/experts.md", "benchmarks/mla_context.py --cp 8 --seq 4096")
+    rows = {}  # mla / gqa -> (gather, scatter, all-reduce, total), MB per device per step
+    for line in text.splitlines():
+        cells = line.split("|")
+        if len(cells) == 3 and cells[0].startswith(("mla", "gqa")):
+            rows[cells[0][:3]] = tuple(float(x) for x in cells[1].split())
+    assert set(rows) == {"mla", "gqa"}, text
+    seq, mb, printed = 4096, 1e6, 0.005  # the figure's MB, to two decimals
+    whole = seq * (512 + 64) * 2 / mb  # the whole sequence's latent and rotated key part
+    assert rows["mla"][:3] == pytest.approx((2 * whole, 0.0, 2 * whole), abs=printed), rows
+    assert rows["gqa"][0] == pytest.approx(2 * seq * 128 * (192 + 192) * 2 / mb, abs=printed), rows
+    assert rows["mla"][3] * 20 <= rows["gqa"][3], rows
 
 
 def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:

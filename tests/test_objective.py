@@ -40,7 +40,8 @@ class Case:
 
 CASES = {
     "stage0": Case({"dp": 8}, {"stage": 0}),
-    "stage1": Case({"dp": 8}, {"stage": 1}, slow=True),  # without accumulation the program of stage 2
+    # stage 1 is no path of its own: without accumulation it compiles to stage 2's program, with accumulation it
+    # takes stage 0's per-rank region (stage0-accum4); docs/concepts/objective.md's first block runs it (accum 2)
     "stage2": Case({"dp": 8}, {"stage": 2}),
     "stage3": Case({"dp": 8}, {"stage": 3}),
     # accumulation at stage 0 reduces once per step in zjax's region; at stage 2 GSPMD reduces per microbatch

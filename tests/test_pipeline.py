@@ -501,13 +501,31 @@ def gather_modes():
     }
 
 
-@pytest.mark.slow  # two circular-schedule compiles (the fixture): the slow step
-def test_per_use_gathering_cuts_temp_memory(gather_modes):
-    """Gathering per use inside the loop: temp < 0.6 x gathering once per step, the same state."""
+@pytest.mark.slow  # two circular-schedule compiles (the fixture, read by this test alone): the slow step
+def test_per_use_gathering_cuts_temp_memory_and_moves_the_gathers_into_the_loop(gather_modes):
+    """Gathering per use inside the loop: temp < 0.6 x gathering once per step, the same state. Gathering once per
+    step puts no gather and no dp reduction in the loop; gathering per use puts both there, over dp only. Both keep
+    the loop's permutes over pp and never gather over pp."""
     step, layer = (gather_modes[g][4].memory_analysis() for g in ("step", "layer"))
     print(f"temp: step {step.temp_size_in_bytes / 2**20:.2f} MiB, layer {layer.temp_size_in_bytes / 2**20:.2f} MiB")
     assert layer.temp_size_in_bytes < 0.6 * step.temp_size_in_bytes
     assert layer.argument_size_in_bytes == step.argument_size_in_bytes
+    for gather, (plan, *_, hlo) in gather_modes.items():
+        ops = loop_collectives(plan, hlo)
+        gathers = [axes for c, axes in ops if c.kind == "all-gather"]
+        dp_reductions = [axes for c, axes in ops if c.kind in ("all-reduce", "reduce-scatter") and "dp" in axes]
+        permutes = [axes for c, axes in ops if c.kind == "collective-permute"]
+        assert 0 < len(permutes) <= 4 and set(permutes) == {("pp",)}
+        if gather == "step":
+            assert not gathers and not dp_reductions
+        else:
+            assert gathers and set(gathers) == {("dp",)}
+            assert dp_reductions and set(dp_reductions) == {("dp",)}
+        assert not [
+            c
+            for c in collectives(hlo)
+            if c.kind == "all-gather" and "pp" in spanned_axes(c.groups, dict(plan.mesh.shape))
+        ]
 
 
 def peak(mesh_kw, stage, cfg, model=WIDE):
@@ -530,28 +548,23 @@ def test_default_mode_stage_3_and_2_peak_below_stage_1(schedule):
 
 
 @pytest.mark.slow
-def test_remat_policy_changes_pipeline_temps_as_without_a_pipeline():
-    """The stage's layers run as a scan rematerialized by the model's policy: saving everything ("none")
-    costs more temp than saving layer inputs only ("full"), with a pipeline as without one."""
-    temps = {}
+def test_remat_policy_changes_pipeline_temps_and_the_program_is_flat_in_layers_per_stage():
+    """The stage's layers run as a scan rematerialized by the model's policy: saving everything ("none") costs more
+    temp than saving layer inputs only ("full"), with a pipeline as without one. And 4x the layers per stage: the
+    same HLO size (one scan per stage), so compile time does not grow with it."""
+    temps, lines = {}, []
     for remat in ("none", "full"):
         model = dataclasses.replace(WIDE, remat=remat)
         for name, mesh_kw, cfg in (("pp", MESHES["dp2_pp4"], Pipeline(4)), ("no pp", {"dp": 8}, None)):
-            compiled = compiled_step(mesh_kw, 3, cfg, model=model)[4]
+            compiled, hlo = compiled_step(mesh_kw, 3, cfg, model=model)[4:]
             temps[name, remat] = compiled.memory_analysis().temp_size_in_bytes
+            if (name, remat) == ("pp", "full"):  # WIDE's own remat: its 8 layers, 2 per stage
+                lines.append(len(hlo.splitlines()))
     print({k: f"{v / 2**20:.2f} MiB" for k, v in temps.items()})
     for name in ("pp", "no pp"):
         assert temps[name, "none"] > 1.2 * temps[name, "full"]
-
-
-@pytest.mark.slow
-def test_program_flat_in_layers_per_stage():
-    """4x the layers per stage: the same HLO size (one scan per stage), so compile time does not grow with it."""
-    lines = []
-    for layers in (8, 32):
-        model = dataclasses.replace(WIDE, layers=layers)
-        hlo = compiled_step(MESHES["dp2_pp4"], 3, Pipeline(4), model=model)[5]
-        lines.append(len(hlo.splitlines()))
+    hlo = compiled_step(MESHES["dp2_pp4"], 3, Pipeline(4), model=dataclasses.replace(WIDE, layers=32))[5]
+    lines.append(len(hlo.splitlines()))
     assert lines[1] <= 1.02 * lines[0], lines
 
 
@@ -564,28 +577,6 @@ def test_partitioned_remat_is_refused_under_a_pipeline():
 def loop_collectives(plan, hlo):
     shape = dict(plan.mesh.shape)
     return [(c, spanned_axes(c.groups, shape)) for c in collectives(hlo) if c.in_loop]
-
-
-@pytest.mark.slow
-def test_per_use_gathering_hlo(gather_modes):
-    """Gathering once per step puts no gather and no dp reduction in the loop; gathering per use puts
-    both there, over dp only. Both keep the loop's permutes over pp and never gather over pp."""
-    for gather, (plan, *_, hlo) in gather_modes.items():
-        ops = loop_collectives(plan, hlo)
-        gathers = [axes for c, axes in ops if c.kind == "all-gather"]
-        dp_reductions = [axes for c, axes in ops if c.kind in ("all-reduce", "reduce-scatter") and "dp" in axes]
-        permutes = [axes for c, axes in ops if c.kind == "collective-permute"]
-        assert 0 < len(permutes) <= 4 and set(permutes) == {("pp",)}
-        if gather == "step":
-            assert not gathers and not dp_reductions
-        else:
-            assert gathers and set(gathers) == {("dp",)}
-            assert dp_reductions and set(dp_reductions) == {("dp",)}
-        assert not [
-            c
-            for c in collectives(hlo)
-            if c.kind == "all-gather" and "pp" in spanned_axes(c.groups, dict(plan.mesh.shape))
-        ]
 
 
 @pytest.mark.slow

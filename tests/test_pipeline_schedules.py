@@ -112,6 +112,31 @@ def test_zb_v_keeps_1f1bs_memory_at_about_half_zero_bubbles_bubble(stages):
         pipeline.parse_table("placement: w\nF0 B0 W0")
 
 
+@pytest.mark.parametrize("stages", [2, 4])
+def test_an_evaluation_runs_each_tables_forwards_alone(stages):
+    """Without differentiation (``eval_step``) a table schedule runs its forwards alone (``Table.forwards``): each
+    once, after the forward it reads, as early as that allows (a loop of chunks in GPipe's forward ticks, v*M + S - 1;
+    a V in 2M + 2S - 2), with no buffer for a gradient or a residual."""
+    s_ = stages
+    for name, v, m_ in (("1f1b", 1, 2 * s_), ("interleaved-1f1b", 2, 2 * s_), ("zero-bubble", 1, 3), ("zb-v", 2, 5)):
+        tab = schedule_table(name, s_, m_, v).forwards()
+        assert set(np.unique(tab.kind)) <= {0, F}, name
+        at = {
+            (s, int(tab.micro[t, s]), int(tab.chunk[t, s])): t
+            for t in range(tab.ticks)
+            for s in range(s_)
+            if tab.kind[t, s]
+        }
+        assert len(at) == s_ * m_ * v == int(np.sum(tab.kind == F)), name
+        for (s, m, c), t in at.items():
+            if (s, c) != (0, 0):
+                src = _reads(s, c, s_, tab.placement)
+                assert at[(src[0], m, src[1])] < t, (name, s, m, c)
+        assert tab.ticks == (v * m_ + s_ - 1 if tab.placement == "loop" else 2 * m_ + 2 * s_ - 2), name
+        plan = slots(tab, "F")
+        assert plan.n_r == 0 and plan.n_g == 1 and (plan.store_r == -1).all(), name
+
+
 def test_the_bubble_in_time_weighs_each_tick_by_its_longest_action():
     """Lockstep ticks: a tick lasts as long as its longest action; a stage idles through the rest of it."""
     one = schedule_table("1f1b", 4, 8)
@@ -223,9 +248,9 @@ def test_no_action_runs_the_forward_again_unless_asked(remat, recompute, b, w):
     with jax.set_mesh(mesh):
         reference = jax.jit(jax.grad(lambda p, t: toy_loss(p, t, Pipeline(4))))(params, TOKENS)
         run = jax.jit(jax.grad(lambda p, t: toy_loss(p, t, cfg, fn)))
-        for got, want in zip(jax.tree.leaves(run(params, TOKENS)), jax.tree.leaves(reference), strict=True):
+        compiled, hlo = partitioned_hlo(run.lower(params, TOKENS))  # its FLOPs below and its gradients: one compile
+        for got, want in zip(jax.tree.leaves(compiled(params, TOKENS)), jax.tree.leaves(reference), strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(want))))
-        _, hlo = partitioned_hlo(run.lower(params, TOKENS))
     tab = cfg.table(4)
     _, costs = step_flops(hlo, cfg.microbatches / tab.ticks, 1 / 4)
     unit = 2 * (len(TOKENS) // 2 // cfg.microbatches) * (TOKENS.shape[1] - 1) * E * E * (L // 4)
@@ -591,7 +616,7 @@ def test_a_tied_table_under_1f1b_trains_like_gpipe_and_is_reduced_once():
         plan = zjax.Plan(zjax.make_mesh(dp=2, pp=4), stage=1, precision="fp32", pipeline=cfg)
         state = plan.init(init_fn, optax.sgd(0.1), jax.random.key(0))
         step = plan.train_step(loss_fn)
-        _, hlo = partitioned_hlo(step.lower(state, plan.shard_batch(batch(0))))
+        compiled, hlo = partitioned_hlo(step.lower(state, plan.shard_batch(batch(0))))  # run below: compiled once
         shape = dict(plan.mesh.shape)
         # the reductions that cross pipeline stages with at least half the table (64 x 32 fp32) in them
         table = [
@@ -599,7 +624,7 @@ def test_a_tied_table_under_1f1b_trains_like_gpipe_and_is_reduced_once():
             if c.kind in ("all-reduce", "reduce-scatter") and "pp" in spanned_axes(c.groups, shape)
             and c.bytes >= 64 * 32 * 4 // 2
         ]  # fmt: skip
-        state, metrics = step(state, plan.shard_batch(batch(0)))
+        state, metrics = compiled(state, plan.shard_batch(batch(0)))
         runs[cfg.schedule] = (float(metrics["loss"]), jax.device_get(state.params), len(table))
     np.testing.assert_allclose(runs["1f1b"][0], runs["gpipe"][0], atol=1e-5)
     for got, want in zip(jax.tree.leaves(runs["1f1b"][1]), jax.tree.leaves(runs["gpipe"][1]), strict=True):
