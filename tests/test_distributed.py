@@ -246,12 +246,18 @@ GLOO = "[Gloo] Rank {} is connected to {} peer ranks. Expected number of connect
 
 def test_launch_drops_gloo_connection_lines_even_when_two_share_a_line():
     """Gloo's threads print these unsynchronized (seen in the HSDP example: two messages in one line, the first's
-    count on the next); a process's own lines pass, and a group with a missing peer is kept."""
+    count on the next; in zjax train's two processes: two written into each other word by word); a process's own
+    lines pass, and a whole message with a missing peer is kept."""
     code = (
         "import sys\n"
         f"print({GLOO.format(1, 3, 3)!r})\n"
         f"print({GLOO.format(3, 3, '') + GLOO.format(2, 3, 3)!r})\n"
         "print('3')\n"
+        # two written into each other word by word (seen in zjax train loop.processes=2), the rest on its own line
+        "print('[Gloo] Rank [Gloo] Rank 56 is connected to  is connected to 77 peer ranks. Expected number of "
+        "connected peer ranks is : 7')\n"
+        "print(' peer ranks. Expected number of connected peer ranks is : 7')\n"
+        f"print({GLOO.format(4, 3, 3) + '[Gloo] Rank'!r})\n"
         "print('step 2 loss 5.1786')\n"
         f"print({GLOO.format(0, 2, 3)!r})\n"
         "print('7')\n"

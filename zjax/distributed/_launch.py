@@ -40,9 +40,17 @@ _GLOO = re.compile(
 )
 
 
+# what is left of those lines when two threads wrote them into each other word by word ("[Gloo] Rank [Gloo] Rank 56
+# is connected to  is connected to 77 peer ranks. ...", and the rest on a line of its own): their words and counts
+_GLOO_WORDS = re.compile(
+    r"(?:\s|\d|\[Gloo\] Rank|is connected to|peer ranks\.|Expected number of connected peer ranks is :?)+"
+)
+
+
 class GlooFilter:
     """Drops Gloo's "Rank r is connected to n peer ranks" lines from a process's output, also when two of
-    them were written into one line; keeps any that reports fewer peers than expected."""
+    them were written into one line (whole, or word by word); keeps any whole one that reports fewer peers than
+    expected."""
 
     def __init__(self) -> None:
         self._owed = 0  # messages cut before their expected count, which then arrives on a line of its own
@@ -62,6 +70,8 @@ class GlooFilter:
             return ""
 
         rest = _GLOO.sub(strip, line)
+        if ("[Gloo]" in rest or "peer ranks" in rest) and _GLOO_WORDS.fullmatch(rest.strip()):
+            rest = ""  # pieces of messages written into each other
         if rest == line:
             return line
         text = " ".join([*kept, rest.strip()]).strip()
