@@ -126,21 +126,23 @@ def test_gathering_modes_reductions_and_context_parallelism_in_a_pipeline(want, 
 
 
 @pytest.mark.slow  # fast budget (the suite's 10 minutes)
-@pytest.mark.parametrize("mesh", [{"dp": 2, "ep": 2, "pp": 2}, {"dp": 4, "pp": 2}])
-def test_experts_in_a_pipeline_count_only_the_masked_tokens_of_each_microbatch(mesh):
+@pytest.mark.parametrize(("mesh", "dense"), [({"dp": 2, "ep": 2, "pp": 2}, 0), ({"dp": 4, "pp": 2}, 1)])
+def test_experts_in_a_pipeline_count_only_the_masked_tokens_of_each_microbatch(mesh, dense):
     """The routers' mask (the loss mask) and the packed rows travel with each microbatch: the load-balancing
-    statistics, the gradients and the loss are the one-device model's."""
-    batch = uneven_batch(ROWS, TINY_MOE)
-    model = Decoder(TINY_MOE)
+    statistics, the gradients and the loss are the one-device model's; with DeepSeek's first dense layers too
+    (whole before the first stage)."""
+    cfg = dataclasses.replace(TINY_MOE, layers=TINY_MOE.layers + dense, dense_layers=dense)
+    batch = uneven_batch(ROWS, cfg)
+    model = Decoder(cfg)
 
     def mean(p, b):
         out, aux = lm_loss(model, p, b)
         return out.mean, aux
 
-    (loss, aux), grads = jax.jit(jax.value_and_grad(mean, has_aux=True))(initial(TINY_MOE), batch)
+    (loss, aux), grads = jax.jit(jax.value_and_grad(mean, has_aux=True))(initial(cfg), batch)
     pipe = zjax.Pipeline(4, zero3_gather="step")
     plan = zjax.Plan(zjax.make_mesh(**mesh), stage=3, precision="fp32", pipeline=pipe)
-    got, metrics = applied(plan, TINY_MOE, batch)
+    got, metrics = applied(plan, cfg, batch)
     assert relative(got, jax.tree.map(np.asarray, grads)) <= FP32
     assert abs(float(metrics["loss"]) - float(loss)) <= FP32 * float(loss)
     np.testing.assert_array_equal(metrics["aux"]["expert_tokens"], aux["expert_tokens"])
@@ -165,11 +167,12 @@ def _per_microbatch(cfg, batch, groups):
     return float(loss), jax.tree.map(np.asarray, grads)
 
 
-# (schedule, repeats, mesh, stage, balance_loss); each with 4 microbatches per data rank
+# (schedule, repeats, mesh, stage, balance_loss, dense layers); each with 4 microbatches per data rank
 TABLED_MOE = {
-    "1f1b-dp4-stage1": ("1f1b", 1, {"dp": 4, "pp": 2}, 1, "per-layer"),
-    "zb-v-ep2-stage3": ("zb-v", 2, {"dp": 2, "ep": 2, "pp": 2}, 3, "per-layer"),
-    "interleaved-ep4-per-sequence": ("interleaved-1f1b", 2, {"ep": 4, "pp": 2}, 2, "per-sequence"),
+    "1f1b-dp4-stage1": ("1f1b", 1, {"dp": 4, "pp": 2}, 1, "per-layer", 0),
+    # DeepSeek's first dense layers: on stage 0 after the embedding, in each microbatch's first action
+    "zb-v-ep2-stage3-dense": ("zb-v", 2, {"dp": 2, "ep": 2, "pp": 2}, 3, "per-layer", 1),
+    "interleaved-ep4-per-sequence": ("interleaved-1f1b", 2, {"ep": 4, "pp": 2}, 2, "per-sequence", 0),
 }
 
 
@@ -180,8 +183,9 @@ def test_experts_under_a_table_schedule_weigh_each_microbatchs_routers_losses(na
     microbatch, Megatron-LM's), weighted by its scored tokens as gradient accumulation weighs them: loss and
     gradients equal the one-device objective of the same blocks of rows (the whole batch's routers' losses differ:
     0.2 relative in the gradients), with the experts over ep too; the metrics are the whole batch's sums."""
-    schedule, repeats, mesh, stage, balance = TABLED_MOE[name]
-    cfg = dataclasses.replace(TINY_MOE, layers=2 * repeats, moe=dataclasses.replace(TINY_MOE.moe, balance_loss=balance))
+    schedule, repeats, mesh, stage, balance, dense = TABLED_MOE[name]
+    moe = dataclasses.replace(TINY_MOE.moe, balance_loss=balance)
+    cfg = dataclasses.replace(TINY_MOE, layers=2 * repeats + dense, dense_layers=dense, moe=moe)
     batch = uneven_batch(ROWS, cfg)
     ranks = mesh.get("dp", 1) * mesh.get("ep", 1)
     loss, grads = _per_microbatch(cfg, batch, ranks * 4)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from .. import comm, pipeline
 from ..context import check_sequence, context_size, load_balance
 from ..experts import local_experts
-from ..remat import RematPolicy, linen_scan, nested_scan
+from ..remat import STACKED, RematPolicy, linen_scan, nested_scan
 from ..sharding import EP
 from ._block import Block, _constrain, _region
 from ._config import DecoderConfig
@@ -229,8 +229,9 @@ class Decoder(nn.Module):
         dense = dataclasses.replace(c, moe=None, layers=c.dense_layers, dense_layers=0)
         if c.scan:  # a nested policy's groups are the experts' layers'; these run whole-layer remat
             made = "full" if policy.kind == "nested" else policy
-            stack = linen_scan(Block, c.dense_layers, made, broadcast=True)(dense, load_balanced, name="dense_layers")
-            return stack(x, positions, segment_ids, None)[0]
+            # a stack a pipeline does not split: it runs whole before the first stage
+            stack = linen_scan(Block, c.dense_layers, made, broadcast=True, axis=STACKED)
+            return stack(dense, load_balanced, name="dense_layers")(x, positions, segment_ids, None)[0]
         block = nn.remat(Block, policy=policy.jax_policy()) if policy.remat else Block
         for i in range(c.dense_layers):
             x = block(dense, load_balanced, name=f"layer_{i}")(x, positions, segment_ids)[0]
@@ -268,11 +269,6 @@ def check_unsupported(c: DecoderConfig, schedule: Any) -> None:
             "parameters alone there, and the amax histories (model state) would have to travel with them. "
             "Use matmul='fp8-current' (no state), or pp=1, a non-nested remat policy and no qgZ."
         )  # fmt: skip
-    if c.dense_layers and schedule is not None:
-        raise ValueError(
-            f"Decoder: dense_layers={c.dense_layers} under pipeline parallelism is not supported yet: a "
-            "pipeline's stages split one stack of identical layers. Train with pp=1, or dense_layers=0."
-        )
 
 
 def _overlaps_reductions(c: DecoderConfig, policy: RematPolicy) -> bool:
@@ -321,6 +317,23 @@ def pipeline_stage_fn(
         return h if c.moe is None else (h, stats)
 
     return pipeline.scan_layers(layer, policy, outputs=c.moe is not None)
+
+
+def dense_stage_fn(c: DecoderConfig, load_balanced: bool = False) -> Callable[..., jax.Array] | None:
+    """A table schedule's dense layers (``dense_layers``, DeepSeek's first layers; ``None`` without them):
+    ``fn(stacked, h, side)`` runs them on stage 0 after the embedding, on each microbatch as its first action
+    runs (their parameters travel with the embedding's, whole on every rank for the step)."""
+    if not c.dense_layers:
+        return None
+    one = Block(dataclasses.replace(c, moe=None, layers=c.dense_layers, dense_layers=0), load_balanced)
+
+    def layer(w: Any, h: jax.Array, side: dict) -> jax.Array:
+        positions = side.get("positions")
+        if positions is None and load_balanced:  # each token's index before the balanced permutation
+            positions = load_balance(jnp.arange(h.shape[1], dtype=jnp.int32)[None])
+        return one.apply({"params": w}, h, positions, side.get("segment_ids"))[0]
+
+    return pipeline.scan_layers(layer, "full" if RematPolicy.from_str(c.remat).remat else "none")
 
 
 def output_head(cfg: DecoderConfig, params) -> jax.Array:

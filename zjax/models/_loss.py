@@ -27,7 +27,7 @@ from ..experts import local_experts
 from ..sharding import DATA_AXES, EP, PP
 from ..sharding._mesh import in_manual_data_axes
 from ._config import DecoderConfig
-from ._decoder import MOE_STATS, pipeline_stage_fn
+from ._decoder import MOE_STATS, dense_stage_fn, pipeline_stage_fn
 from ._layers import RMSNorm
 from ._moe import expert_splits, with_moved_biases
 from ._mtp import mtp_rows
@@ -349,16 +349,19 @@ def _pipelined_sum(
     vocab_chunk: int | None, balanced: bool, side: dict | None,
 ) -> tuple[jax.Array, Any]:  # fmt: skip
     """The weighted loss sum of a decoder run whole through :func:`zjax.pipeline.loss` (the table
-    schedules): the embedding on stage 0, the final norm, head and cross-entropy on the last stage; ``side``
-    the per-token arrays every stage reads (positions, segment ids). Returns ``(sum, None)``; for a mixture of
+    schedules): the embedding (and the dense layers, :func:`dense_stage_fn`) on stage 0, the final norm, head
+    and cross-entropy on the last stage; ``side`` the per-token arrays every stage reads (positions, segment
+    ids). Returns ``(sum, None)``; for a mixture of
     experts ``(sum, (its routers' weighted losses, their sums per layer))``: each microbatch's losses (each
     stage's layers' part, :meth:`MoE.layers_loss`) weighted by its share of the count, in ``sum`` too."""
     stage_fn = pipeline_stage_fn(cfg, load_balanced=balanced)
     norm = RMSNorm(cfg.embed, cfg.norm_eps)
-    rows = {"tokens": inputs, "targets": targets, "weights": weights}
+    rows = {"tokens": inputs, "targets": targets, "weights": weights, **({"side": side} if cfg.dense_layers else {})}
+    dense = dense_stage_fn(cfg, balanced)
 
     def first(edge: dict, mb: dict) -> jax.Array:
-        return jnp.take(edge["embedding"], mb["tokens"], axis=0)
+        h = jnp.take(edge["embedding"], mb["tokens"], axis=0)
+        return h if dense is None else dense(edge["dense_layers"], h, mb["side"] or {})
 
     def last(edge: dict, h: jax.Array, mb: dict) -> jax.Array:
         normed = jnp.asarray(norm.apply({"params": edge["final_norm"]}, h))
@@ -367,7 +370,11 @@ def _pipelined_sum(
 
     # the parameters outside the layers, one tree: a tied table's two gradients meet before the reduction; each
     # read as the model reads it (gathered once per step, before the schedule: quantized with qwZ)
-    edge = {k: comm.gathered_tree(params[k], (k,)) for k in ("embedding", "final_norm", "head") if k in params}
+    edge = {
+        k: comm.gathered_tree(params[k], (k,))
+        for k in ("embedding", "dense_layers", "final_norm", "head")
+        if k in params
+    }
     layers = params["layers"]
     schedule = pipeline.current()
     if schedule is None or schedule.zero3_gather != "layer":  # "layer": each stage gathers each layer it applies

@@ -160,15 +160,14 @@ def _tick_loop(
     mbs, sides = jax.tree.map(lambda a: a.reshape(m_, a.shape[0] // m_, *a.shape[1:]), (inputs, side))
     if tally is not None:
         sides = (sides, mbs)
-    probe = jax.eval_shape(first, ep, jax.tree.map(lambda a: a[0], mbs))
-    h_zero = jnp.zeros(probe.shape, probe.dtype)
     chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), w)
     side0 = jax.tree.map(lambda a: a[0], sides)
-    with nn.logical_axis_rules(()):
+    with nn.logical_axis_rules(()):  # as the actions run (the model's activation constraints do not apply)
+        probe = jax.eval_shape(first, ep, jax.tree.map(lambda a: a[0], mbs))
         stash = Stash.of(saving, chunk, probe, side0)
         # the sums' shapes (a tallied stage's only: the stage is traced abstractly once more for them)
         out: Any = tally and jax.eval_shape(lambda w, x, sd: call_stage(stage_fn, w, x, sd), chunk, probe, side0)
-    sums_zero = None if tally is None else _zeros(out[1][1])
+    h_zero, sums_zero = jnp.zeros(probe.shape, probe.dtype), None if tally is None else _zeros(out[1][1])
 
     def output(y: Any) -> tuple[jax.Array, jax.Array, Any]:
         """The stage's output: ``(h, its loss term, its sums)``."""

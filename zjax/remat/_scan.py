@@ -18,16 +18,22 @@ from flax import nnx
 from ._policy import RematPolicy
 
 LAYERS = "layers"
-"""Logical name of the stacked-layer axis (replicated by the default rules)."""
+"""Logical name of the stacked-layer axis (split into pipeline stages by the default rules)."""
+
+STACKED = "stacked"
+"""Logical name of a stack of layers that a pipeline does not split (a decoder's dense layers before its mixture of
+experts' stack, run whole before the first stage): replicated by the default rules."""
 
 
 def linen_scan(
-    block: type[nn.Module], length: int, policy: str | RematPolicy = "full", *, broadcast: bool = False
-) -> Any:
+    block: type[nn.Module], length: int, policy: str | RematPolicy = "full", *, broadcast: bool = False,
+    axis: str = LAYERS,
+) -> Any:  # fmt: skip
     """A linen module class applying ``block`` ``length`` times with ``nn.scan``, remat'ed per layer.
 
     ``block`` is called as ``block(...)(carry, x) -> (carry, y)``; its parameters get a leading axis of
-    size ``length`` named ``layers`` in their logical partitioning metadata. With ``broadcast=True`` the
+    size ``length`` named ``axis`` (:data:`LAYERS`, or :data:`STACKED`) in their logical partitioning metadata.
+    With ``broadcast=True`` the
     arguments after the carry are the same for every layer (``block(...)(carry, *args)``, e.g. positions
     and segment ids) instead of scanned over.
 
@@ -48,7 +54,7 @@ def linen_scan(
         split_rngs={"params": True, "dropout": True},
         in_axes=nn.broadcast if broadcast else 0,
         length=length,
-        metadata_params={nn.PARTITION_NAME: LAYERS},
+        metadata_params={nn.PARTITION_NAME: axis},
     )
 
 

@@ -32,6 +32,7 @@ DEFAULT_LOGICAL_RULES: tuple[tuple[str, AxisTarget], ...] = (
     ("norm", None),
     ("latent", None),  # multi-head latent attention's compressed width (zjax.models.MLA)
     ("layers", PP),  # stacked layers: split into pipeline stages (nothing when pp=1)
+    ("stacked", None),  # a stack no pipeline splits (zjax.remat.STACKED: a decoder's dense layers)
 )
 
 RESIDUAL_SEQ = "residual_seq"

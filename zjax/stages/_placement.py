@@ -6,6 +6,8 @@ import math
 
 from jax.sharding import PartitionSpec
 
+from ..remat import LAYERS, STACKED
+
 
 def _axes(entry: object) -> tuple[str, ...]:
     if entry is None:
@@ -84,8 +86,8 @@ def _split(
     dim_names: tuple[str | None, ...] | None,
 ) -> list[tuple[int, tuple[str, ...]]] | None:
     """Two free dimensions that take ``names[:i]`` and ``names[i:]`` (the largest pair that divides), or ``None``.
-    Never a stack's ``layers`` dimension: a layer scan would gather the whole stack to slice one layer."""
-    free = [d for d, e in enumerate(entries) if e is None and not (dim_names and dim_names[d] == "layers")]
+    Never a stack's layers dimension: a layer scan would gather the whole stack to slice one layer."""
+    free = [d for d, e in enumerate(entries) if e is None and not (dim_names and dim_names[d] in (LAYERS, STACKED))]
     best = None
     for i in range(1, len(names)):
         outer, inner = names[:i], names[i:]

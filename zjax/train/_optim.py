@@ -19,13 +19,15 @@ from typing import Any
 import jax
 import optax
 
+from ..remat import LAYERS, STACKED
+
 OPTIMIZERS = ("adamw", "fused_adamw", "lion", "adafactor", "muon")
 """The optimizers :class:`Optim` builds (``fused_adamw``: zjax's Pallas kernel, :func:`zjax.pallas.fused_adamw`)."""
 SCHEDULES = ("constant", "linear", "cosine", "wsd")
 """Learning-rate schedules, each after a linear warm-up from 0: constant; linear or cosine decay to
 ``lr * min_lr_ratio`` at the last step; warmup-stable-decay (``wsd``: constant, then a linear decay over the last
 ``decay_fraction`` of the steps)."""
-BATCH_AXES = ("layers", "expert")
+BATCH_AXES = (LAYERS, STACKED, "expert")
 """Logical axes that stack independent matrices (Muon orthogonalises each on its own)."""
 
 
