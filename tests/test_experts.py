@@ -408,6 +408,9 @@ def test_bad_configurations_say_what_works():
     with pytest.raises(ValueError, match="balance_loss='pooled'. under the table schedule '1f1b'.*'per-layer'"):
         _refused(pooled, 0, dp=4, pp=2, pipeline=zjax.Pipeline(microbatches=4, schedule="1f1b"))
     # the table schedules run the layers' stack without the model's own call: its refusals hold there too
+    mtp = dataclasses.replace(TINY, mtp_layers=1)
+    with pytest.raises(ValueError, match="mtp_layers=1 of a mixture of experts under the table schedule '1f1b'"):
+        _refused(mtp, 0, dp=4, pp=2, pipeline=zjax.Pipeline(microbatches=4, schedule="1f1b"))
     edges = dataclasses.replace(TINY, layers=4, matmul="fp8-current", bf16_edge_layers=1)
     with pytest.raises(ValueError, match="bf16_edge_layers=1 under pipeline parallelism is not supported yet"):
         _refused(edges, 0, dp=4, pp=2, pipeline=zjax.Pipeline(microbatches=4, schedule="zero-bubble"))

@@ -273,7 +273,7 @@ def test_packed_sequences_equal_separate_ones():
 
 
 def test_vocab_chunks_equal_whole_logits():
-    from zjax.models._loss import chunked_cross_entropy, vocab_chunks
+    from zjax.models._xent import chunked_cross_entropy, vocab_chunks
 
     assert vocab_chunks(128256, 16384) == 8 and vocab_chunks(96, None) == 1 and vocab_chunks(96, 500) == 1
     r = np.random.default_rng(0)

@@ -126,6 +126,19 @@ def test_gathering_modes_reductions_and_context_parallelism_in_a_pipeline(want, 
 
 
 @pytest.mark.slow  # fast budget (the suite's 10 minutes)
+@pytest.mark.parametrize(("schedule", "repeats", "stage"), [("gpipe", 1, 3), ("zb-v", 2, 3)])
+def test_multi_token_prediction_in_a_pipeline_computes_the_one_device_objective(schedule, repeats, stage):
+    """DeepSeek-V3's MTP modules under GPipe (after the last stage, on the pipeline's output) and under a table
+    schedule (in the loss's stage, stage 0 in ZB-V's V, beside the head): the one-device objective, next-token
+    loss and the modules' together."""
+    cfg = dataclasses.replace(FOUR, mtp_layers=1)
+    batch = uneven_batch(ROWS, cfg)
+    pipe = zjax.Pipeline(4, repeats=repeats, schedule=schedule)
+    _check(zjax.Plan(zjax.make_mesh(dp=4, pp=2), stage=stage, precision="fp32", pipeline=pipe), cfg,
+           (batch, *reference(cfg, batch)))  # fmt: skip
+
+
+@pytest.mark.slow  # fast budget (the suite's 10 minutes)
 @pytest.mark.parametrize(("mesh", "dense"), [({"dp": 2, "ep": 2, "pp": 2}, 0), ({"dp": 4, "pp": 2}, 1)])
 def test_experts_in_a_pipeline_count_only_the_masked_tokens_of_each_microbatch(mesh, dense):
     """The routers' mask (the loss mask) and the packed rows travel with each microbatch: the load-balancing

@@ -177,11 +177,6 @@ class Decoder(nn.Module):
         """The MTP modules' normed outputs ``[mtp_layers, batch, seq, embed]`` (:mod:`zjax.models._mtp`); ``ahead
         [mtp_layers, batch, seq]``: the tokens ``k`` places after each input, for module ``k``."""
         c = self.cfg
-        if pipeline.current() is not None and not self.is_initializing():
-            raise ValueError(
-                f"Decoder: mtp_layers={c.mtp_layers} under pipeline parallelism is not supported yet (the modules "
-                "run after the last stage and read the embedding table of the first). Train with pp=1."
-            )
         policy = RematPolicy.from_str(c.remat)
         module = nn.remat(MTP, policy=policy.jax_policy()) if policy.remat and policy.kind != "nested" else MTP
         outs = []
@@ -334,6 +329,29 @@ def dense_stage_fn(c: DecoderConfig, load_balanced: bool = False) -> Callable[..
         return one.apply({"params": w}, h, positions, side.get("segment_ids"))[0]
 
     return pipeline.scan_layers(layer, "full" if RematPolicy.from_str(c.remat).remat else "none")
+
+
+def predict_ahead_fn(c: DecoderConfig, load_balanced: bool = False) -> Callable[..., list[Any]] | None:
+    """A table schedule's multi-token prediction modules (``mtp_layers``; ``None`` without them), run in the loss's
+    stage: ``fn(edge, hidden, tokens [mb, depth, S], side)`` -> each module's normed output (:mod:`._mtp`), from
+    the last layer's output and the embedding table, the modules' parameters ``edge["mtp_k"]``."""
+    if not c.mtp_layers:
+        return None
+    module = MTP(c, load_balanced)
+
+    def fn(edge: dict, hidden: jax.Array, tokens: jax.Array, side: dict) -> list[Any]:
+        positions = side.get("positions")
+        if positions is None and load_balanced:  # each token's index before the balanced permutation
+            positions = load_balance(jnp.arange(hidden.shape[1], dtype=jnp.int32)[None])
+        outs = []
+        for k in range(c.mtp_layers):
+            embedded = jnp.take(edge["embedding"], tokens[:, k], axis=0)
+            variables = {"params": edge[f"mtp_{k}"]}
+            hidden, normed = module.apply(variables, hidden, embedded, positions, side.get("segment_ids"))
+            outs.append(normed)
+        return outs
+
+    return fn
 
 
 def output_head(cfg: DecoderConfig, params) -> jax.Array:

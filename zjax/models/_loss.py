@@ -1,12 +1,6 @@
-"""The language-model loss: next-token cross-entropy over vocabulary chunks, never whole fp32 logits.
-
-Full logits ``[B, S, V]`` in fp32 are the largest activation of a large-vocabulary model (Llama-3's
-128,256 entries: 0.5 MB per token). The loss computes them a vocabulary chunk at a time inside a
-rematerialized scan (an online log-sum-exp), so one chunk's logits are alive in the forward and backward
-passes. Chunking the vocabulary rather than the sequence keeps ZeRO's traffic: a sequence chunk's head
-gradient would be accumulated across loop iterations, and XLA reduces such a gradient over ``dp`` in
-every iteration (measured: one head reduce-scatter per chunk inside the loop).
-"""
+"""The language-model loss (:func:`lm_loss`) on every path: GSPMD, a tied table per data rank, the pipeline
+schedules; the routers' losses and statistics of a mixture of experts, multi-token prediction. Its cross-entropy runs
+over vocabulary chunks (:mod:`._xent`)."""
 
 from __future__ import annotations
 
@@ -17,7 +11,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import PartitionSpec as P
 
 from .. import comm, pipeline
@@ -27,10 +20,11 @@ from ..experts import local_experts
 from ..sharding import DATA_AXES, EP, PP
 from ..sharding._mesh import in_manual_data_axes
 from ._config import DecoderConfig
-from ._decoder import MOE_STATS, dense_stage_fn, pipeline_stage_fn
+from ._decoder import MOE_STATS, dense_stage_fn, pipeline_stage_fn, predict_ahead_fn
 from ._layers import RMSNorm
 from ._moe import expert_splits, with_moved_biases
 from ._mtp import mtp_rows
+from ._xent import cross_entropy_sum, vocab_chunks
 
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
 
@@ -62,72 +56,6 @@ def read_batch(batch: Any) -> tuple[jax.Array, jax.Array | None, jax.Array | Non
                 f"(one entry per token, inputs and targets shifted from the same row)."
             )
     return tokens, *extra  # type: ignore[return-value]
-
-
-def vocab_chunks(vocab: int, chunk: int | None) -> int:
-    """How many interleaved vocabulary chunks of about ``chunk`` entries: a divisor of ``vocab`` (so a
-    vocabulary split over ``tp`` stays split), 1 when ``chunk`` is None or covers the vocabulary, or when
-    ``vocab`` has no divisor within 4x of the wanted count (then the logits are built whole)."""
-    if chunk is None or chunk >= vocab:
-        return 1
-    if chunk < 1:
-        raise ValueError(f"lm_loss: vocab_chunk={chunk} must be >= 1 or None (vocabulary entries per logits chunk).")
-    want = -(-vocab // chunk)
-    return next((n for n in range(want, 4 * want + 1) if vocab % n == 0), 1)
-
-
-def chunked_cross_entropy(
-    hidden: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array | None, vocab_chunk: int | None
-) -> jax.Array:
-    """Weighted mean of ``-log softmax(hidden @ head)[targets]`` (fp32), the vocabulary in chunks
-    (:func:`cross_entropy_sum` over the weights' sum)."""
-    b, s, _ = hidden.shape
-    w = jnp.ones((b, s), jnp.float32) if weights is None else weights.astype(jnp.float32)
-    return LossSum(cross_entropy_sum(hidden, head, targets, w, vocab_chunk), jnp.sum(w)).mean
-
-
-def cross_entropy_sum(
-    hidden: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array | None, vocab_chunk: int | None
-) -> jax.Array:
-    """Weighted sum of ``-log softmax(hidden @ head)[targets]`` (fp32), the vocabulary in chunks.
-
-    ``hidden [B, S, E]`` and ``head [E, V]`` in the compute dtype. With ``n`` chunks, chunk ``j`` holds the
-    vocabulary entries ``c * n + j`` (interleaved, so that a ``tp``-split vocabulary stays split); a
-    rematerialized scan keeps a running max, sum of exponentials and target logit per token, so one
-    chunk's fp32 logits ``[B, S, V / n]`` are alive at a time. Each chunk's head gradient is its own slice
-    (nothing accumulates across iterations), so ZeRO reduces the head's gradient once per step.
-    """
-    b, s, e = hidden.shape
-    vocab = head.shape[1]
-    w = jnp.ones((b, s), jnp.float32) if weights is None else weights.astype(jnp.float32)
-    head = head.astype(hidden.dtype)
-    n = vocab_chunks(vocab, vocab_chunk)
-
-    def logits_of(h_: jax.Array) -> jax.Array:
-        return nn.with_logical_constraint((hidden @ h_).astype(jnp.float32), ("batch", "seq", "vocab"))
-
-    if n == 1:
-        nll = optax.softmax_cross_entropy_with_integer_labels(logits_of(head), targets)
-    else:
-        size = vocab // n
-        heads = jnp.moveaxis(head.reshape(e, size, n), 2, 0)  # [n, E, V/n]: chunk j = columns c*n + j
-        which, column = targets % n, targets // n
-
-        @jax.checkpoint
-        def one(carry, xs):
-            top, total, target = carry
-            j, h_ = xs
-            logits = logits_of(h_)
-            new_top = jnp.maximum(top, jnp.max(logits, axis=-1))
-            total = total * jnp.exp(top - new_top) + jnp.sum(jnp.exp(logits - new_top[..., None]), axis=-1)
-            hit = (jnp.arange(size) == column[..., None]) & (which == j)[..., None]
-            return (new_top, total, target + jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)), None
-
-        zeros = jnp.zeros((b, s), jnp.float32)
-        init = (jnp.full((b, s), -jnp.inf, jnp.float32), zeros, zeros)
-        (top, total, target), _ = jax.lax.scan(one, init, (jnp.arange(n), heads))
-        nll = top + jnp.log(total) - target
-    return jnp.sum(nll * w)
 
 
 def lm_loss(model: Any, params: Any, batch: Any, model_state: Any = None, *, vocab_chunk: int | None = 16384) -> Any:
@@ -208,10 +136,11 @@ def _loss_and_stats(model: Any, params: Any, batch: Any, model_state: Any, vocab
     # the input tokens the routers count: those the loss mask keeps (padding is no routed traffic)
     routed = None if loss_mask is None or getattr(model.cfg, "moe", None) is None else cut(loss_mask)
     schedule = pipeline.current()
-    if depth and schedule is not None:
+    if depth and schedule is not None and schedule.tabled and model.cfg.moe is not None:
         raise ValueError(
-            f"lm_loss: mtp_layers={depth} under pipeline parallelism is not supported yet (the modules run after "
-            "the last stage and read the embedding table of the first). Train with pp=1."
+            f"lm_loss: mtp_layers={depth} of a mixture of experts under the table schedule {schedule.name!r} is not "
+            "supported yet: the modules run in the loss's stage with the parameters outside the layers, whole on "
+            "every rank, and their experts would be too. Use schedule='gpipe' (the modules after the last stage)."
         )
     balanced = context_size() > 1
     if balanced:
@@ -233,10 +162,15 @@ def _loss_and_stats(model: Any, params: Any, batch: Any, model_state: Any, vocab
     if schedule is not None and schedule.tabled:
         # each target weighted by its share of the mean: the microbatches' sums add up to the mean, whose
         # cotangent (the loss scale) then seeds the pipeline's backward passes at the magnitude GPipe's get
-        share = w / jnp.where(count > 0, count, 1.0)
+        share = w / count_or_1(count)
         named = (("positions", positions), ("segment_ids", segment_ids), ("router_mask", routed))
         side = {k: v for k, v in named if v is not None} or None
-        mean, stats = _pipelined_sum(model.cfg, nn.unbox(params), inputs, targets, share, vocab_chunk, balanced, side)
+        per_row = None  # the MTP modules' rows [B, depth, S] (cut into microbatches with them), weighted as the targets
+        if ahead is not None:
+            per_row = (*(jnp.moveaxis(a, 0, 1) for a in ahead[:2]), jnp.moveaxis(ahead[2], 0, 1) / count_or_1(count))
+        mean, stats = _pipelined_sum(
+            model.cfg, nn.unbox(params), inputs, targets, share, vocab_chunk, balanced, side, per_row
+        )
         if stats is None:
             return LossSum(mean * count, count), None
         aux, stats = stats  # the routers' losses, each microbatch's own, weighted by its share of the count
@@ -344,20 +278,28 @@ def _tied_per_rank(
     return _with_experts(model.cfg, LossSum(jnp.sum(total), jnp.sum(w)), stats), stats
 
 
+def count_or_1(count: jax.Array) -> jax.Array:
+    return jnp.where(count > 0, count, 1.0)
+
+
 def _pipelined_sum(
     cfg: DecoderConfig, params: Any, inputs: jax.Array, targets: jax.Array, weights: jax.Array,
-    vocab_chunk: int | None, balanced: bool, side: dict | None,
+    vocab_chunk: int | None, balanced: bool, side: dict | None, ahead: tuple | None = None,
 ) -> tuple[jax.Array, Any]:  # fmt: skip
     """The weighted loss sum of a decoder run whole through :func:`zjax.pipeline.loss` (the table
     schedules): the embedding (and the dense layers, :func:`dense_stage_fn`) on stage 0, the final norm, head
     and cross-entropy on the last stage; ``side`` the per-token arrays every stage reads (positions, segment
-    ids). Returns ``(sum, None)``; for a mixture of
+    ids); ``ahead``: the multi-token prediction modules' ``(inputs, targets, weights)`` per row ``[B, depth, S]``,
+    run in the loss's stage after the final norm. Returns ``(sum, None)``; for a mixture of
     experts ``(sum, (its routers' weighted losses, their sums per layer))``: each microbatch's losses (each
     stage's layers' part, :meth:`MoE.layers_loss`) weighted by its share of the count, in ``sum`` too."""
     stage_fn = pipeline_stage_fn(cfg, load_balanced=balanced)
     norm = RMSNorm(cfg.embed, cfg.norm_eps)
-    rows = {"tokens": inputs, "targets": targets, "weights": weights, **({"side": side} if cfg.dense_layers else {})}
+    rows: dict[str, Any] = {"tokens": inputs, "targets": targets, "weights": weights}
+    if cfg.dense_layers or ahead is not None:  # the stages' per-token arrays, read by the ends too
+        rows |= {"side": side, **({} if ahead is None else {"ahead": ahead})}
     dense = dense_stage_fn(cfg, balanced)
+    predict = predict_ahead_fn(cfg, balanced)
 
     def first(edge: dict, mb: dict) -> jax.Array:
         h = jnp.take(edge["embedding"], mb["tokens"], axis=0)
@@ -366,13 +308,20 @@ def _pipelined_sum(
     def last(edge: dict, h: jax.Array, mb: dict) -> jax.Array:
         normed = jnp.asarray(norm.apply({"params": edge["final_norm"]}, h))
         head = edge["embedding"].T if cfg.tie_embeddings else edge["head"]
-        return cross_entropy_sum(normed, head, mb["targets"], mb["weights"], vocab_chunk)
+        total = cross_entropy_sum(normed, head, mb["targets"], mb["weights"], vocab_chunk)
+        if predict is None:
+            return total
+        predicted = predict(edge, h, mb["ahead"][0], mb["side"] or {})
+        for k, normed_k in enumerate(predicted):  # each module's sum weighted by mtp_weight / mtp_layers
+            ce = cross_entropy_sum(normed_k, head, mb["ahead"][1][:, k], mb["ahead"][2][:, k], vocab_chunk)
+            total = total + cfg.mtp_weight / cfg.mtp_layers * ce
+        return total
 
     # the parameters outside the layers, one tree: a tied table's two gradients meet before the reduction; each
     # read as the model reads it (gathered once per step, before the schedule: quantized with qwZ)
     edge = {
         k: comm.gathered_tree(params[k], (k,))
-        for k in ("embedding", "dense_layers", "final_norm", "head")
+        for k in ("embedding", "dense_layers", "final_norm", "head", *(f"mtp_{i}" for i in range(cfg.mtp_layers)))
         if k in params
     }
     layers = params["layers"]
