@@ -33,9 +33,8 @@ def linen_scan(
 
     ``block`` is called as ``block(...)(carry, x) -> (carry, y)``; its parameters get a leading axis of
     size ``length`` named ``axis`` (:data:`LAYERS`, or :data:`STACKED`) in their logical partitioning metadata.
-    With ``broadcast=True`` the
-    arguments after the carry are the same for every layer (``block(...)(carry, *args)``, e.g. positions
-    and segment ids) instead of scanned over.
+    With ``broadcast=True`` the arguments after the carry are the same for every layer (``block(...)(carry,
+    *args)``, e.g. positions and segment ids) instead of scanned over.
 
     Example:
       >>> Stack = zjax.remat.linen_scan(Block, 16, "dots")

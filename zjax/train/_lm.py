@@ -180,11 +180,14 @@ def run_lm(cfg: RunConfig, argv: Sequence[str] | None = None, log: Callable[...,
         if stages > 1 or p.microbatches is not None:
             pipeline = p.build(stages)
             chunks = stages * pipeline.repeats
-            if model_cfg.layers % chunks and cfg.model.hf is not None:
+            dense = getattr(model_cfg, "dense_layers", 0)  # DeepSeek's first dense layers: before the first stage
+            piped = model_cfg.layers - dense
+            if piped % chunks and cfg.model.hf is not None:
                 raise ValueError(
-                    f"model.hf: {model_cfg.layers} layers do not split into pp={stages} x {pipeline.repeats} repeats."
+                    f"model.hf: {piped} layers{f' after {dense} dense ones' if dense else ''} do not split into "
+                    f"pp={stages} x {pipeline.repeats} repeats."
                 )
-            model_cfg = type(model_cfg)(**{**model_cfg.__dict__, "layers": chunks * -(-model_cfg.layers // chunks)})
+            model_cfg = type(model_cfg)(**{**model_cfg.__dict__, "layers": dense + chunks * -(-piped // chunks)})
         axes: dict[str, Any] = dict(sizes)
         if "replica" in axes:  # HSDP: dp=(replica, shard)
             axes["dp"] = (axes.pop("replica"), axes.get("dp", 1))
