@@ -467,7 +467,7 @@ def test_1f1b_temporaries_stay_flat_in_microbatches_while_gpipes_grow(tmp_path):
         out = tmp_path / f"{schedule}{m_}.json"
         run = subprocess.run(
             [sys.executable, "examples/train_lm.py", "--mesh", "dp=2,pp=4", "--schedule", schedule,
-             "--microbatches", str(m_), "--batch-size", str(4 * m_), "--seq-len", "128", "--steps", "1",
+             "--microbatches", str(m_), "--batch-size", str(4 * m_), "--seq-len", "128", "--steps", "0",
              "--no-progress", "--metrics-json", str(out)],
             cwd=root, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
