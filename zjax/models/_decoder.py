@@ -221,7 +221,7 @@ class Decoder(nn.Module):
     ) -> jax.Array:
         """The first ``dense_layers`` layers (dense MLPs): ``dense_layers`` stacked (``scan``) or ``layer_{i}``."""
         c = self.cfg
-        dense = dataclasses.replace(c, moe=None, layers=c.dense_layers, dense_layers=0)
+        dense = _dense_config(c)
         if c.scan:  # a nested policy's groups are the experts' layers'; these run whole-layer remat
             made = "full" if policy.kind == "nested" else policy
             # a stack a pipeline does not split: it runs whole before the first stage
@@ -303,9 +303,7 @@ def pipeline_stage_fn(
 
     def layer(w: Any, h: jax.Array, side: dict | None = None) -> Any:
         side = side or {}
-        positions = side.get("positions")
-        if positions is None and load_balanced:  # each token's index before the balanced permutation
-            positions = load_balance(jnp.arange(h.shape[1], dtype=jnp.int32)[None])
+        positions = _stage_positions(side, h.shape[1], load_balanced)
         h, stats = one.apply(
             {"params": comm.gathered_tree(w, at)}, h, positions, side.get("segment_ids"), side.get("router_mask")
         )
@@ -314,19 +312,32 @@ def pipeline_stage_fn(
     return pipeline.scan_layers(layer, policy, outputs=c.moe is not None)
 
 
+def _dense_config(c: DecoderConfig) -> DecoderConfig:
+    """The configuration of the first ``dense_layers`` layers: dense MLPs, a stack of their own."""
+    return dataclasses.replace(c, moe=None, layers=c.dense_layers, dense_layers=0)
+
+
+def _stage_positions(side: dict, length: int, load_balanced: bool) -> jax.Array | None:
+    """A pipeline stage's token positions: the microbatch's own (packed rows), or under the load-balanced layout
+    (cp) each token's index before the permutation; ``None`` for the plain order."""
+    positions = side.get("positions")
+    if positions is None and load_balanced:
+        positions = load_balance(jnp.arange(length, dtype=jnp.int32)[None])
+    return positions
+
+
 def dense_stage_fn(c: DecoderConfig, load_balanced: bool = False) -> Callable[..., jax.Array] | None:
     """A table schedule's dense layers (``dense_layers``, DeepSeek's first layers; ``None`` without them):
     ``fn(stacked, h, side)`` runs them on stage 0 after the embedding, on each microbatch as its first action
     runs (their parameters travel with the embedding's, whole on every rank for the step)."""
     if not c.dense_layers:
         return None
-    one = Block(dataclasses.replace(c, moe=None, layers=c.dense_layers, dense_layers=0), load_balanced)
+    one = Block(_dense_config(c), load_balanced)
 
     def layer(w: Any, h: jax.Array, side: dict) -> jax.Array:
-        positions = side.get("positions")
-        if positions is None and load_balanced:  # each token's index before the balanced permutation
-            positions = load_balance(jnp.arange(h.shape[1], dtype=jnp.int32)[None])
-        return one.apply({"params": w}, h, positions, side.get("segment_ids"))[0]
+        return one.apply({"params": w}, h, _stage_positions(side, h.shape[1], load_balanced), side.get("segment_ids"))[
+            0
+        ]
 
     return pipeline.scan_layers(layer, "full" if RematPolicy.from_str(c.remat).remat else "none")
 
@@ -340,9 +351,7 @@ def predict_ahead_fn(c: DecoderConfig, load_balanced: bool = False) -> Callable[
     module = MTP(c, load_balanced)
 
     def fn(edge: dict, hidden: jax.Array, tokens: jax.Array, side: dict) -> list[Any]:
-        positions = side.get("positions")
-        if positions is None and load_balanced:  # each token's index before the balanced permutation
-            positions = load_balance(jnp.arange(hidden.shape[1], dtype=jnp.int32)[None])
+        positions = _stage_positions(side, hidden.shape[1], load_balanced)
         outs = []
         for k in range(c.mtp_layers):
             embedded = jnp.take(edge["embedding"], tokens[:, k], axis=0)
