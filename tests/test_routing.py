@@ -15,6 +15,8 @@ import pytest
 import zjax
 from zjax.models import ROUTER_STATE, Decoder, DecoderConfig, MoE, MoELayer, lm_loss
 
+from ._objective import relative, uneven_batch
+
 E, D, F, S = 8, 16, 24, 12
 DEEPSEEK = MoE(
     experts=E, top_k=2, scoring="sigmoid", groups=4, top_groups=2, routed_scale=2.5, shared_mlp=20,
@@ -55,7 +57,7 @@ def test_deepseek_routing_equals_a_numpy_reference_and_keeps_each_token_within_i
     layer = MoELayer(DEEPSEEK, D, F)
     h = jax.random.normal(jax.random.key(0), (3, S, D))
     variables = layer.init(jax.random.key(1), h)
-    assert jax.tree.map(jnp.shape, variables[ROUTER_STATE]) == {"bias": (E,)}
+    assert jax.tree.map(jnp.shape, variables[ROUTER_STATE]) == {"bias": (E,), "load": (E,)}
     bias = np.asarray(jax.random.normal(jax.random.key(2), (E,))) * 0.05
     variables = {"params": variables["params"], ROUTER_STATE: {"bias": jnp.asarray(bias)}}
     out, stats = jax.jit(layer.apply)(variables, h)
@@ -158,18 +160,18 @@ def _variables(cfg):
     return model, zjax.Variables.linen(model.init(jax.random.key(0), jnp.zeros((1, cfg.max_len), jnp.int32)))
 
 
-def _trained(steps):
-    """``steps`` stage-1 steps on dp=2 x ep=4: the state, its plan, the init's variables, and the biases that
-    :func:`zjax.models.moved_bias` makes of the steps' reported loads."""
+def _trained(steps, accum=1):
+    """``steps`` stage-1 steps on dp=2 x ep=4 (``accum`` microbatches each): the state, its plan, the init's
+    variables, and the biases that :func:`zjax.models.moved_bias` makes of the steps' reported loads."""
     model, variables = _variables(SKEWED)
     plan = zjax.Plan(zjax.make_mesh(dp=2, ep=4), stage=1, precision="fp32")
     state = plan.init(lambda r: variables, optax.adamw(1e-3), jax.random.key(0))
-    step = plan.train_step(lambda p, b, model_state: lm_loss(model, p, b, model_state))
+    step = plan.train_step(zjax.models.train_functions(model, SKEWED.max_len)[1], accum_steps=accum)
     data = np.random.RandomState(0).randint(0, SKEWED.vocab, (steps, 16, SKEWED.max_len + 1)).astype(np.int32)
     want = jnp.zeros((SKEWED.layers, E))
     for tokens in data:
         state, metrics = step(state, plan.shard_batch(tokens))
-        assert float(np.sum(metrics["aux"]["expert_tokens"])) == SKEWED.layers * 16 * SKEWED.max_len * 2
+        assert float(np.sum(metrics["aux"]["expert_tokens"])) == SKEWED.layers * 16 * SKEWED.max_len * 2 / accum
         want = zjax.models.moved_bias(SKEWED.moe, want, metrics["aux"]["expert_tokens"])
     return state, plan, variables, want
 
@@ -180,10 +182,40 @@ def _biases(state):
 
 def test_a_train_step_moves_the_biases_by_its_whole_batchs_loads():
     """The biases are model state: each stage-1 step on dp=2 x ep=4 moves every layer's by the loads of the whole
-    global batch (the step's ``expert_tokens``, every data rank's rows)."""
+    global batch (the step's ``expert_tokens``, every data rank's rows), and the loads counted start again."""
     state, _, _, want = _trained(2)
     np.testing.assert_array_equal(_biases(state), want)
     assert np.abs(want).max() > 0
+    assert not np.any(jax.device_get(state.model_state)[ROUTER_STATE]["layers"]["moe"]["load"])
+
+
+def test_accumulated_microbatches_route_with_the_steps_biases_and_move_them_once():
+    """With biases moved (not zero), a step of 4 accumulated microbatches routes every microbatch with the step's
+    biases: its gradients are ``jax.grad`` of the whole batch's loss on one device, and the biases move once, by
+    the whole batch's loads, bitwise as a step without accumulation moves them (moving them after each
+    microbatch would route the later ones differently, and move them 4 times)."""
+    model, variables = _variables(SKEWED)
+    bias = jnp.asarray(np.random.RandomState(1).normal(0, 0.05, (SKEWED.layers, E)), jnp.float32)
+    routers = {"layers": {"moe": {"bias": bias, "load": jnp.zeros_like(bias)}}}
+    variables = zjax.Variables(variables.params, {ROUTER_STATE: routers})
+    batch = uneven_batch(32, SKEWED)
+
+    def one_device(p, b, ms):
+        (out, _), new = lm_loss(model, p, b, ms)
+        return out.mean, new
+
+    grads, new = jax.jit(jax.grad(one_device, has_aux=True))(
+        *jax.device_put((nn.unbox(variables.params), batch, variables.model_state), jax.devices()[0])
+    )
+    want = jax.device_get(zjax.models.with_moved_biases(SKEWED, new))[ROUTER_STATE]["layers"]["moe"]["bias"]
+    plan = zjax.Plan(zjax.make_mesh(dp=2, ep=4), stage=1, precision="fp32")
+    loss_fn = zjax.models.train_functions(model, SKEWED.max_len)[1]
+    for accum in (1, 4):
+        state = plan.init(lambda r: variables, optax.sgd(0.1), jax.random.key(0))
+        got, _ = plan.train_step(loss_fn, accum_steps=accum).grads(state, plan.shard_batch(batch))
+        assert relative(*(jax.tree.map(np.asarray, jax.device_get(g)) for g in (got, grads))) < 3e-5, accum
+        state, _ = plan.train_step(loss_fn, accum_steps=accum)(state, plan.shard_batch(batch))
+        np.testing.assert_array_equal(_biases(state), want)
 
 
 @pytest.mark.slow  # a checkpoint round trip; the fast test above checks the biases the steps make

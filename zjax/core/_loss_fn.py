@@ -30,12 +30,15 @@ def takes(fn: Callable, name: str) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Loss:
-    """The loss a train step differentiates: the user's function, the arguments it takes, its microbatches."""
+    """The loss a train step differentiates: the user's function, the arguments it takes, its microbatches, and
+    the ``finish_step(model_state) -> model_state`` it may carry (applied once per step, after the last
+    microbatch: state moved by what the whole step counted, as the routers' selection biases are)."""
 
     fn: LossFn
     accum_steps: int = 1
     takes_rng: bool = False
     takes_model_state: bool = False
+    finish_step: Callable[[Any], Any] | None = None
 
     @classmethod
     def of(cls, fn: LossFn, accum_steps: int = 1) -> Loss:
@@ -44,7 +47,10 @@ class Loss:
             raise TypeError(f"train_step: loss_fn must be callable, got {type(fn).__name__}.")
         if not isinstance(accum_steps, int) or isinstance(accum_steps, bool) or accum_steps < 1:
             raise ValueError(f"train_step: accum_steps={accum_steps!r} must be an int >= 1.")
-        return cls(fn, accum_steps, takes(fn, "rng"), takes(fn, "model_state"))
+        finish = getattr(fn, "finish_step", None)
+        if finish is not None and not callable(finish):
+            raise TypeError(f"train_step: loss_fn.finish_step must be callable, got {type(finish).__name__}.")
+        return cls(fn, accum_steps, takes(fn, "rng"), takes(fn, "model_state"), finish)
 
 
 def placing(plan: PlanConfig, layout: StateLayout) -> contextlib.ExitStack:

@@ -319,7 +319,9 @@ class Plan(PlanConfig):
             an ``rng`` parameter, ``loss_fn(params, batch, rng)`` gets a fresh key each step (from ``state.rng``).
             With a ``model_state`` parameter (models with batch statistics or nnx RNG state),
             ``loss_fn(params, batch, model_state) -> (loss, new_model_state)`` or
-            ``((loss, aux), new_model_state)``; the new model state is kept in ``state.model_state``.
+            ``((loss, aux), new_model_state)``; the new model state is kept in ``state.model_state``, after
+            ``loss_fn.finish_step(model_state)`` if the function has that attribute (applied once per step,
+            after the last microbatch: :func:`zjax.models.train_functions`' moves the routers' biases).
           accum_steps: split each batch into this many microbatches and accumulate their gradients
             (in fp32, laid out like the gradients: dp-sharded at stages 2 and 3).
         """

@@ -37,7 +37,10 @@ class TrainStep(CompiledFn):
     ``loss_fn(params, batch, rng)`` also gets a fresh PRNG key per step and microbatch, split from
     ``state.rng`` (dropout that resumes reproducibly from a checkpoint). A
     ``loss_fn(params, batch, model_state)`` gets the model's non-trainable state and returns
-    ``(loss, new_model_state)`` or ``((loss, aux), new_model_state)``.
+    ``(loss, new_model_state)`` or ``((loss, aux), new_model_state)``; the state is threaded through the
+    microbatches in order, and a ``loss_fn.finish_step(model_state) -> model_state`` attribute, if the function
+    has one, is applied to it once, after the last (:func:`zjax.models.train_functions` moves the routers'
+    selection biases there, by the whole step's loads).
     Returns the new state and metrics: ``loss`` (the objective's value), ``count`` (the count it divides by:
     tokens or their weights for a ``LossSum``, the calls' number for a scalar), ``grad_norm`` (before clipping),
     ``loss_scale``, ``skipped`` (non-finite gradients, left out: ``Plan(skip_nonfinite=...)``) and ``aux`` if
@@ -211,6 +214,8 @@ class TrainStep(CompiledFn):
         precision = plan.precision
         scale, next_rng, step_rng = self._scale_and_keys(state)
         total, aux, grads, model_state, seen = self._gradients(layout, state, batch, scale, step_rng)
+        if self.loss.finish_step is not None:
+            model_state = constrain(self.loss.finish_step(model_state), layout.model_state_specs, mesh)
         inv = 1.0 / scale  # the gradients are the objective's (zjax.core._objective), times the loss scale
         grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32) * inv, grads))
         factor = jnp.float32(1.0)

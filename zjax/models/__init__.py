@@ -19,4 +19,5 @@ from ._moe import SCORINGS as SCORINGS
 from ._moe import MoE as MoE
 from ._moe import MoELayer as MoELayer
 from ._moe import moved_bias as moved_bias
+from ._moe import with_moved_biases as with_moved_biases
 from ._presets import PRESETS as PRESETS

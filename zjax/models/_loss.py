@@ -22,7 +22,7 @@ from ..sharding._mesh import in_manual_data_axes
 from ._config import DecoderConfig
 from ._decoder import MOE_STATS, dense_stage_fn, pipeline_stage_fn, predict_ahead_fn
 from ._layers import RMSNorm
-from ._moe import expert_splits, with_moved_biases
+from ._moe import expert_splits, with_counted_loads, with_moved_biases
 from ._mtp import mtp_rows
 from ._xent import cross_entropy_sum, vocab_chunks
 
@@ -82,11 +82,15 @@ def lm_loss(model: Any, params: Any, batch: Any, model_state: Any = None, *, voc
 
     ``model_state`` (the model's other collections, :class:`zjax.TrainState`'s ``model_state``) makes it return
     ``(that result, new model state)``, as a train step's ``loss_fn(params, batch, model_state)`` does; a
-    mixture of experts with selection biases (``MoE(bias_update_rate=...)``) needs it, and its new state holds
-    the biases moved by this call's expert loads (:func:`zjax.models.moved_bias`).
+    mixture of experts with selection biases (``MoE(bias_update_rate=...)``) needs it: its new state adds this
+    call's expert loads to the routers' ``load``, and the biases move once per train step, after the last
+    microbatch, by the whole step's loads (:func:`with_moved_biases`, the ``finish_step`` of
+    :func:`train_functions`' ``loss_fn``), so that every microbatch of a step routes with the same biases, as the
+    whole batch on one device would.
 
     Example:
-      >>> step = plan.train_step(lambda p, b, model_state: lm_loss(model, p, b, model_state))
+      >>> init_fn, loss_fn = zjax.models.train_functions(model, seq_len)   # the step moves the biases
+      >>> step = plan.train_step(loss_fn, accum_steps=4)
     """
     biased = getattr(model.cfg, "moe", None) is not None and model.cfg.moe.bias_update_rate is not None
     if model_state is None and getattr(model.cfg, "keeps_state", False):
@@ -104,7 +108,7 @@ def lm_loss(model: Any, params: Any, batch: Any, model_state: Any = None, *, voc
     if model_state is None:
         return out
     if biased:
-        model_state = with_moved_biases(model.cfg, model_state, stats["tokens"])
+        model_state = with_counted_loads(model.cfg, model_state, stats["tokens"])
     return out, model_state
 
 
@@ -113,12 +117,18 @@ def train_functions(model: Any, length: int) -> tuple[Callable[[jax.Array], Any]
     :meth:`zjax.Plan.train_step`, initialised on rows of ``length`` tokens: ``init_fn`` returns the parameters, or a
     :class:`zjax.Variables` with the model state when the model keeps some (the routers' selection biases,
     ``MoE(bias_update_rate=...)``; fp8 amax histories, ``matmul="fp8-delayed"``), and ``loss_fn`` is
-    :func:`lm_loss`, passing that state through."""
+    :func:`lm_loss`, passing that state through, with the ``finish_step`` a train step applies to the state once,
+    after its last microbatch (:func:`with_moved_biases`: the routers' biases moved by the step's loads)."""
     dummy = jnp.zeros((1, length), jnp.int32)
     if not getattr(model.cfg, "keeps_state", False):
         return (lambda r: model.init(r, dummy)["params"]), (lambda p, b: lm_loss(model, p, b))
     init_fn = lambda r: Variables.linen(model.init(r, dummy))  # noqa: E731
-    return init_fn, lambda p, b, model_state: lm_loss(model, p, b, model_state)
+
+    def loss_fn(params: Any, batch: Any, model_state: Any) -> Any:
+        return lm_loss(model, params, batch, model_state)
+
+    loss_fn.finish_step = lambda model_state: with_moved_biases(model.cfg, model_state)  # type: ignore[attr-defined]
+    return init_fn, loss_fn
 
 
 def _loss_and_stats(model: Any, params: Any, batch: Any, model_state: Any, vocab_chunk: int | None) -> Any:

@@ -42,7 +42,8 @@ GROUP_SCORES = {
 """How group-limited routing ranks the groups (``MoE(group_score=...)``)."""
 
 ROUTER_STATE = "router"
-"""The linen collection of the routers' selection biases (``MoE(bias_update_rate=...)``): model state, not
+"""The linen collection of the routers' selection biases (``MoE(bias_update_rate=...)``), each router's ``bias``
+beside the ``load`` (rows each expert was chosen for) counted since the bias last moved: model state, not
 parameters (:class:`zjax.TrainState`'s ``model_state``)."""
 
 
@@ -58,11 +59,11 @@ class MoE:
     equal groups (consecutive experts: on an ``ep`` mesh a group lies on one rank when ``groups`` is a multiple
     of ``ep``) and a token chooses among its ``top_groups`` best groups, ranked by ``group_score``
     (:data:`GROUP_SCORES`: the sum of a group's two best scores, DeepSeek-V3's, or its best, DeepSeek-V2's); a
-    token's rows reach at most ``top_groups`` groups. ``bias_update_rate`` (``None``:
-    no bias) adds a per-expert bias to the scores for the choice only (DeepSeek-V3's auxiliary-loss-free
-    balancing): model state in the :data:`ROUTER_STATE` collection, moved after each loss by ``rate x sign(mean
-    load - load)`` over the tokens counted (0: kept as loaded). ``mlp`` is each expert's hidden size (default:
-    the decoder's ``mlp``); ``shared_mlp > 0`` adds a shared SwiGLU expert of that size that every token passes
+    token's rows reach at most ``top_groups`` groups. ``bias_update_rate`` (``None``: no bias) adds a
+    per-expert bias to the scores for the choice only (DeepSeek-V3's auxiliary-loss-free balancing): model state
+    in the :data:`ROUTER_STATE` collection, moved once per train step by ``rate x sign(mean load - load)`` over
+    the tokens the whole step routed (0: kept as loaded). ``mlp`` is each expert's hidden size (default: the
+    decoder's ``mlp``); ``shared_mlp > 0`` adds a shared SwiGLU expert of that size that every token passes
     through, scaled by ``sigmoid(h @ shared_gate)`` (Qwen2-MoE) or, ``shared_gate=False``, added as it is
     (DeepSeek). ``capacity_factor`` (default ``None``: dropless) caps each expert
     at :func:`zjax.experts.capacity` rows of each device's tokens. The loss adds
@@ -244,6 +245,8 @@ class MoELayer(nn.Module):
         choice = scores
         if m.bias_update_rate is not None:  # selection only: the gates read the scores
             bias = self.variable(ROUTER_STATE, "bias", jnp.zeros, (m.experts,), F32).value
+            if self.is_initializing():  # counted by lm_loss, read by with_moved_biases: not by the layer
+                self.variable(ROUTER_STATE, "load", jnp.zeros, (m.experts,), F32)
             choice = choice + jax.lax.stop_gradient(bias.astype(F32))
         if m.groups > 1:
             choice = _within_top_groups(choice, m.groups, m.routed_groups, m.group_score)
@@ -370,18 +373,36 @@ def check_experts_in_pipeline(moe: MoE, schedule: Any) -> None:
         )
 
 
-def with_moved_biases(cfg: Any, model_state: Any, tokens: jax.Array) -> Any:
-    """``model_state`` with each layer's router bias moved by that layer's expert loads (``tokens [layers,
-    experts]``): stacked ``[layers, experts]`` under ``layers`` (``scan=True``) or one per ``layer_{i}``."""
+def with_counted_loads(cfg: Any, model_state: Any, tokens: jax.Array) -> Any:
+    """``model_state`` with the rows each expert was chosen for (``tokens [layers, experts]``, the experts' layers)
+    added to its router's ``load``: the loads a step counts over its microbatches before :func:`with_moved_biases`
+    moves the biases once."""
+    return _each_router(cfg, model_state, lambda r, t: {**r, "load": r["load"] + t.astype(F32)}, tokens)
+
+
+def with_moved_biases(cfg: Any, model_state: Any) -> Any:
+    """``model_state`` with each router's bias moved by the loads counted since it last moved
+    (:func:`moved_bias`), and those loads set back to 0: what a train step does once, after its last microbatch
+    (:func:`zjax.models.train_functions`' ``finish_step``)."""
+
+    def moved(router: Any, _: Any) -> Any:
+        return {"bias": moved_bias(cfg.moe, router["bias"], router["load"]), "load": jnp.zeros_like(router["load"])}
+
+    return _each_router(cfg, model_state, moved)
+
+
+def _each_router(cfg: Any, model_state: Any, fn: Any, tokens: jax.Array | None = None) -> Any:
+    """``model_state`` with ``fn(router, its layers' tokens)`` in place of each router's ``{bias, load}``: stacked
+    ``[layers, experts]`` under ``layers`` (``scan=True``) or one per ``layer_{i}``."""
     moe = cfg.moe
-    if moe is None:  # lm_loss moves biases for a mixture of experts only
+    if moe is None or moe.bias_update_rate is None:
         return model_state
-    biases = dict(model_state[ROUTER_STATE])
-    if "layers" in biases:
-        bias = biases["layers"]["moe"]["bias"]
-        biases["layers"] = {**biases["layers"], "moe": {"bias": moved_bias(moe, bias, tokens)}}
+    routers = dict(model_state[ROUTER_STATE])
+    if "layers" in routers:
+        routers["layers"] = {**routers["layers"], "moe": fn(routers["layers"]["moe"], tokens)}
     else:
         for i in range(cfg.dense_layers, cfg.layers):  # tokens: the experts' layers only
-            bias, load = biases[f"layer_{i}"]["moe"]["bias"], tokens[i - cfg.dense_layers]
-            biases[f"layer_{i}"] = {**biases[f"layer_{i}"], "moe": {"bias": moved_bias(moe, bias, load)}}
-    return {**model_state, ROUTER_STATE: biases}
+            at = f"layer_{i}"
+            load = None if tokens is None else tokens[i - cfg.dense_layers]
+            routers[at] = {**routers[at], "moe": fn(routers[at]["moe"], load)}
+    return {**model_state, ROUTER_STATE: routers}
