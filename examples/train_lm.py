@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--remat", default="full", help="activation checkpointing policy (zjax.remat.POLICIES)")
     add("--matmul", default="default", choices=tuple(zjax.fp8.MATMULS), help="the projections' products")
     add("--bf16-edge-layers", type=int, default=0, help="first and last layers multiplying in bf16 around fp8 ones")
+    add("--dropout", type=float, default=0.0, help="zero each attention and MLP output value with this probability")
     add("--accum", type=int, default=1, help="gradient-accumulation microbatches per step")
     add("--offload", choices=("none", "optimizer", "optimizer+params"), default="none", help="ZeRO-Offload")
     add("--quantize-comm", default="none", help="ZeRO++: none, weights, grads, weights+grads (':int4', '@B' on a part)")
@@ -82,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 SECTIONS = {  # the example's flags -> zjax train's settings
     "model": {"preset": "preset", "seq_len": "seq_len", "remat": "remat", "matmul": "matmul", "hf": "hf",
-              "bf16_edge_layers": "bf16_edge_layers"},
+              "bf16_edge_layers": "bf16_edge_layers", "dropout": "dropout"},
     "data": {"data": "path", "tokenizer": "tokenizer", "batch_size": "batch_size", "eval_fraction": "eval_fraction",
              "seed": "seed"},
     "plan": {"stage": "stage", "precision": "precision", "accum": "accum", "offload": "offload",

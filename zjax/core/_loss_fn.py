@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
 
 from .. import comm
 from ..pipeline._context import quantizing
@@ -20,7 +24,8 @@ LossFn = Callable[[Any, Any], Any]
 
 
 def takes(fn: Callable, name: str) -> bool:
-    """Whether ``fn`` accepts a ``name`` keyword (``rng``: a fresh key; ``model_state``: the model's state)."""
+    """Whether ``fn`` accepts a ``name`` keyword (``rng``: a fresh key; ``model_state``: the model's state;
+    ``rows``: the global indices of the rows it is called on)."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -39,6 +44,7 @@ class Loss:
     takes_rng: bool = False
     takes_model_state: bool = False
     finish_step: Callable[[Any], Any] | None = None
+    takes_rows: bool = False
 
     @classmethod
     def of(cls, fn: LossFn, accum_steps: int = 1) -> Loss:
@@ -50,7 +56,26 @@ class Loss:
         finish = getattr(fn, "finish_step", None)
         if finish is not None and not callable(finish):
             raise TypeError(f"train_step: loss_fn.finish_step must be callable, got {type(finish).__name__}.")
-        return cls(fn, accum_steps, takes(fn, "rng"), takes(fn, "model_state"), finish)
+        return cls(fn, accum_steps, takes(fn, "rng"), takes(fn, "model_state"), finish, takes(fn, "rows"))
+
+    def with_rows(self, batch: Any) -> Any:
+        """The batch a step's paths split: ``(batch, rows)`` with each row's index in the global batch beside it
+        when the loss takes ``rows`` (then every split, microbatches and ranks alike, carries them along)."""
+        if not self.takes_rows:
+            return batch
+        return batch, jnp.arange(jax.tree.leaves(batch)[0].shape[0], dtype=jnp.int32)
+
+    def arguments(self, batch: Any, key: jax.Array, *folds: Any) -> tuple[Any, dict[str, Any]]:
+        """The rows one call reads (of :meth:`with_rows`'s batch) and its keywords: with ``rows``, the step's
+        ``key`` as it is (the loss draws each row's randomness from the row's global index, so every split of
+        the batch draws what one device draws); without, ``key`` folded with ``folds`` (the microbatch, the
+        rank), a fresh key per call."""
+        kwargs: dict[str, Any] = {}
+        if self.takes_rows:
+            batch, kwargs["rows"] = batch
+        if self.takes_rng:
+            kwargs["rng"] = key if self.takes_rows else functools.reduce(jax.random.fold_in, folds, key)
+        return batch, kwargs
 
 
 def placing(plan: PlanConfig, layout: StateLayout) -> contextlib.ExitStack:

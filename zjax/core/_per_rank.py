@@ -68,7 +68,8 @@ def _grad_fn(loss: Loss, scale: jax.Array, axes: tuple[str, ...], key: jax.Array
 
     def scaled(p, b, i):
         p = prepare(p)
-        out = loss.fn(p, b, rng=jax.random.fold_in(key, i)) if loss.takes_rng else loss.fn(p, b)
+        b, kwargs = loss.arguments(b, key, i)
+        out = loss.fn(p, b, **kwargs)
         part, aux = split_output(out)
         value, part = seeded(part, scale, axes)
         return value, (part, aux)
@@ -95,14 +96,14 @@ def grads_per_rank(
     share of the step's objective, :mod:`._objective`); after the loop the ranks' accumulators are summed
     once, straight into the optimizer's layout (a reduce-scatter at stage 1, an all-reduce at stage 0):
     ZeRO's 2 psi per step for every ``accum_steps``. Microbatch ``i`` holds the same rows as without it; each
-    rank's dropout key is folded with its index.
+    rank's dropout key is folded with its index (unless the loss takes ``rows``: :meth:`Loss.arguments`).
     """
     mesh = plan.mesh
     axes = data_axes(mesh)
     rules = without_axes(cast(Rules, plan.rules).activations_for(mesh), set(axes))
 
     def local(p, rows, key):
-        key = jax.random.fold_in(key, jax.lax.axis_index(axes))
+        key = jax.random.fold_in(key, jax.lax.axis_index(axes)) if not loss.takes_rows else key
         # each rank sees only its own rows: activation rules must not split them over the data axes again
         # under a pipeline its loop sums the microbatches' gradients in reduce_dtype too
         with nn.logical_axis_rules(rules), manual_data_axes(), accumulating(plan.reduce_dtype):
@@ -155,17 +156,18 @@ def zero3_grads(
     # which parameters the loss reads through comm.gathered (the rest are gathered before it)
     whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute), primal)
     rows = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype), batch)
-    loss_fn: Any = loss.fn
-    if loss.takes_rng:
-        read = comm.reads(lambda p, b: loss_fn(p, b, rng=jax.random.key(0)), whole, rows)
-    else:
-        read = comm.reads(loss_fn, whole, rows)
+
+    def traced(p: Any, b: Any) -> Any:
+        b, kwargs = loss.arguments(b, jax.random.key(0), 0)
+        return loss.fn(p, b, **kwargs)
+
+    read = comm.reads(traced, whole, rows)
 
     specs = jax.tree.map(lambda s: comm.manual_spec(s, axes), layout.master_specs, is_leaf=_is_spec)
     hpz, wire = plan.hpz, plan.weights_wire  # hpZ: qwZ on the gather across nodes only
 
     def local(p, rows, key):
-        key = jax.random.fold_in(key, jax.lax.axis_index(axes))
+        key = jax.random.fold_in(key, jax.lax.axis_index(axes)) if not loss.takes_rows else key
 
         def gather(shards: Any) -> Any:
             if hpz:  # every parameter to its node's shard, once per microbatch; its gradient back over replica

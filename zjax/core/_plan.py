@@ -316,7 +316,9 @@ class Plan(PlanConfig):
 
         Args:
           loss_fn: ``loss_fn(params, batch) -> loss`` or ``(loss, aux)``; ``loss`` is a scalar mean. With
-            an ``rng`` parameter, ``loss_fn(params, batch, rng)`` gets a fresh key each step (from ``state.rng``).
+            an ``rng`` parameter, ``loss_fn(params, batch, rng)`` gets a fresh key each step (from ``state.rng``);
+            with ``rng`` and ``rows``, the step's one key and the rows' global indices on every path
+            (:class:`zjax.TrainStep`).
             With a ``model_state`` parameter (models with batch statistics or nnx RNG state),
             ``loss_fn(params, batch, model_state) -> (loss, new_model_state)`` or
             ``((loss, aux), new_model_state)``; the new model state is kept in ``state.model_state``, after

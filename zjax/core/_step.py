@@ -35,7 +35,9 @@ class TrainStep(CompiledFn):
     mean over the rows it is called on: the whole batch without accumulation under GSPMD, each microbatch's or
     data-parallel rank's rows on the paths that split them), either alone or as ``(loss, aux)``. A
     ``loss_fn(params, batch, rng)`` also gets a fresh PRNG key per step and microbatch, split from
-    ``state.rng`` (dropout that resumes reproducibly from a checkpoint). A
+    ``state.rng`` (dropout that resumes reproducibly from a checkpoint); one that takes ``rows`` too,
+    ``loss_fn(params, batch, rng, rows)``, gets the step's one key on every call and the global indices of the
+    rows it is called on (``rows [b]``), from which to draw the one-device model's randomness per row. A
     ``loss_fn(params, batch, model_state)`` gets the model's non-trainable state and returns
     ``(loss, new_model_state)`` or ``((loss, aux), new_model_state)``; the state is threaded through the
     microbatches in order, and a ``loss_fn.finish_step(model_state) -> model_state`` attribute, if the function
@@ -104,9 +106,7 @@ class TrainStep(CompiledFn):
         histories = fp8.histories(model_state)
 
         def scaled(p, ms, b, i):
-            kwargs: dict[str, Any] = {}
-            if self.takes_rng:
-                kwargs["rng"] = jax.random.fold_in(rng, i)
+            b, kwargs = self.loss.arguments(b, rng, i)
             if self._takes_model_state:
                 # rebuilt inside the differentiated trace: nnx refuses to mutate variables made outside it
                 kwargs["model_state"] = jax.tree.map(lambda x: x, ms)
@@ -153,6 +153,7 @@ class TrainStep(CompiledFn):
                 "statistics) yet; use reduce_dtype=None and quantized_comm=None or 'weights'."
             )
         computed = compute_params(plan, layout, state.params)
+        batch = self.loss.with_rows(batch)  # every path splits the rows' global indices with them
         seen = None
         if plan.reduces_gradients:  # stage 3, reduced in fp32 or as int8: the fp32 master's shards differentiated
             primal = state.master_params if plan.precision.master_weights else computed  # cast per layer

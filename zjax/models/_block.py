@@ -17,7 +17,7 @@ from ..fp8 import linen_matmul
 from ..remat import RematPolicy, gather_checkpoint, partition_checkpoint
 from ..sharding import RESIDUAL_SEQ
 from ._config import DecoderConfig
-from ._layers import RMSNorm, heads_constraint, rope
+from ._layers import RMSNorm, dropout, heads_constraint, rope
 from ._mla import mla_attention
 from ._moe import MoELayer
 from ._params import param
@@ -83,8 +83,14 @@ class Block(nn.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         router_mask: jax.Array | None = None,
+        token_ids: jax.Array | None = None,
     ):
         c = self.cfg
+        ids = token_ids  # training: each sub-layer's output dropped before the residual add
+
+        def dropped(y: jax.Array) -> jax.Array:
+            return y if ids is None or not c.dropout else dropout(self, y, ids, c.dropout)
+
         partitioned = RematPolicy.from_str(c.remat).partition
         if partitioned:
             x = gather_checkpoint(x, axis=1)  # the saved input arrives split over tp along seq
@@ -95,7 +101,7 @@ class Block(nn.Module):
         else:
             h = _region(RMSNorm(c.embed, c.norm_eps, name="attn_norm")(x))
             out = mla_attention(c, c.mla, h, positions, segment_ids, self.load_balanced, self)
-        x = _constrain(x + checkpoint_name(_leave(out), "out_proj"))
+        x = _constrain(x + dropped(checkpoint_name(_leave(out), "out_proj")))
 
         h = _region(RMSNorm(c.embed, c.norm_eps, name="mlp_norm")(x))
         stats = None
@@ -111,7 +117,7 @@ class Block(nn.Module):
             y = _leave(dot("w_down", jax.nn.silu(gate) * up, w_down))
         else:
             y, stats = MoELayer(c.moe, c.embed, c.mlp, name="moe")(h, router_mask)
-        x = x + checkpoint_name(y, "mlp_out")
+        x = x + dropped(checkpoint_name(y, "mlp_out"))
         if partitioned:
             return partition_checkpoint(_constrain(x), axis=1), stats
         return _constrain(x), stats

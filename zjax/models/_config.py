@@ -116,7 +116,11 @@ class DecoderConfig:
     (``zjax.Variables.linen(model.init(...))``; not yet under pipelines, nested remat or qgZ); ``"mxfp8"`` in
     blocks of 32 (:func:`zjax.fp8.matmul_mx`). ``bf16_edge_layers=n`` keeps the first and the last ``n`` layers'
     products in the compute dtype (Megatron-Core's ``--first-last-layers-bf16``; the parameters' tree is the
-    same; not under pipelines or qgZ).
+    same; not under pipelines or qgZ). ``dropout`` zeroes each value of every attention and MLP (or experts')
+    output before its residual add with that probability (Megatron-Core's ``hidden_dropout``) when the loss is
+    given a key (:func:`lm_loss`'s ``rng``; evaluation passes none): a token's masks depend on the key, the layer
+    and the token's place in the global batch alone, so every way a step splits the batch draws the masks one
+    device draws (not yet under pipelines, nested remat, ``bf16_edge_layers`` or qgZ's overlapped reductions).
     """
 
     vocab: int = 256
@@ -144,6 +148,7 @@ class DecoderConfig:
     bf16_edge_layers: int = 0
     mtp_layers: int = 0
     mtp_weight: float = 0.3
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("vocab", "embed", "layers", "heads", "head_dim", "mlp", "max_len"):
@@ -190,6 +195,11 @@ class DecoderConfig:
             )
         if self.mla is not None:
             self._check_mla()
+        if not isinstance(self.dropout, int | float) or not 0 <= self.dropout < 1:
+            raise ValueError(
+                f"DecoderConfig: dropout={self.dropout!r} must be a float in [0, 1) (the probability of zeroing each "
+                "value of an attention or MLP output; 0: none)."
+            )
         if not isinstance(self.mtp_layers, int) or self.mtp_layers < 0 or not self.mtp_weight >= 0:
             raise ValueError(
                 f"DecoderConfig: mtp_layers={self.mtp_layers!r}, mtp_weight={self.mtp_weight!r}: mtp_layers is an int "

@@ -51,6 +51,8 @@ class Decoder(nn.Module):
     and z-losses; default: every token counts). ``mtp_tokens [mtp_layers, batch, seq]`` (with ``return_hidden``):
     the tokens ``k`` places after each input, for the multi-token prediction modules (``DecoderConfig.mtp_layers``),
     whose normed outputs ``[mtp_layers, batch, seq, embed]`` are then returned beside the hidden states.
+    ``token_ids [batch, seq]`` (each token's index in the global batch) with a ``dropout`` key in ``rngs`` turns on
+    ``DecoderConfig.dropout`` (:func:`lm_loss` passes both when given a key).
     """
 
     cfg: DecoderConfig
@@ -67,6 +69,7 @@ class Decoder(nn.Module):
         inputs_embeds: jax.Array | None = None,
         router_mask: jax.Array | None = None,
         mtp_tokens: jax.Array | None = None,
+        token_ids: jax.Array | None = None,
     ) -> Any:
         c = self.cfg
         if not self.is_initializing():
@@ -98,8 +101,12 @@ class Decoder(nn.Module):
         stats = None
         if not self.is_initializing():
             check_unsupported(c, schedule)
+            if c.dropout and token_ids is not None:
+                _check_dropout(c, schedule, policy)
+        else:
+            token_ids = None
         if c.dense_layers:  # DeepSeek's first dense layers, one scan of their own before the experts' layers
-            x = self._dense_layers(x, positions, segment_ids, load_balanced, policy)
+            x = self._dense_layers(x, positions, segment_ids, load_balanced, policy, token_ids)
         if schedule is not None and not self.is_initializing():
             stage_fn = pipeline_stage_fn(c, load_balanced=load_balanced, at=(*self.path, "layers"))
             # each microbatch's per-token arrays travel with it through the stages
@@ -130,7 +137,7 @@ class Decoder(nn.Module):
         elif c.scan:
             made = "full" if policy.kind == "nested" else policy  # init: the same stacked parameters
             stack = linen_scan(Block, c.layers - c.dense_layers, made, broadcast=True)(c, load_balanced, name="layers")
-            x, stats = stack(x, positions, segment_ids, router_mask)
+            x, stats = stack(x, positions, segment_ids, router_mask, token_ids)
         else:
             block = nn.remat(Block, policy=policy.jax_policy()) if policy.remat else Block
             per_layer = []
@@ -138,7 +145,7 @@ class Decoder(nn.Module):
                 edge = min(i - c.dense_layers, c.layers - 1 - i) < c.bf16_edge_layers
                 layer_cfg = c.in_compute_dtype if edge else c
                 x, layer_stats = block(layer_cfg, load_balanced, name=f"layer_{i}")(
-                    x, positions, segment_ids, router_mask
+                    x, positions, segment_ids, router_mask, token_ids
                 )
                 per_layer.append(layer_stats)
             stats = None if c.moe is None else jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
@@ -155,7 +162,7 @@ class Decoder(nn.Module):
         predicted = None
         if c.mtp_layers and (mtp_tokens is not None or self.is_initializing()):
             ahead = jnp.stack([tokens] * c.mtp_layers) if mtp_tokens is None else mtp_tokens
-            predicted = self._predict_ahead(last, ahead, positions, segment_ids, load_balanced, table, at)
+            predicted = self._predict_ahead(last, ahead, positions, segment_ids, load_balanced, table, at, token_ids)
         if return_hidden:  # the loss reads the head itself (zjax.models.lm_loss)
             return x if mtp_tokens is None else (x, predicted)
         if c.tie_embeddings:
@@ -173,6 +180,7 @@ class Decoder(nn.Module):
         load_balanced: bool,
         table: jax.Array,
         at: tuple[str, ...],
+        token_ids: jax.Array | None,
     ) -> jax.Array:
         """The MTP modules' normed outputs ``[mtp_layers, batch, seq, embed]`` (:mod:`zjax.models._mtp`); ``ahead
         [mtp_layers, batch, seq]``: the tokens ``k`` places after each input, for module ``k``."""
@@ -186,7 +194,7 @@ class Decoder(nn.Module):
             else:
                 embedded = comm.lookup(table, ahead[k], at)
             hidden, normed = module(c, load_balanced, name=f"mtp_{k}")(
-                hidden, _constrain(embedded), positions, segment_ids
+                hidden, _constrain(embedded), positions, segment_ids, token_ids
             )
             outs.append(normed)
         return jnp.stack(outs)
@@ -218,6 +226,7 @@ class Decoder(nn.Module):
         segment_ids: jax.Array | None,
         load_balanced: bool,
         policy: RematPolicy,
+        token_ids: jax.Array | None,
     ) -> jax.Array:
         """The first ``dense_layers`` layers (dense MLPs): ``dense_layers`` stacked (``scan``) or ``layer_{i}``."""
         c = self.cfg
@@ -226,11 +235,31 @@ class Decoder(nn.Module):
             made = "full" if policy.kind == "nested" else policy
             # a stack a pipeline does not split: it runs whole before the first stage
             stack = linen_scan(Block, c.dense_layers, made, broadcast=True, axis=STACKED)
-            return stack(dense, load_balanced, name="dense_layers")(x, positions, segment_ids, None)[0]
+            return stack(dense, load_balanced, name="dense_layers")(x, positions, segment_ids, None, token_ids)[0]
         block = nn.remat(Block, policy=policy.jax_policy()) if policy.remat else Block
         for i in range(c.dense_layers):
-            x = block(dense, load_balanced, name=f"layer_{i}")(x, positions, segment_ids)[0]
+            x = block(dense, load_balanced, name=f"layer_{i}")(x, positions, segment_ids, None, token_ids)[0]
         return x
+
+
+def _check_dropout(c: DecoderConfig, schedule: Any, policy: RematPolicy) -> None:
+    """Raise where dropout cannot draw its masks yet: the paths that apply the layers' parameters themselves
+    (pipeline stages, nested remat, bf16 edges, qgZ's layer scan) hand the layers no per-layer keys."""
+    where = None
+    if schedule is not None:
+        where = f"pipeline schedule {schedule.name!r}"
+    elif policy.kind == "nested":
+        where = f"remat={c.remat!r}"
+    elif c.scan and c.bf16_edge_layers:
+        where = f"bf16_edge_layers={c.bf16_edge_layers}"
+    elif c.scan and _overlaps_reductions(c, policy):
+        where = "qgZ's overlapped reductions (Plan(quantized_comm=...) with gradients, scanned layers)"
+    if where is not None:
+        raise ValueError(
+            f"Decoder: dropout={c.dropout} under {where} is not supported yet: that path applies each layer's "
+            "parameters itself and gives the layers no per-layer dropout keys. Use dropout=0.0 there, or a plan "
+            "without it (pp=1, a non-nested remat policy, no bf16_edge_layers, quantized_comm=None or 'weights')."
+        )
 
 
 def check_unsupported(c: DecoderConfig, schedule: Any) -> None:

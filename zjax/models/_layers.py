@@ -36,3 +36,16 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, factor: float
         sin, cos = sin * factor, cos * factor
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def dropout(module: nn.Module, y: jax.Array, token_ids: jax.Array, rate: float) -> jax.Array:
+    """``y [batch, seq, embed]`` with each value zeroed with probability ``rate`` (the rest scaled by ``1 / (1 -
+    rate)``): a token's mask drawn from the module's ``dropout`` key (one per layer and call site) folded with its
+    ``token_ids [batch, seq]`` (its index in the global batch, row x length + column), so that it is the same
+    whichever microbatch, rank or sequence shard the token is computed on."""
+    key = module.make_rng("dropout")
+    width = y.shape[-1]
+    keep = jax.vmap(jax.vmap(lambda i: jax.random.bernoulli(jax.random.fold_in(key, i), 1.0 - rate, (width,))))(
+        token_ids
+    )
+    return jnp.where(keep, y / (1.0 - rate), 0).astype(y.dtype)

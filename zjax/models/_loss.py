@@ -5,7 +5,7 @@ over vocabulary chunks (:mod:`._xent`)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -15,14 +15,15 @@ from jax.sharding import PartitionSpec as P
 
 from .. import comm, pipeline
 from ..context import context_size, load_balance
-from ..core import LossSum, Variables
+from ..core import LossSum
 from ..experts import local_experts
 from ..sharding import DATA_AXES, EP, PP
 from ..sharding._mesh import in_manual_data_axes
+from ._biases import with_counted_loads
 from ._config import DecoderConfig
 from ._decoder import MOE_STATS, dense_stage_fn, pipeline_stage_fn, predict_ahead_fn
 from ._layers import RMSNorm
-from ._moe import expert_splits, with_counted_loads, with_moved_biases
+from ._moe import expert_splits
 from ._mtp import mtp_rows
 from ._xent import cross_entropy_sum, vocab_chunks
 
@@ -58,7 +59,16 @@ def read_batch(batch: Any) -> tuple[jax.Array, jax.Array | None, jax.Array | Non
     return tokens, *extra  # type: ignore[return-value]
 
 
-def lm_loss(model: Any, params: Any, batch: Any, model_state: Any = None, *, vocab_chunk: int | None = 16384) -> Any:
+def lm_loss(
+    model: Any,
+    params: Any,
+    batch: Any,
+    model_state: Any = None,
+    *,
+    rng: jax.Array | None = None,
+    rows: jax.Array | None = None,
+    vocab_chunk: int | None = 16384,
+) -> Any:
     """Next-token cross-entropy (fp32) of a :class:`~zjax.models.Decoder` on ``batch``, as a
     :class:`zjax.LossSum`: the weighted token losses' sum and the weights' sum (``.mean`` is the mean).
 
@@ -88,6 +98,12 @@ def lm_loss(model: Any, params: Any, batch: Any, model_state: Any = None, *, voc
     :func:`train_functions`' ``loss_fn``), so that every microbatch of a step routes with the same biases, as the
     whole batch on one device would.
 
+    ``rng`` turns on the model's dropout (``DecoderConfig.dropout``; without a key, as in evaluation, none): each
+    token's masks come from ``rng``, the layer and the token's index in the global batch, ``rows[b] x S + s``
+    with ``rows [B]`` the global indices of the batch's rows (default ``0 .. B-1``: the whole batch). A train step
+    passes both to a loss function that takes ``rng`` and ``rows`` (the step's one key, and each microbatch's or
+    rank's rows), so that every path draws the masks of one device running the whole batch.
+
     Example:
       >>> init_fn, loss_fn = zjax.models.train_functions(model, seq_len)   # the step moves the biases
       >>> step = plan.train_step(loss_fn, accum_steps=4)
@@ -104,7 +120,7 @@ def lm_loss(model: Any, params: Any, batch: Any, model_state: Any = None, *, voc
             "zjax.Variables.linen(model.init(...)) and pass the state through, plan.train_step(lambda p, b, "
             "model_state: lm_loss(model, p, b, model_state)) (zjax.models.train_functions makes both)."
         )
-    out, stats = _loss_and_stats(model, params, batch, model_state, vocab_chunk)
+    out, stats = _loss_and_stats(model, params, batch, model_state, vocab_chunk, rng, rows)
     if model_state is None:
         return out
     if biased:
@@ -112,26 +128,9 @@ def lm_loss(model: Any, params: Any, batch: Any, model_state: Any = None, *, voc
     return out, model_state
 
 
-def train_functions(model: Any, length: int) -> tuple[Callable[[jax.Array], Any], Callable[..., Any]]:
-    """``(init_fn, loss_fn)`` of a :class:`~zjax.models.Decoder` for :meth:`zjax.Plan.init` and
-    :meth:`zjax.Plan.train_step`, initialised on rows of ``length`` tokens: ``init_fn`` returns the parameters, or a
-    :class:`zjax.Variables` with the model state when the model keeps some (the routers' selection biases,
-    ``MoE(bias_update_rate=...)``; fp8 amax histories, ``matmul="fp8-delayed"``), and ``loss_fn`` is
-    :func:`lm_loss`, passing that state through, with the ``finish_step`` a train step applies to the state once,
-    after its last microbatch (:func:`with_moved_biases`: the routers' biases moved by the step's loads)."""
-    dummy = jnp.zeros((1, length), jnp.int32)
-    if not getattr(model.cfg, "keeps_state", False):
-        return (lambda r: model.init(r, dummy)["params"]), (lambda p, b: lm_loss(model, p, b))
-    init_fn = lambda r: Variables.linen(model.init(r, dummy))  # noqa: E731
-
-    def loss_fn(params: Any, batch: Any, model_state: Any) -> Any:
-        return lm_loss(model, params, batch, model_state)
-
-    loss_fn.finish_step = lambda model_state: with_moved_biases(model.cfg, model_state)  # type: ignore[attr-defined]
-    return init_fn, loss_fn
-
-
-def _loss_and_stats(model: Any, params: Any, batch: Any, model_state: Any, vocab_chunk: int | None) -> Any:
+def _loss_and_stats(
+    model: Any, params: Any, batch: Any, model_state: Any, vocab_chunk: int | None, rng: Any, rows: Any
+) -> Any:
     """:func:`lm_loss`'s result and the routers' statistics (``None`` for a dense decoder)."""
     tokens, positions, segment_ids, loss_mask = read_batch(batch)
     depth = getattr(model.cfg, "mtp_layers", 0)
@@ -145,6 +144,11 @@ def _loss_and_stats(model: Any, params: Any, batch: Any, model_state: Any, vocab
     inputs, positions, segment_ids, targets = tokens[:, :-1], cut(positions), cut(segment_ids), tokens[:, 1:]
     # the input tokens the routers count: those the loss mask keeps (padding is no routed traffic)
     routed = None if loss_mask is None or getattr(model.cfg, "moe", None) is None else cut(loss_mask)
+    ids = None  # each input token's index in the global batch: what its dropout masks are drawn from
+    if rng is not None and getattr(model.cfg, "dropout", 0.0) > 0:
+        length = inputs.shape[1]
+        rows = jnp.arange(inputs.shape[0], dtype=jnp.int32) if rows is None else jnp.asarray(rows, jnp.int32)
+        ids = rows[:, None] * length + jnp.arange(length, dtype=jnp.int32)
     schedule = pipeline.current()
     if depth and schedule is not None and schedule.tabled and model.cfg.moe is not None:
         raise ValueError(
@@ -160,7 +164,9 @@ def _loss_and_stats(model: Any, params: Any, batch: Any, model_state: Any, vocab
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
         inputs, positions, targets = (load_balance(x) for x in (inputs, positions, targets))
-        segment_ids, weights, routed = (None if x is None else load_balance(x) for x in (segment_ids, weights, routed))
+        segment_ids, weights, routed, ids = (
+            None if x is None else load_balance(x) for x in (segment_ids, weights, routed, ids)
+        )
         if ahead is not None:
             ahead = (
                 jax.vmap(load_balance)(ahead[0]),
@@ -169,6 +175,12 @@ def _loss_and_stats(model: Any, params: Any, batch: Any, model_state: Any, vocab
             )
     w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights
     count = jnp.sum(w)
+    if ids is not None and schedule is not None:
+        raise ValueError(
+            f"lm_loss: dropout={model.cfg.dropout} under the pipeline schedule {schedule.name!r} is not supported "
+            "yet: the stages apply the layers without per-layer dropout keys. Use dropout=0.0 with pipelines, or "
+            "pp=1."
+        )
     if schedule is not None and schedule.tabled:
         # each target weighted by its share of the mean: the microbatches' sums add up to the mean, whose
         # cotangent (the loss scale) then seeds the pipeline's backward passes at the magnitude GPipe's get
@@ -186,6 +198,7 @@ def _loss_and_stats(model: Any, params: Any, batch: Any, model_state: Any, vocab
         aux, stats = stats  # the routers' losses, each microbatch's own, weighted by its share of the count
         return _with_experts(model.cfg, LossSum((mean - aux) * count, count), stats, aux), stats
     variables = {**(model_state or {}), "params": params}
+    dropping = {} if ids is None else {"rngs": {"dropout": rng}, "token_ids": ids}
     ranks = _data_ranks()
     if model.cfg.tie_embeddings and ranks:
         if depth:
@@ -193,9 +206,9 @@ def _loss_and_stats(model: Any, params: Any, batch: Any, model_state: Any, vocab
                 f"lm_loss: mtp_layers={depth} with tie_embeddings=True on a data-parallel mesh is not supported yet; "
                 "untie the embeddings (DeepSeek-V3's are untied) or train on one device."
             )
-        rows = (inputs, positions, segment_ids, targets, w, routed)
-        return _tied_per_rank(model, variables, rows, ranks, balanced, vocab_chunk)
-    extra = {} if ahead is None else {"mtp_tokens": ahead[0]}
+        per_token = (inputs, positions, segment_ids, targets, w, routed)
+        return _tied_per_rank(model, variables, per_token, ranks, balanced, vocab_chunk, dropping)
+    extra = dropping if ahead is None else {"mtp_tokens": ahead[0], **dropping}
     hidden, stats = _hidden(
         model, variables, inputs, positions, segment_ids, load_balanced=balanced, router_mask=routed, **extra
     )
@@ -257,7 +270,13 @@ def _data_ranks() -> tuple[str, ...]:
 
 
 def _tied_per_rank(
-    model: Any, variables: Any, rows: tuple, axes: tuple[str, ...], balanced: bool, vocab_chunk: int | None
+    model: Any,
+    variables: Any,
+    rows: tuple,
+    axes: tuple[str, ...],
+    balanced: bool,
+    vocab_chunk: int | None,
+    dropping: dict[str, Any],
 ) -> tuple[Any, Any]:
     """:func:`lm_loss` for a tied embedding on a data-parallel mesh: the lookup and the head use one copy of the
     table per data-parallel rank (a broadcast on a new leading dim split over the data axes), so that the two
@@ -274,7 +293,7 @@ def _tied_per_rank(
     embeds = jax.vmap(lambda e, t: jnp.take(e, t, axis=0), spmd_axis_name=axes)(copies, by_rank(inputs))
     hidden, stats = _hidden(
         model, variables, inputs, positions, segment_ids, load_balanced=balanced, router_mask=routed,
-        inputs_embeds=embeds.reshape(*inputs.shape, -1),
+        inputs_embeds=embeds.reshape(*inputs.shape, -1), **dropping,
     )  # fmt: skip
 
     # inside the vmap over ranks the batch is each rank's own: its rows are not split again

@@ -148,12 +148,15 @@ def build_model(cfg: RunConfig, tok: Any) -> Any:
     m = cfg.model
     if m.hf is not None:
         return dataclasses.replace(
-            from_hf_config(m.hf, remat=m.remat).cfg, matmul=m.matmul, bf16_edge_layers=m.bf16_edge_layers
+            from_hf_config(m.hf, remat=m.remat).cfg,
+            matmul=m.matmul,
+            bf16_edge_layers=m.bf16_edge_layers,
+            dropout=m.dropout,
         )
     vocab = -(-tok.vocab_size // 128) * 128  # padded to a multiple of 128 (it splits over tp)
     return dataclasses.replace(
         PRESETS[m.preset], max_len=m.seq_len, remat=m.remat, vocab=vocab, matmul=m.matmul,
-        bf16_edge_layers=m.bf16_edge_layers,
+        bf16_edge_layers=m.bf16_edge_layers, dropout=m.dropout,
     )  # fmt: skip
 
 

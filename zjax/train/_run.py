@@ -57,7 +57,8 @@ def _at_least(name: str, value: int, low: int) -> None:
 class ModelSection:
     """``[model]``: ``preset`` (tiny, small, medium, moe-small), ``seq_len`` (tokens per row), ``remat`` (a policy of
     ``zjax.remat.POLICIES``), ``matmul`` (the projections' products, ``zjax.fp8.MATMULS``), ``bf16_edge_layers``
-    (that many first and last layers multiply in the compute dtype around fp8 ones), ``hf`` (continue this
+    (that many first and last layers multiply in the compute dtype around fp8 ones), ``dropout`` (the probability
+    of zeroing each attention and MLP output value in training, ``DecoderConfig.dropout``), ``hf`` (continue this
     Hugging Face checkpoint directory instead of a preset)."""
 
     preset: str = "small"
@@ -65,6 +66,7 @@ class ModelSection:
     remat: str = "full"
     matmul: str = "default"
     bf16_edge_layers: int = 0
+    dropout: float = 0.0
     hf: Path | None = None
 
     def __post_init__(self) -> None:
@@ -77,6 +79,8 @@ class ModelSection:
         _one_of("model.matmul", self.matmul, MATMULS)
         _at_least("model.seq_len", self.seq_len, 1)
         _at_least("model.bf16_edge_layers", self.bf16_edge_layers, 0)
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"model.dropout = {self.dropout!r} must be in [0, 1) (0: no dropout).")
 
 
 @dataclasses.dataclass(frozen=True)
