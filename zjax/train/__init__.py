@@ -33,5 +33,6 @@ from ._loop import init_or_restore as init_or_restore
 from ._optim import OPTIMIZERS as OPTIMIZERS
 from ._optim import SCHEDULES as SCHEDULES
 from ._optim import Optim as Optim
+from ._optim import whole_matrices as whole_matrices
 from ._run import RunConfig as RunConfig
 from ._runtime import runtime as runtime

@@ -6,8 +6,8 @@ weight matrix by Newton-Schulz iterations; which axes of a parameter form its ma
 logical axis names where the model gives them (a stacked layer weight ``[layers, embed, mlp]`` is one matrix per
 layer: ``layers`` and ``expert`` are batch axes, ``embed`` is the input side or the output side), from its shape
 otherwise (the last two axes). Embeddings, the output head, norms and biases, and anything that is not a matrix,
-take AdamW, as in Muon's reference setup. Under ZeRO stages 1-3 the iterations run on the optimizer's shards and
-XLA gathers what each product needs.
+take AdamW, as in Muon's reference setup. Under ZeRO stages 1-3 Muon's update runs on whole matrices, each device
+its share of a stack's layers (:func:`whole_matrices`).
 """
 
 from __future__ import annotations
@@ -131,10 +131,11 @@ class Optim:
         if self.name == "adafactor":
             return optax.adafactor(lr, weight_decay_rate=wd or None, weight_decay_mask=mask)
         dims = None if params is None else self.muon_matrices(params)
-        return optax.contrib.muon(
+        muon = optax.contrib.muon(
             lr, ns_steps=self.ns_steps, beta=self.momentum, eps=self.eps, weight_decay=wd, weight_decay_mask=mask,
             adam_b1=self.b1, adam_b2=self.b2, adam_weight_decay=wd, muon_weight_dimension_numbers=dims,
         )  # fmt: skip
+        return muon if dims is None else whole_matrices(muon, dims)
 
     def muon_matrices(self, params: Any) -> Any:
         """Muon's ``MuonDimensionNumbers`` per leaf (``None``: the leaf takes AdamW)."""
@@ -173,3 +174,86 @@ def _unboxed(params: Any) -> Any:
 
 def _path(keypath: Any) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keypath)
+
+
+def whole_matrices(tx: optax.GradientTransformation, dims: Any) -> optax.GradientTransformation:
+    """``tx`` (Muon) updating whole matrices on each device: its update runs in a ``shard_map`` over every mesh
+    axis in which each Muon leaf (``dims``: its ``MuonDimensionNumbers``; ``None`` for AdamW's leaves) is split
+    along its first batch axis (the layers of a stack) and whole along its matrix axes, so that each device
+    orthogonalises whole matrices of its share of the layers, with no communication inside the Newton-Schulz
+    iterations (DistMuon's layout: GSPMD reshards the ZeRO shards into it, an all-to-all, and back). Left to GSPMD,
+    the iterations on ZeRO's shards gathered and reduced every product: the medium preset's step at stage 1 on
+    dp=8 moved 848 MB of collectives against AdamW's 135, now 211 (the reshards' buffers add 18 MB of
+    temporaries). A stack whose layers do not divide over an axis is whole on
+    that axis (each of its devices computes the same matrices); every other leaf (AdamW's: elementwise) is split
+    along its largest dimension that divides."""
+    from optax.contrib import MuonDimensionNumbers
+
+    is_dims = lambda x: x is None or isinstance(x, MuonDimensionNumbers)  # noqa: E731
+    per_leaf, treedef = jax.tree.flatten(dims, is_leaf=is_dims)
+    # the params' tree of leaf numbers (dims holds None leaves, which a tree map would skip)
+    index = jax.tree_util.tree_unflatten(treedef, range(len(per_leaf)))
+
+    def update(updates: Any, state: Any, params: Any = None) -> Any:
+        mesh = jax.sharding.get_abstract_mesh()
+        axes = () if mesh.empty else tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+        if not axes or mesh.manual_axes:
+            return tx.update(updates, state, params)
+        sizes = dict(mesh.shape)
+        specs = jax.tree.map(lambda i, x: _matrices_spec(per_leaf[i], x.shape, axes, sizes), index, updates)
+        by_path = {
+            _keys(path): (tuple(x.shape), spec)
+            for (path, x), spec in zip(
+                jax.tree_util.tree_flatten_with_path(updates)[0], jax.tree.leaves(specs), strict=True
+            )
+        }
+        state_specs = jax.tree_util.tree_map_with_path(lambda path, x: _state_spec(path, x, by_path), state)
+        args: tuple[Any, ...] = (updates, state)
+        in_specs: tuple[Any, ...] = (specs, state_specs)
+        if params is not None:
+            args, in_specs = (*args, params), (*in_specs, specs)
+        return jax.shard_map(
+            lambda *a: tx.update(*a), in_specs=in_specs, out_specs=(specs, state_specs), check_vma=False
+        )(*args)
+
+    return optax.GradientTransformation(tx.init, update)
+
+
+def _matrices_spec(d: Any, shape: tuple[int, ...], axes: tuple[str, ...], sizes: dict[str, int]) -> Any:
+    """A Muon leaf's layout in :func:`whole_matrices`: its first batch axis over the axes (in mesh order) whose
+    sizes divide it; any other leaf's, its largest such dimension."""
+    from jax.sharding import PartitionSpec as P
+
+    if d is None:
+        dims = sorted(range(len(shape)), key=lambda i: -shape[i])
+    else:
+        matrix = {i % len(shape) for i in (*d.reduction_axis, *d.output_axis)}
+        dims = [i for i in range(len(shape)) if i not in matrix][:1]
+    for i in dims:
+        over, left = [], shape[i]
+        for a in axes:
+            if left % sizes[a] == 0:
+                over.append(a)
+                left //= sizes[a]
+        if over:
+            spec: list[Any] = [None] * len(shape)
+            spec[i] = tuple(over)
+            return P(*spec)
+    return P()
+
+
+def _state_spec(path: Any, x: Any, by_path: dict[tuple[str, ...], tuple[tuple[int, ...], Any]]) -> Any:
+    """An optimizer state leaf's layout in :func:`whole_matrices`: its parameter's where the state's path ends
+    with that parameter's path and the shapes agree (moments), else whole (counts, coefficients)."""
+    from jax.sharding import PartitionSpec as P
+
+    keys = _keys(path)
+    for n in range(len(keys)):
+        hit = by_path.get(keys[n:])
+        if hit is not None and hit[0] == tuple(getattr(x, "shape", ())):
+            return hit[1]
+    return P()
+
+
+def _keys(path: Any) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
