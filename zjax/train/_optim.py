@@ -181,12 +181,14 @@ def whole_matrices(tx: optax.GradientTransformation, dims: Any) -> optax.Gradien
     axis in which each Muon leaf (``dims``: its ``MuonDimensionNumbers``; ``None`` for AdamW's leaves) is split
     along its first batch axis (the layers of a stack) and whole along its matrix axes, so that each device
     orthogonalises whole matrices of its share of the layers, with no communication inside the Newton-Schulz
-    iterations (DistMuon's layout: GSPMD reshards the ZeRO shards into it, an all-to-all, and back). Left to GSPMD,
-    the iterations on ZeRO's shards gathered and reduced every product: the medium preset's step at stage 1 on
-    dp=8 moved 848 MB of collectives against AdamW's 135, now 211 (the reshards' buffers add 18 MB of
-    temporaries). A stack whose layers do not divide over an axis is whole on
-    that axis (each of its devices computes the same matrices); every other leaf (AdamW's: elementwise) is split
-    along its largest dimension that divides."""
+    iterations (DistMuon's layout: GSPMD reshards the ZeRO shards into it, an all-to-all, and back). A stack whose
+    layers do not divide over an axis is whole on that axis (each of its devices computes the same matrices);
+    every other leaf is split along its largest dimension that divides. ``tx`` must update each leaf on its own
+    (Muon and AdamW do; a global norm inside it would see one device's share).
+
+    Left to GSPMD, the iterations on ZeRO's shards gathered and reduced every product: the ``medium`` preset's
+    step at stage 1 on dp=8 moved 848 MB of collectives against AdamW's 135; now 211, for 18 MB more temporaries
+    (the reshards' buffers)."""
     from optax.contrib import MuonDimensionNumbers
 
     is_dims = lambda x: x is None or isinstance(x, MuonDimensionNumbers)  # noqa: E731
