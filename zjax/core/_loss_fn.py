@@ -74,8 +74,13 @@ class Loss:
         if self.takes_rows:
             batch, kwargs["rows"] = batch
         if self.takes_rng:
-            kwargs["rng"] = key if self.takes_rows else functools.reduce(jax.random.fold_in, folds, key)
+            kwargs["rng"] = self.key(key, *folds)
         return batch, kwargs
+
+    def key(self, key: jax.Array, *folds: Any) -> jax.Array:
+        """The key for one part of the step: ``key`` folded with ``folds`` (a microbatch, a rank), or the step's
+        ``key`` as it is for a loss that takes ``rows`` (it draws per global row)."""
+        return key if self.takes_rows else functools.reduce(jax.random.fold_in, folds, key)
 
 
 def placing(plan: PlanConfig, layout: StateLayout) -> contextlib.ExitStack:

@@ -103,7 +103,7 @@ def grads_per_rank(
     rules = without_axes(cast(Rules, plan.rules).activations_for(mesh), set(axes))
 
     def local(p, rows, key):
-        key = jax.random.fold_in(key, jax.lax.axis_index(axes)) if not loss.takes_rows else key
+        key = loss.key(key, jax.lax.axis_index(axes))
         # each rank sees only its own rows: activation rules must not split them over the data axes again
         # under a pipeline its loop sums the microbatches' gradients in reduce_dtype too
         with nn.logical_axis_rules(rules), manual_data_axes(), accumulating(plan.reduce_dtype):
@@ -167,7 +167,7 @@ def zero3_grads(
     hpz, wire = plan.hpz, plan.weights_wire  # hpZ: qwZ on the gather across nodes only
 
     def local(p, rows, key):
-        key = jax.random.fold_in(key, jax.lax.axis_index(axes)) if not loss.takes_rows else key
+        key = loss.key(key, jax.lax.axis_index(axes))
 
         def gather(shards: Any) -> Any:
             if hpz:  # every parameter to its node's shard, once per microbatch; its gradient back over replica

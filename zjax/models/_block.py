@@ -86,10 +86,9 @@ class Block(nn.Module):
         token_ids: jax.Array | None = None,
     ):
         c = self.cfg
-        ids = token_ids  # training: each sub-layer's output dropped before the residual add
 
-        def dropped(y: jax.Array) -> jax.Array:
-            return y if ids is None or not c.dropout else dropout(self, y, ids, c.dropout)
+        def dropped(y: jax.Array) -> jax.Array:  # training: each sub-layer's output before the residual add
+            return y if token_ids is None or not c.dropout else dropout(self, y, token_ids, c.dropout)
 
         partitioned = RematPolicy.from_str(c.remat).partition
         if partitioned:

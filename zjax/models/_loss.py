@@ -117,8 +117,9 @@ def lm_loss(
         )
         raise ValueError(
             f"lm_loss: the model's {what}, which are model state: initialize with "
-            "zjax.Variables.linen(model.init(...)) and pass the state through, plan.train_step(lambda p, b, "
-            "model_state: lm_loss(model, p, b, model_state)) (zjax.models.train_functions makes both)."
+            "zjax.Variables.linen(model.init(...)) and pass the state through: init_fn, loss_fn = "
+            "zjax.models.train_functions(model, seq_len) makes both (its loss_fn's finish_step moves the biases "
+            "once per step)."
         )
     out, stats = _loss_and_stats(model, params, batch, model_state, vocab_chunk, rng, rows)
     if model_state is None:

@@ -173,7 +173,7 @@ def _unboxed(params: Any) -> Any:
 
 
 def _path(keypath: Any) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keypath)
+    return "/".join(_keys(keypath))
 
 
 def whole_matrices(tx: optax.GradientTransformation, dims: Any) -> optax.GradientTransformation:
