@@ -12,6 +12,7 @@ from ._hf_config import SUPPORTED_MODEL_TYPES as SUPPORTED_MODEL_TYPES
 from ._hf_config import config_from_hf as config_from_hf
 from ._hf_config import config_to_hf as config_to_hf
 from ._hf_config import from_hf_config as from_hf_config
+from ._layers import dropout_keys as dropout_keys
 from ._loss import lm_loss as lm_loss
 from ._mla import MLA as MLA
 from ._moe import BALANCE_LOSSES as BALANCE_LOSSES

@@ -83,12 +83,15 @@ class Block(nn.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         router_mask: jax.Array | None = None,
-        token_ids: jax.Array | None = None,
+        dropout_keys: jax.Array | None = None,
+        layer: jax.Array | int = 0,
     ):
+        """``dropout_keys``: each token's key (:func:`zjax.models.dropout_keys`; training), ``layer`` this layer's
+        index in the model (what its masks are drawn from besides the token's key)."""
         c = self.cfg
 
-        def dropped(y: jax.Array) -> jax.Array:  # training: each sub-layer's output before the residual add
-            return y if token_ids is None or not c.dropout else dropout(self, y, token_ids, c.dropout)
+        def dropped(y: jax.Array, site: int) -> jax.Array:  # training: a sub-layer's output before the residual add
+            return y if dropout_keys is None or not c.dropout else dropout(y, dropout_keys, layer, site, c.dropout)
 
         partitioned = RematPolicy.from_str(c.remat).partition
         if partitioned:
@@ -100,7 +103,7 @@ class Block(nn.Module):
         else:
             h = _region(RMSNorm(c.embed, c.norm_eps, name="attn_norm")(x))
             out = mla_attention(c, c.mla, h, positions, segment_ids, self.load_balanced, self)
-        x = _constrain(x + dropped(checkpoint_name(_leave(out), "out_proj")))
+        x = _constrain(x + dropped(checkpoint_name(_leave(out), "out_proj"), 0))
 
         h = _region(RMSNorm(c.embed, c.norm_eps, name="mlp_norm")(x))
         stats = None
@@ -116,7 +119,7 @@ class Block(nn.Module):
             y = _leave(dot("w_down", jax.nn.silu(gate) * up, w_down))
         else:
             y, stats = MoELayer(c.moe, c.embed, c.mlp, name="moe")(h, router_mask)
-        x = x + dropped(checkpoint_name(y, "mlp_out"))
+        x = x + dropped(checkpoint_name(y, "mlp_out"), 1)
         if partitioned:
             return partition_checkpoint(_constrain(x), axis=1), stats
         return _constrain(x), stats

@@ -120,7 +120,7 @@ class DecoderConfig:
     output before its residual add with that probability (Megatron-Core's ``hidden_dropout``) when the loss is
     given a key (:func:`lm_loss`'s ``rng``; evaluation passes none): a token's masks depend on the key, the layer
     and the token's place in the global batch alone, so every way a step splits the batch draws the masks one
-    device draws (not yet under pipelines, nested remat, ``bf16_edge_layers`` or qgZ's overlapped reductions).
+    device draws, pipelines' stages and microbatches included.
     """
 
     vocab: int = 256

@@ -12,8 +12,6 @@ ZeRO-3 gathers one layer at a time.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -21,18 +19,26 @@ import jax
 import jax.numpy as jnp
 
 from .. import comm, pipeline
-from ..context import check_sequence, context_size, load_balance
+from ..context import check_sequence, context_size
 from ..experts import local_experts
 from ..remat import STACKED, RematPolicy, linen_scan, nested_scan
 from ..sharding import EP
 from ._block import Block, _constrain, _region
 from ._config import DecoderConfig
 from ._layers import RMSNorm
-from ._moe import check_experts_in_pipeline, expert_splits
+from ._moe import expert_splits
 from ._mtp import MTP
 from ._params import param
-
-"""The expert weights of a layer (``[experts, ...]``; stacked ``[layers, experts, ...]``), as ``keystr`` names."""
+from ._stages import (
+    EACH_LAYER,
+    LAYER_INDEX,
+    apply_numbered,
+    check_unsupported,
+    dense_config,
+    numbered,
+    overlaps_reductions,
+    pipeline_stage_fn,
+)
 
 MOE_STATS = "moe"
 """The ``intermediates`` entry where a mixture-of-experts decoder sows its router statistics (per layer)."""
@@ -51,8 +57,8 @@ class Decoder(nn.Module):
     and z-losses; default: every token counts). ``mtp_tokens [mtp_layers, batch, seq]`` (with ``return_hidden``):
     the tokens ``k`` places after each input, for the multi-token prediction modules (``DecoderConfig.mtp_layers``),
     whose normed outputs ``[mtp_layers, batch, seq, embed]`` are then returned beside the hidden states.
-    ``token_ids [batch, seq]`` (each token's index in the global batch) with a ``dropout`` key in ``rngs`` turns on
-    ``DecoderConfig.dropout`` (:func:`lm_loss` passes both when given a key).
+    ``dropout_keys`` (each token's key, :func:`zjax.models.dropout_keys` of the step's key and the token's index in
+    the global batch) turns on ``DecoderConfig.dropout`` (:func:`lm_loss` passes them when given a key).
     """
 
     cfg: DecoderConfig
@@ -69,7 +75,7 @@ class Decoder(nn.Module):
         inputs_embeds: jax.Array | None = None,
         router_mask: jax.Array | None = None,
         mtp_tokens: jax.Array | None = None,
-        token_ids: jax.Array | None = None,
+        dropout_keys: jax.Array | None = None,
     ) -> Any:
         c = self.cfg
         if not self.is_initializing():
@@ -101,43 +107,54 @@ class Decoder(nn.Module):
         stats = None
         if not self.is_initializing():
             check_unsupported(c, schedule)
-            if c.dropout and token_ids is not None:
-                _check_dropout(c, schedule, policy)
-        else:
-            token_ids = None
+        if self.is_initializing() or not c.dropout:
+            dropout_keys = None
+        keys = dropout_keys
         if c.dense_layers:  # DeepSeek's first dense layers, one scan of their own before the experts' layers
-            x = self._dense_layers(x, positions, segment_ids, load_balanced, policy, token_ids)
+            x = self._dense_layers(x, positions, segment_ids, load_balanced, policy, keys)
         if schedule is not None and not self.is_initializing():
-            stage_fn = pipeline_stage_fn(c, load_balanced=load_balanced, at=(*self.path, "layers"))
+            stage_fn = pipeline_stage_fn(
+                c, load_balanced=load_balanced, at=(*self.path, "layers"), numbered=keys is not None
+            )
             # each microbatch's per-token arrays travel with it through the stages
             side = {"positions": positions, "segment_ids": segment_ids, "router_mask": router_mask}
             side = {k: v for k, v in side.items() if v is not None and (k != "router_mask" or c.moe is not None)}
+            side |= {} if keys is None else {"dropout_keys": keys}
             layers = self.variables["params"]["layers"]
             if schedule.zero3_gather in (None, "step"):  # gathered once, before the loop: read as the rest (qwZ)
                 layers = comm.gathered_tree(layers, (*self.path, "layers"))
+            split_over = None if c.moe is None else expert_splits(layers)
+            if keys is not None:  # each layer's index travels with it to its stage: its masks are drawn from it
+                layers = numbered(layers, c.dense_layers)
+                split_over = split_over and {**split_over, LAYER_INDEX: None}
             if c.moe is None:
                 x = pipeline.apply(stage_fn, layers, x, schedule, side=side or None)
             else:  # the routers' sums over every microbatch and rank, per layer; experts enter split over ep
-                split_over = expert_splits(layers)
                 with local_experts(int(jax.sharding.get_abstract_mesh().shape.get(EP, 1))):
                     x, stats = pipeline.apply(
                         stage_fn, layers, x, schedule, outputs=True, split_over=split_over, side=side or None
                     )
         elif c.scan and c.bf16_edge_layers and not self.is_initializing():
-            x, stats = self._with_bf16_edges(x, positions, segment_ids, router_mask, load_balanced, policy)
-        elif c.scan and _overlaps_reductions(c, policy) and not self.is_initializing():
+            x, stats = self._with_bf16_edges(x, positions, segment_ids, router_mask, load_balanced, policy, keys)
+        elif c.scan and overlaps_reductions(c, policy) and not self.is_initializing():
             # qgZ: each layer's quantized reduction runs under the next layer's backward (XLA pipelines no all-to-all)
             one = Block(c, load_balanced)
-            layer = lambda w, h: one.apply({"params": w}, h, positions, segment_ids)[0]  # noqa: E731
-            x = comm.layer_scan(layer, nn.unbox(self.variables["params"]["layers"]), x, (*self.path, "layers"))
+
+            def indexed(w: Any, h: jax.Array, i: jax.Array) -> jax.Array:
+                return one.apply({"params": w}, h, positions, segment_ids, None, keys, c.dense_layers + i)[0]
+
+            layers = nn.unbox(self.variables["params"]["layers"])
+            x = comm.layer_scan(indexed, layers, x, (*self.path, "layers"), numbered=True)
         elif c.scan and policy.kind == "nested" and not self.is_initializing():
             one = Block(c, load_balanced)
-            layer = lambda w, h: one.apply({"params": w}, h, positions, segment_ids, router_mask)  # noqa: E731
-            x, stats = nested_scan(layer, self.variables["params"]["layers"], x, policy, outputs=True)
+            layers = numbered(self.variables["params"]["layers"], c.dense_layers)
+            run = lambda w, h: apply_numbered(one, w, h, positions, segment_ids, router_mask, keys)  # noqa: E731
+            x, stats = nested_scan(run, layers, x, policy, outputs=True)
         elif c.scan:
             made = "full" if policy.kind == "nested" else policy  # init: the same stacked parameters
-            stack = linen_scan(Block, c.layers - c.dense_layers, made, broadcast=True)(c, load_balanced, name="layers")
-            x, stats = stack(x, positions, segment_ids, router_mask, token_ids)
+            count = c.layers - c.dense_layers
+            stack = linen_scan(Block, count, made, in_axes=EACH_LAYER)(c, load_balanced, name="layers")
+            x, stats = stack(x, positions, segment_ids, router_mask, keys, jnp.arange(c.dense_layers, c.layers))
         else:
             block = nn.remat(Block, policy=policy.jax_policy()) if policy.remat else Block
             per_layer = []
@@ -145,7 +162,7 @@ class Decoder(nn.Module):
                 edge = min(i - c.dense_layers, c.layers - 1 - i) < c.bf16_edge_layers
                 layer_cfg = c.in_compute_dtype if edge else c
                 x, layer_stats = block(layer_cfg, load_balanced, name=f"layer_{i}")(
-                    x, positions, segment_ids, router_mask, token_ids
+                    x, positions, segment_ids, router_mask, keys, i
                 )
                 per_layer.append(layer_stats)
             stats = None if c.moe is None else jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
@@ -162,7 +179,7 @@ class Decoder(nn.Module):
         predicted = None
         if c.mtp_layers and (mtp_tokens is not None or self.is_initializing()):
             ahead = jnp.stack([tokens] * c.mtp_layers) if mtp_tokens is None else mtp_tokens
-            predicted = self._predict_ahead(last, ahead, positions, segment_ids, load_balanced, table, at, token_ids)
+            predicted = self._predict_ahead(last, ahead, positions, segment_ids, load_balanced, table, at, keys)
         if return_hidden:  # the loss reads the head itself (zjax.models.lm_loss)
             return x if mtp_tokens is None else (x, predicted)
         if c.tie_embeddings:
@@ -180,7 +197,7 @@ class Decoder(nn.Module):
         load_balanced: bool,
         table: jax.Array,
         at: tuple[str, ...],
-        token_ids: jax.Array | None,
+        keys: jax.Array | None,
     ) -> jax.Array:
         """The MTP modules' normed outputs ``[mtp_layers, batch, seq, embed]`` (:mod:`zjax.models._mtp`); ``ahead
         [mtp_layers, batch, seq]``: the tokens ``k`` places after each input, for module ``k``."""
@@ -194,24 +211,25 @@ class Decoder(nn.Module):
             else:
                 embedded = comm.lookup(table, ahead[k], at)
             hidden, normed = module(c, load_balanced, name=f"mtp_{k}")(
-                hidden, _constrain(embedded), positions, segment_ids, token_ids
+                hidden, _constrain(embedded), positions, segment_ids, keys, c.layers + k
             )
             outs.append(normed)
         return jnp.stack(outs)
 
     def _with_bf16_edges(
-        self, x: jax.Array, positions: Any, segment_ids: Any, router_mask: Any, load_balanced: bool, policy: Any
-    ) -> tuple[jax.Array, Any]:
+        self, x: jax.Array, positions: Any, segment_ids: Any, router_mask: Any, load_balanced: bool, policy: Any,
+        keys: jax.Array | None,
+    ) -> tuple[jax.Array, Any]:  # fmt: skip
         """The stacked layers with the first and last ``bf16_edge_layers`` multiplying in the compute dtype: three
         scans over slices of the one stack (its parameters, and so checkpoints, as without the option)."""
         c, n = self.cfg, self.cfg.bf16_edge_layers
-        layers = nn.unbox(self.variables["params"]["layers"])
+        layers = numbered(nn.unbox(self.variables["params"]["layers"]), c.dense_layers)
         count = c.layers - c.dense_layers
         stats = []
         plain = c.in_compute_dtype
         for lo, hi, layer_cfg in ((0, n, plain), (n, count - n, c), (count - n, count, plain)):
             one = Block(layer_cfg, load_balanced)
-            layer = lambda w, h, one=one: one.apply({"params": w}, h, positions, segment_ids, router_mask)  # noqa: E731
+            layer = lambda w, h, one=one: apply_numbered(one, w, h, positions, segment_ids, router_mask, keys)  # noqa: E731
             part = jax.tree.map(lambda w, lo=lo, hi=hi: w[lo:hi], layers)
             x, part_stats = pipeline.scan_layers(layer, policy, outputs=True)(part, x)
             stats.append(part_stats)
@@ -226,170 +244,21 @@ class Decoder(nn.Module):
         segment_ids: jax.Array | None,
         load_balanced: bool,
         policy: RematPolicy,
-        token_ids: jax.Array | None,
+        keys: jax.Array | None,
     ) -> jax.Array:
         """The first ``dense_layers`` layers (dense MLPs): ``dense_layers`` stacked (``scan``) or ``layer_{i}``."""
         c = self.cfg
-        dense = _dense_config(c)
+        dense = dense_config(c)
         if c.scan:  # a nested policy's groups are the experts' layers'; these run whole-layer remat
             made = "full" if policy.kind == "nested" else policy
             # a stack a pipeline does not split: it runs whole before the first stage
-            stack = linen_scan(Block, c.dense_layers, made, broadcast=True, axis=STACKED)
-            return stack(dense, load_balanced, name="dense_layers")(x, positions, segment_ids, None, token_ids)[0]
+            stack = linen_scan(Block, c.dense_layers, made, axis=STACKED, in_axes=EACH_LAYER)
+            ids = jnp.arange(c.dense_layers)
+            return stack(dense, load_balanced, name="dense_layers")(x, positions, segment_ids, None, keys, ids)[0]
         block = nn.remat(Block, policy=policy.jax_policy()) if policy.remat else Block
         for i in range(c.dense_layers):
-            x = block(dense, load_balanced, name=f"layer_{i}")(x, positions, segment_ids, None, token_ids)[0]
+            x = block(dense, load_balanced, name=f"layer_{i}")(x, positions, segment_ids, None, keys, i)[0]
         return x
-
-
-def _check_dropout(c: DecoderConfig, schedule: Any, policy: RematPolicy) -> None:
-    """Raise where dropout cannot draw its masks yet: the paths that apply the layers' parameters themselves
-    (pipeline stages, nested remat, bf16 edges, qgZ's layer scan) hand the layers no per-layer keys."""
-    where = None
-    if schedule is not None:
-        where = f"pipeline schedule {schedule.name!r}"
-    elif policy.kind == "nested":
-        where = f"remat={c.remat!r}"
-    elif c.scan and c.bf16_edge_layers:
-        where = f"bf16_edge_layers={c.bf16_edge_layers}"
-    elif c.scan and _overlaps_reductions(c, policy):
-        where = "qgZ's overlapped reductions (Plan(quantized_comm=...) with gradients, scanned layers)"
-    if where is not None:
-        raise ValueError(
-            f"Decoder: dropout={c.dropout} under {where} is not supported yet: that path applies each layer's "
-            "parameters itself and gives the layers no per-layer dropout keys. Use dropout=0.0 there, or a plan "
-            "without it (pp=1, a non-nested remat policy, no bf16_edge_layers, quantized_comm=None or 'weights')."
-        )
-
-
-def check_unsupported(c: DecoderConfig, schedule: Any) -> None:
-    """Raise for what the decoder cannot run yet where it is traced: under pipeline parallelism (``schedule``; both
-    engines' stages, :func:`pipeline_stage_fn`, check), nested remat or quantized gradient reductions."""
-    policy = RematPolicy.from_str(c.remat)
-    biased = c.moe is not None and c.moe.bias_update_rate is not None
-    if biased and (schedule is not None or policy.kind == "nested"):
-        raise ValueError(
-            "Decoder: MoE(bias_update_rate=...) (the routers' selection biases, model state) is not supported "
-            f"under {'pipeline parallelism' if schedule is not None else f'remat={c.remat!r}'} yet: the "
-            "biases would have to travel with each stage's or group's parameters. Use bias_update_rate=None "
-            "(an auxiliary load-balancing loss), or pp=1 and a non-nested remat policy."
-        )
-    qgz = c.scan and _overlaps_reductions(c, policy)
-    if c.bf16_edge_layers and (schedule is not None or qgz):
-        raise ValueError(
-            f"Decoder: bf16_edge_layers={c.bf16_edge_layers} under "
-            f"{'pipeline parallelism' if schedule is not None else 'quantized gradient reductions (qgZ)'} is not "
-            "supported yet (their layers run one stack alike). Use bf16_edge_layers=0 there."
-        )
-    functional = schedule is not None or policy.kind == "nested" or qgz
-    if c.matmul == "fp8-delayed" and functional:
-        where = (
-            "pipeline parallelism"
-            if schedule is not None
-            else (f"remat={c.remat!r}" if policy.kind == "nested" else "quantized gradient reductions (qgZ)")
-        )
-        raise ValueError(
-            f"Decoder: matmul='fp8-delayed' under {where} is not supported yet: the layers run from their "
-            "parameters alone there, and the amax histories (model state) would have to travel with them. "
-            "Use matmul='fp8-current' (no state), or pp=1, a non-nested remat policy and no qgZ."
-        )  # fmt: skip
-
-
-def _overlaps_reductions(c: DecoderConfig, policy: RematPolicy) -> bool:
-    """Whether the layers run in :func:`zjax.comm.layer_scan`: quantized gradient reductions, whole-layer remat (the
-    scan saves each layer's input, nothing else) and no experts (their router statistics are scan outputs)."""
-    return comm.quantized_reductions() and policy.kind == "full" and not policy.partition and c.moe is None
-
-
-def pipeline_stage_fn(
-    c: DecoderConfig, *, load_balanced: bool = False, at: tuple[str, ...] = ("layers",)
-) -> Callable[..., Any]:
-    """The ``stage_fn`` of :func:`zjax.pipeline.apply` / :func:`zjax.pipeline.loss` for a decoder: each stage
-    scans its layers, rematerialized per layer by the model's policy, each layer read through
-    :func:`zjax.comm.gathered_tree` at ``at`` (the stacked layers' path: qwZ's per-layer gathers under
-    ``zero3_gather="layer"``). A mixture of experts' stage returns ``(h, router sums per layer)``
-    (``apply(..., outputs=True)``). The pipeline's side inputs (a dict of ``positions``, ``segment_ids`` and
-    ``router_mask``, each optional) reach every layer with its microbatch: packed rows keep their documents.
-
-    Raises:
-      ValueError: ``scan=False``, a partitioned remat policy (none run in a pipeline); a mixture of experts
-        that a schedule cannot run (:func:`zjax.models._moe.check_experts_in_pipeline`).
-    """
-    policy = RematPolicy.from_str(c.remat)
-    schedule = pipeline.current()
-    if not c.scan:
-        raise ValueError("Decoder: pipeline parallelism needs scan=True (layers stacked on one axis).")
-    check_unsupported(c, schedule)
-    if c.moe is not None:
-        check_experts_in_pipeline(c.moe, schedule)
-    if policy.partition:
-        raise ValueError(
-            f"Decoder: remat={c.remat!r} under pipeline parallelism: ZeRO-R partitioned checkpoints "
-            "split over tp with a shard_map, which cannot run inside the pipeline's per-stage vmap. Use "
-            f"remat={policy.name.removesuffix('+partitioned')!r} with a pipeline."
-        )
-    one = Block(c, load_balanced)
-
-    def layer(w: Any, h: jax.Array, side: dict | None = None) -> Any:
-        side = side or {}
-        positions = _stage_positions(side, h.shape[1], load_balanced)
-        h, stats = one.apply(
-            {"params": comm.gathered_tree(w, at)}, h, positions, side.get("segment_ids"), side.get("router_mask")
-        )
-        return h if c.moe is None else (h, stats)
-
-    return pipeline.scan_layers(layer, policy, outputs=c.moe is not None)
-
-
-def _dense_config(c: DecoderConfig) -> DecoderConfig:
-    """The configuration of the first ``dense_layers`` layers: dense MLPs, a stack of their own."""
-    return dataclasses.replace(c, moe=None, layers=c.dense_layers, dense_layers=0)
-
-
-def _stage_positions(side: dict, length: int, load_balanced: bool) -> jax.Array | None:
-    """A pipeline stage's token positions: the microbatch's own (packed rows), or under the load-balanced layout
-    (cp) each token's index before the permutation; ``None`` for the plain order."""
-    positions = side.get("positions")
-    if positions is None and load_balanced:
-        positions = load_balance(jnp.arange(length, dtype=jnp.int32)[None])
-    return positions
-
-
-def dense_stage_fn(c: DecoderConfig, load_balanced: bool = False) -> Callable[..., jax.Array] | None:
-    """A table schedule's dense layers (``dense_layers``, DeepSeek's first layers; ``None`` without them):
-    ``fn(stacked, h, side)`` runs them on stage 0 after the embedding, on each microbatch as its first action
-    runs (their parameters travel with the embedding's, whole on every rank for the step)."""
-    if not c.dense_layers:
-        return None
-    one = Block(_dense_config(c), load_balanced)
-
-    def layer(w: Any, h: jax.Array, side: dict) -> jax.Array:
-        return one.apply({"params": w}, h, _stage_positions(side, h.shape[1], load_balanced), side.get("segment_ids"))[
-            0
-        ]
-
-    return pipeline.scan_layers(layer, "full" if RematPolicy.from_str(c.remat).remat else "none")
-
-
-def predict_ahead_fn(c: DecoderConfig, load_balanced: bool = False) -> Callable[..., list[Any]] | None:
-    """A table schedule's multi-token prediction modules (``mtp_layers``; ``None`` without them), run in the loss's
-    stage: ``fn(edge, hidden, tokens [mb, depth, S], side)`` -> each module's normed output (:mod:`._mtp`), from
-    the last layer's output and the embedding table, the modules' parameters ``edge["mtp_k"]``."""
-    if not c.mtp_layers:
-        return None
-    module = MTP(c, load_balanced)
-
-    def fn(edge: dict, hidden: jax.Array, tokens: jax.Array, side: dict) -> list[Any]:
-        positions = _stage_positions(side, hidden.shape[1], load_balanced)
-        outs = []
-        for k in range(c.mtp_layers):
-            embedded = jnp.take(edge["embedding"], tokens[:, k], axis=0)
-            variables = {"params": edge[f"mtp_{k}"]}
-            hidden, normed = module.apply(variables, hidden, embedded, positions, side.get("segment_ids"))
-            outs.append(normed)
-        return outs
-
-    return fn
 
 
 def output_head(cfg: DecoderConfig, params) -> jax.Array:

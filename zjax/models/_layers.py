@@ -38,14 +38,26 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, factor: float
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def dropout(module: nn.Module, y: jax.Array, token_ids: jax.Array, rate: float) -> jax.Array:
+def dropout_keys(rng: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """Each token's dropout key, ``[batch, seq, ...]`` key data: ``rng`` (the step's key) folded with the token's
+    ``token_ids [batch, seq]`` (its index in the global batch, row x length + column). A per-token array that
+    travels with its rows through every split (microbatches, ranks, cp's shards, pipeline stages), so a token
+    draws the same masks wherever it is computed; :func:`dropout` folds in the layer and the call site."""
+    rng = jax.random.wrap_key_data(rng) if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
+    return jax.random.key_data(jax.vmap(jax.vmap(lambda i: jax.random.fold_in(rng, i)))(token_ids))
+
+
+def dropout(y: jax.Array, keys: jax.Array, layer: jax.Array | int, site: int, rate: float) -> jax.Array:
     """``y [batch, seq, embed]`` with each value zeroed with probability ``rate`` (the rest scaled by ``1 / (1 -
-    rate)``): a token's mask drawn from the module's ``dropout`` key (one per layer and call site) folded with its
-    ``token_ids [batch, seq]`` (its index in the global batch, row x length + column), so that it is the same
-    whichever microbatch, rank or sequence shard the token is computed on."""
-    key = module.make_rng("dropout")
+    rate)``): a token's mask drawn from its key (``keys``, :func:`dropout_keys`) folded with the model's index of
+    the ``layer`` (the decoder's first layer 0, its multi-token prediction modules' after the last) and the
+    ``site`` within it (0 the attention's output, 1 the MLP's)."""
     width = y.shape[-1]
-    keep = jax.vmap(jax.vmap(lambda i: jax.random.bernoulli(jax.random.fold_in(key, i), 1.0 - rate, (width,))))(
-        token_ids
-    )
+    layer = jnp.asarray(layer).astype(jnp.int32)
+
+    def one(data: jax.Array) -> jax.Array:
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(data), layer), site)
+        return jax.random.bernoulli(key, 1.0 - rate, (width,))
+
+    keep = jax.vmap(jax.vmap(one))(keys)
     return jnp.where(keep, y / (1.0 - rate), 0).astype(y.dtype)

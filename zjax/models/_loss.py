@@ -21,10 +21,11 @@ from ..sharding import DATA_AXES, EP, PP
 from ..sharding._mesh import in_manual_data_axes
 from ._biases import with_counted_loads
 from ._config import DecoderConfig
-from ._decoder import MOE_STATS, dense_stage_fn, pipeline_stage_fn, predict_ahead_fn
-from ._layers import RMSNorm
+from ._decoder import MOE_STATS
+from ._layers import RMSNorm, dropout_keys
 from ._moe import expert_splits
 from ._mtp import mtp_rows
+from ._stages import LAYER_INDEX, dense_stage_fn, numbered, pipeline_stage_fn, predict_ahead_fn
 from ._xent import cross_entropy_sum, vocab_chunks
 
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
@@ -176,17 +177,17 @@ def _loss_and_stats(
             )
     w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights
     count = jnp.sum(w)
-    if ids is not None and schedule is not None:
-        raise ValueError(
-            f"lm_loss: dropout={model.cfg.dropout} under the pipeline schedule {schedule.name!r} is not supported "
-            "yet: the stages apply the layers without per-layer dropout keys. Use dropout=0.0 with pipelines, or "
-            "pp=1."
-        )
+    keys = None if ids is None else dropout_keys(rng, ids)  # per token: they travel with the rows everywhere
     if schedule is not None and schedule.tabled:
         # each target weighted by its share of the mean: the microbatches' sums add up to the mean, whose
         # cotangent (the loss scale) then seeds the pipeline's backward passes at the magnitude GPipe's get
         share = w / count_or_1(count)
-        named = (("positions", positions), ("segment_ids", segment_ids), ("router_mask", routed))
+        named = (
+            ("positions", positions),
+            ("segment_ids", segment_ids),
+            ("router_mask", routed),
+            ("dropout_keys", keys),
+        )
         side = {k: v for k, v in named if v is not None} or None
         per_row = None  # the MTP modules' rows [B, depth, S] (cut into microbatches with them), weighted as the targets
         if ahead is not None:
@@ -199,7 +200,7 @@ def _loss_and_stats(
         aux, stats = stats  # the routers' losses, each microbatch's own, weighted by its share of the count
         return _with_experts(model.cfg, LossSum((mean - aux) * count, count), stats, aux), stats
     variables = {**(model_state or {}), "params": params}
-    dropping = {} if ids is None else {"rngs": {"dropout": rng}, "token_ids": ids}
+    dropping = {} if keys is None else {"dropout_keys": keys}
     ranks = _data_ranks()
     if model.cfg.tie_embeddings and ranks:
         if depth:
@@ -323,7 +324,8 @@ def _pipelined_sum(
     run in the loss's stage after the final norm. Returns ``(sum, None)``; for a mixture of
     experts ``(sum, (its routers' weighted losses, their sums per layer))``: each microbatch's losses (each
     stage's layers' part, :meth:`MoE.layers_loss`) weighted by its share of the count, in ``sum`` too."""
-    stage_fn = pipeline_stage_fn(cfg, load_balanced=balanced)
+    indexed = side is not None and "dropout_keys" in side  # each layer's index travels with it (its masks)
+    stage_fn = pipeline_stage_fn(cfg, load_balanced=balanced, numbered=indexed)
     norm = RMSNorm(cfg.embed, cfg.norm_eps)
     rows: dict[str, Any] = {"tokens": inputs, "targets": targets, "weights": weights}
     if cfg.dense_layers or ahead is not None:  # the stages' per-token arrays, read by the ends too
@@ -358,9 +360,12 @@ def _pipelined_sum(
     schedule = pipeline.current()
     if schedule is None or schedule.zero3_gather != "layer":  # "layer": each stage gathers each layer it applies
         layers = comm.gathered_tree(layers, ("layers",))
+    split_over = None if cfg.moe is None else expert_splits(layers)
+    if indexed:
+        layers, split_over = numbered(layers, cfg.dense_layers), split_over and {**split_over, LAYER_INDEX: None}
     if cfg.moe is None:
         return pipeline.loss(stage_fn, layers, rows, first=first, last=last, params=edge, side=side), None
-    moe, count = cfg.moe, jax.tree.leaves(layers)[0].shape[0]
+    moe, count = cfg.moe, cfg.layers - cfg.dense_layers
 
     def tally(stats: dict, mb: dict) -> jax.Array:  # the microbatch's routers' losses, its share of the mean
         return jnp.sum(mb["weights"]) * moe.layers_loss(stats, count)
@@ -369,5 +374,5 @@ def _pipelined_sum(
     with local_experts(int(jax.sharding.get_abstract_mesh().shape.get(EP, 1))):
         return pipeline.loss(
             stage_fn, layers, rows, first=first, last=last, params=edge, side=side, tally=tally,
-            split_over=expert_splits(layers),
+            split_over=split_over,
         )  # fmt: skip

@@ -35,14 +35,16 @@ class MTP(nn.Module):
         embedded: jax.Array,
         positions: jax.Array | None,
         segment_ids: jax.Array | None,
-        token_ids: jax.Array | None = None,
+        dropout_keys: jax.Array | None = None,
+        layer: jax.Array | int = 0,
     ) -> tuple[jax.Array, jax.Array]:
         c = self.cfg
         e = RMSNorm(c.embed, c.norm_eps, name="embed_norm")(embedded)
         h = RMSNorm(c.embed, c.norm_eps, name="hidden_norm")(hidden)
         w = param(self, "w_proj", (2 * c.embed, c.embed), (None, "embed"))
         x = _constrain(jnp.concatenate([e, h], axis=-1) @ w.astype(e.dtype))
-        x, _ = Block(c.mtp_layer, self.load_balanced, name="layer")(x, positions, segment_ids, None, token_ids)
+        block = Block(c.mtp_layer, self.load_balanced, name="layer")
+        x, _ = block(x, positions, segment_ids, None, dropout_keys, layer)
         return x, RMSNorm(c.embed, c.norm_eps, name="norm")(x)
 
 

@@ -27,14 +27,15 @@ experts' stack, run whole before the first stage): replicated by the default rul
 
 def linen_scan(
     block: type[nn.Module], length: int, policy: str | RematPolicy = "full", *, broadcast: bool = False,
-    axis: str = LAYERS,
+    axis: str = LAYERS, in_axes: Any = None,
 ) -> Any:  # fmt: skip
     """A linen module class applying ``block`` ``length`` times with ``nn.scan``, remat'ed per layer.
 
     ``block`` is called as ``block(...)(carry, x) -> (carry, y)``; its parameters get a leading axis of
     size ``length`` named ``axis`` (:data:`LAYERS`, or :data:`STACKED`) in their logical partitioning metadata.
     With ``broadcast=True`` the arguments after the carry are the same for every layer (``block(...)(carry,
-    *args)``, e.g. positions and segment ids) instead of scanned over.
+    *args)``, e.g. positions and segment ids) instead of scanned over. ``in_axes`` (flax's, one per argument after
+    the carry: ``nn.broadcast`` or ``0``) overrides both, e.g. to scan each layer's index beside broadcast arguments.
 
     Example:
       >>> Stack = zjax.remat.linen_scan(Block, 16, "dots")
@@ -51,7 +52,7 @@ def linen_scan(
         cls,
         variable_axes={True: 0},  # parameters and any state a layer keeps (a router's bias), one per layer
         split_rngs={"params": True, "dropout": True},
-        in_axes=nn.broadcast if broadcast else 0,
+        in_axes=(nn.broadcast if broadcast else 0) if in_axes is None else in_axes,
         length=length,
         metadata_params={nn.PARTITION_NAME: axis},
     )

@@ -1,0 +1,189 @@
+"""The decoder's layers applied from their parameters alone: a pipeline's stages (and the dense layers and
+multi-token prediction modules a table schedule runs at its ends), each layer's index beside its weights
+(:func:`numbered`: what its dropout masks are drawn from), and what those paths cannot run yet."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from .. import comm, pipeline
+from ..context import load_balance
+from ..remat import RematPolicy
+from ._block import Block
+from ._config import DecoderConfig
+from ._moe import check_experts_in_pipeline
+from ._mtp import MTP
+
+EACH_LAYER = (nn.broadcast,) * 4 + (0,)
+"""A stack's ``in_axes`` (:func:`zjax.remat.linen_scan`): positions, segment ids, router mask and dropout keys the
+same for every layer, each layer's index its own."""
+
+
+LAYER_INDEX = "zjax_layer_index"
+"""The key under which :func:`numbered` layers carry their indices."""
+
+
+def numbered(layers: Any, start: int) -> dict:
+    """The stacked ``layers`` with each one's index in the model (``start``: the first's) beside its weights,
+    under :data:`LAYER_INDEX`: ``[L]`` float32. It travels with its layer through the functions that apply and
+    split stacked layers themselves (pipeline stages, nested remat) while the weights keep their paths; a float
+    gets the zero gradient such functions give any weight (an integer's would be ``float0``)."""
+    count = jax.tree.leaves(layers)[0].shape[0]
+    return {**layers, LAYER_INDEX: jnp.arange(start, start + count, dtype=jnp.float32)}
+
+
+def unnumbered(layer: dict) -> tuple[dict, jax.Array]:
+    """One :func:`numbered` layer's weights and index."""
+    layer = dict(layer)
+    return layer, layer.pop(LAYER_INDEX)
+
+
+def apply_numbered(
+    block: Block, layer: dict, h: jax.Array, positions: Any, segment_ids: Any, router_mask: Any, keys: Any
+) -> tuple[jax.Array, Any]:
+    """One :func:`numbered` layer applied by ``block`` (its dropout masks drawn by its index): ``(h, stats)``."""
+    weights, index = unnumbered(layer)
+    return block.apply({"params": weights}, h, positions, segment_ids, router_mask, keys, index)
+
+
+def check_unsupported(c: DecoderConfig, schedule: Any) -> None:
+    """Raise for what the decoder cannot run yet where it is traced: under pipeline parallelism (``schedule``; both
+    engines' stages, :func:`pipeline_stage_fn`, check), nested remat or quantized gradient reductions."""
+    policy = RematPolicy.from_str(c.remat)
+    biased = c.moe is not None and c.moe.bias_update_rate is not None
+    if biased and (schedule is not None or policy.kind == "nested"):
+        raise ValueError(
+            "Decoder: MoE(bias_update_rate=...) (the routers' selection biases, model state) is not supported "
+            f"under {'pipeline parallelism' if schedule is not None else f'remat={c.remat!r}'} yet: the "
+            "biases would have to travel with each stage's or group's parameters. Use bias_update_rate=None "
+            "(an auxiliary load-balancing loss), or pp=1 and a non-nested remat policy."
+        )
+    qgz = c.scan and overlaps_reductions(c, policy)
+    if c.bf16_edge_layers and (schedule is not None or qgz):
+        raise ValueError(
+            f"Decoder: bf16_edge_layers={c.bf16_edge_layers} under "
+            f"{'pipeline parallelism' if schedule is not None else 'quantized gradient reductions (qgZ)'} is not "
+            "supported yet (their layers run one stack alike). Use bf16_edge_layers=0 there."
+        )
+    functional = schedule is not None or policy.kind == "nested" or qgz
+    if c.matmul == "fp8-delayed" and functional:
+        where = (
+            "pipeline parallelism"
+            if schedule is not None
+            else (f"remat={c.remat!r}" if policy.kind == "nested" else "quantized gradient reductions (qgZ)")
+        )
+        raise ValueError(
+            f"Decoder: matmul='fp8-delayed' under {where} is not supported yet: the layers run from their "
+            "parameters alone there, and the amax histories (model state) would have to travel with them. "
+            "Use matmul='fp8-current' (no state), or pp=1, a non-nested remat policy and no qgZ."
+        )  # fmt: skip
+
+
+def overlaps_reductions(c: DecoderConfig, policy: RematPolicy) -> bool:
+    """Whether the layers run in :func:`zjax.comm.layer_scan`: quantized gradient reductions, whole-layer remat (the
+    scan saves each layer's input, nothing else) and no experts (their router statistics are scan outputs)."""
+    return comm.quantized_reductions() and policy.kind == "full" and not policy.partition and c.moe is None
+
+
+def pipeline_stage_fn(
+    c: DecoderConfig, *, load_balanced: bool = False, at: tuple[str, ...] = ("layers",), numbered: bool = False
+) -> Callable[..., Any]:
+    """The ``stage_fn`` of :func:`zjax.pipeline.apply` / :func:`zjax.pipeline.loss` for a decoder: each stage
+    scans its layers, rematerialized per layer by the model's policy, each layer read through
+    :func:`zjax.comm.gathered_tree` at ``at`` (the stacked layers' path: qwZ's per-layer gathers under
+    ``zero3_gather="layer"``). A mixture of experts' stage returns ``(h, router sums per layer)``
+    (``apply(..., outputs=True)``). The pipeline's side inputs (a dict of ``positions``, ``segment_ids`` and
+    ``router_mask``, each optional) reach every layer with its microbatch: packed rows keep their documents;
+    with ``dropout_keys`` among them the stage's layers are :func:`numbered` (their indices beside their weights),
+    and each layer drops what the one-device model's drops.
+
+    Raises:
+      ValueError: ``scan=False``, a partitioned remat policy (none run in a pipeline); a mixture of experts
+        that a schedule cannot run (:func:`zjax.models._moe.check_experts_in_pipeline`).
+    """
+    policy = RematPolicy.from_str(c.remat)
+    schedule = pipeline.current()
+    if not c.scan:
+        raise ValueError("Decoder: pipeline parallelism needs scan=True (layers stacked on one axis).")
+    check_unsupported(c, schedule)
+    if c.moe is not None:
+        check_experts_in_pipeline(c.moe, schedule)
+    if policy.partition:
+        raise ValueError(
+            f"Decoder: remat={c.remat!r} under pipeline parallelism: ZeRO-R partitioned checkpoints "
+            "split over tp with a shard_map, which cannot run inside the pipeline's per-stage vmap. Use "
+            f"remat={policy.name.removesuffix('+partitioned')!r} with a pipeline."
+        )
+    one = Block(c, load_balanced)
+
+    def layer(w: Any, h: jax.Array, side: dict | None = None) -> Any:
+        side = side or {}
+        w, index = unnumbered(w) if numbered else (w, 0)
+        positions = _stage_positions(side, h.shape[1], load_balanced)
+        h, stats = one.apply(
+            {"params": comm.gathered_tree(w, at)}, h, positions, side.get("segment_ids"), side.get("router_mask"),
+            side.get("dropout_keys"), index,
+        )  # fmt: skip
+        return h if c.moe is None else (h, stats)
+
+    return pipeline.scan_layers(layer, policy, outputs=c.moe is not None)
+
+
+def dense_config(c: DecoderConfig) -> DecoderConfig:
+    """The configuration of the first ``dense_layers`` layers: dense MLPs, a stack of their own."""
+    return dataclasses.replace(c, moe=None, layers=c.dense_layers, dense_layers=0)
+
+
+def _stage_positions(side: dict, length: int, load_balanced: bool) -> jax.Array | None:
+    """A pipeline stage's token positions: the microbatch's own (packed rows), or under the load-balanced layout
+    (cp) each token's index before the permutation; ``None`` for the plain order."""
+    positions = side.get("positions")
+    if positions is None and load_balanced:
+        positions = load_balance(jnp.arange(length, dtype=jnp.int32)[None])
+    return positions
+
+
+def dense_stage_fn(c: DecoderConfig, load_balanced: bool = False) -> Callable[..., jax.Array] | None:
+    """A table schedule's dense layers (``dense_layers``, DeepSeek's first layers; ``None`` without them):
+    ``fn(stacked, h, side)`` runs them on stage 0 after the embedding, on each microbatch as its first action
+    runs (their parameters travel with the embedding's, whole on every rank for the step)."""
+    if not c.dense_layers:
+        return None
+    one = Block(dense_config(c), load_balanced)
+
+    def layer(w: Any, h: jax.Array, side: dict) -> jax.Array:
+        w, index = unnumbered(w)
+        positions = _stage_positions(side, h.shape[1], load_balanced)
+        return one.apply({"params": w}, h, positions, side.get("segment_ids"), None, side.get("dropout_keys"), index)[0]
+
+    stage = pipeline.scan_layers(layer, "full" if RematPolicy.from_str(c.remat).remat else "none")
+    return lambda stacked, h, side: stage(numbered(stacked, 0), h, side)
+
+
+def predict_ahead_fn(c: DecoderConfig, load_balanced: bool = False) -> Callable[..., list[Any]] | None:
+    """A table schedule's multi-token prediction modules (``mtp_layers``; ``None`` without them), run in the loss's
+    stage: ``fn(edge, hidden, tokens [mb, depth, S], side)`` -> each module's normed output (:mod:`._mtp`), from
+    the last layer's output and the embedding table, the modules' parameters ``edge["mtp_k"]``."""
+    if not c.mtp_layers:
+        return None
+    module = MTP(c, load_balanced)
+
+    def fn(edge: dict, hidden: jax.Array, tokens: jax.Array, side: dict) -> list[Any]:
+        positions = _stage_positions(side, hidden.shape[1], load_balanced)
+        outs = []
+        for k in range(c.mtp_layers):
+            embedded = jnp.take(edge["embedding"], tokens[:, k], axis=0)
+            variables = {"params": edge[f"mtp_{k}"]}
+            hidden, normed = module.apply(
+                variables, hidden, embedded, positions, side.get("segment_ids"), side.get("dropout_keys"), c.layers + k
+            )
+            outs.append(normed)
+        return outs
+
+    return fn
