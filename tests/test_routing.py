@@ -189,12 +189,28 @@ def test_a_train_step_moves_the_biases_by_its_whole_batchs_loads():
     assert not np.any(jax.device_get(state.model_state)[ROUTER_STATE]["layers"]["moe"]["load"])
 
 
-def test_accumulated_microbatches_route_with_the_steps_biases_and_move_them_once():
-    """With biases moved (not zero), a step of 4 accumulated microbatches routes every microbatch with the step's
-    biases: its gradients are ``jax.grad`` of the whole batch's loss on one device, and the biases move once, by
-    the whole batch's loads, bitwise as one device moves them (moving them after each microbatch would route the
-    later ones differently, and move them 4 times)."""
+BIASED_PATHS = {  # mesh, plan, microbatches accumulated, remat
+    "dp2-ep4-accum4": (dict(dp=2, ep=4), dict(stage=1), 4, "full"),
+    # the biases travel with their layers' weights to the stage that runs them (numbered layers)
+    # the biases travel with their layers' weights to the stage that runs them (numbered layers), kept whole where
+    # ZeRO-3 gathers each layer's weights over dp
+    "dp4-pp2-1f1b-stage3": (dict(dp=4, pp=2), dict(stage=3, pipeline=zjax.Pipeline(4, schedule="1f1b")), 1, "full"),
+    "dp2-ep2-pp2-gpipe-accum2": (dict(dp=2, ep=2, pp=2), dict(stage=1, pipeline=zjax.Pipeline(2)), 2, "full"),
+    "dp8-nested-remat": (dict(dp=8), dict(stage=2), 1, "nested"),
+}
+
+
+@pytest.mark.parametrize(
+    "path", [pytest.param(p, marks=pytest.mark.slow) if "gpipe" in p or "nested" in p else p for p in BIASED_PATHS]
+)
+def test_accumulated_microbatches_route_with_the_steps_biases_and_move_them_once(path):
+    """With biases moved (not zero), a step of accumulated microbatches (or a pipeline's) routes every microbatch
+    with the step's biases: its gradients are ``jax.grad`` of the whole batch's loss on one device, and the biases
+    move once, by the whole batch's loads, bitwise as one device moves them (moving them after each microbatch
+    would route the later ones differently, and move them once per microbatch)."""
+    mesh, plan_kw, accum, remat = BIASED_PATHS[path]
     model, variables = _variables(SKEWED)
+    runs = Decoder(dataclasses.replace(SKEWED, remat=remat))
     bias = jnp.asarray(np.random.RandomState(1).normal(0, 0.05, (SKEWED.layers, E)), jnp.float32)
     routers = {"layers": {"moe": {"bias": bias, "load": jnp.zeros_like(bias)}}}
     variables = zjax.Variables(variables.params, {ROUTER_STATE: routers})
@@ -208,10 +224,10 @@ def test_accumulated_microbatches_route_with_the_steps_biases_and_move_them_once
         *jax.device_put((nn.unbox(variables.params), batch, variables.model_state), jax.devices()[0])
     )
     want = jax.device_get(zjax.models.with_moved_biases(SKEWED, new))[ROUTER_STATE]["layers"]["moe"]["bias"]
-    plan = zjax.Plan(zjax.make_mesh(dp=2, ep=4), stage=1, precision="fp32")
-    loss_fn = zjax.models.train_functions(model, SKEWED.max_len)[1]
+    plan = zjax.Plan(zjax.make_mesh(**mesh), precision="fp32", **plan_kw)
+    loss_fn = zjax.models.train_functions(runs, SKEWED.max_len)[1]
     state = plan.init(lambda r: variables, optax.sgd(0.1), jax.random.key(0))
-    step = plan.train_step(loss_fn, accum_steps=4)
+    step = plan.train_step(loss_fn, accum_steps=accum)
     got, _ = step.grads(state, plan.shard_batch(batch))
     assert relative(*(jax.tree.map(np.asarray, jax.device_get(g)) for g in (got, grads))) < 3e-5
     state, _ = step(state, plan.shard_batch(batch))
@@ -245,9 +261,6 @@ def test_bad_routing_configurations_say_what_works():
     tokens = jnp.zeros((2, 17), jnp.int32)
     with pytest.raises(ValueError, match="selection biases .* model state"):
         lm_loss(model, variables.params, tokens)
-    nested = Decoder(dataclasses.replace(SKEWED, remat="nested"))
-    with pytest.raises(ValueError, match="bias_update_rate=.* not supported under remat='nested'"):
-        lm_loss(nested, variables.params, tokens, variables.model_state)
 
 
 @pytest.mark.slow  # a planner compile; zjax train's DeepSeek-shaped run (slow too) uses the same functions

@@ -31,10 +31,11 @@ from ._mtp import MTP
 from ._params import param
 from ._stages import (
     EACH_LAYER,
-    LAYER_INDEX,
     apply_numbered,
     check_unsupported,
     dense_config,
+    kept_whole,
+    layer_state,
     numbered,
     overlaps_reductions,
     pipeline_stage_fn,
@@ -113,9 +114,6 @@ class Decoder(nn.Module):
         if c.dense_layers:  # DeepSeek's first dense layers, one scan of their own before the experts' layers
             x = self._dense_layers(x, positions, segment_ids, load_balanced, policy, keys)
         if schedule is not None and not self.is_initializing():
-            stage_fn = pipeline_stage_fn(
-                c, load_balanced=load_balanced, at=(*self.path, "layers"), numbered=keys is not None
-            )
             # each microbatch's per-token arrays travel with it through the stages
             side = {"positions": positions, "segment_ids": segment_ids, "router_mask": router_mask}
             side = {k: v for k, v in side.items() if v is not None and (k != "router_mask" or c.moe is not None)}
@@ -124,9 +122,13 @@ class Decoder(nn.Module):
             if schedule.zero3_gather in (None, "step"):  # gathered once, before the loop: read as the rest (qwZ)
                 layers = comm.gathered_tree(layers, (*self.path, "layers"))
             split_over = None if c.moe is None else expert_splits(layers)
-            if keys is not None:  # each layer's index travels with it to its stage: its masks are drawn from it
-                layers = numbered(layers, c.dense_layers)
-                split_over = split_over and {**split_over, LAYER_INDEX: None}
+            state = layer_state(self.variables)  # the routers' selection biases: read by each layer's stage
+            carried = keys is not None or state is not None
+            if carried:  # each layer's index and state travel with it to its stage (its masks, its biases)
+                layers = numbered(layers, c.dense_layers, state)
+                split_over = kept_whole(split_over, layers)
+            at = (*self.path, "layers")
+            stage_fn = pipeline_stage_fn(c, load_balanced=load_balanced, at=at, numbered=carried)
             if c.moe is None:
                 x = pipeline.apply(stage_fn, layers, x, schedule, side=side or None)
             else:  # the routers' sums over every microbatch and rank, per layer; experts enter split over ep
@@ -147,7 +149,7 @@ class Decoder(nn.Module):
             x = comm.layer_scan(indexed, layers, x, (*self.path, "layers"), numbered=True)
         elif c.scan and policy.kind == "nested" and not self.is_initializing():
             one = Block(c, load_balanced)
-            layers = numbered(self.variables["params"]["layers"], c.dense_layers)
+            layers = numbered(self.variables["params"]["layers"], c.dense_layers, layer_state(self.variables))
             run = lambda w, h: apply_numbered(one, w, h, positions, segment_ids, router_mask, keys)  # noqa: E731
             x, stats = nested_scan(run, layers, x, policy, outputs=True)
         elif c.scan:
@@ -223,7 +225,7 @@ class Decoder(nn.Module):
         """The stacked layers with the first and last ``bf16_edge_layers`` multiplying in the compute dtype: three
         scans over slices of the one stack (its parameters, and so checkpoints, as without the option)."""
         c, n = self.cfg, self.cfg.bf16_edge_layers
-        layers = numbered(nn.unbox(self.variables["params"]["layers"]), c.dense_layers)
+        layers = numbered(nn.unbox(self.variables["params"]["layers"]), c.dense_layers, layer_state(self.variables))
         count = c.layers - c.dense_layers
         stats = []
         plain = c.in_compute_dtype

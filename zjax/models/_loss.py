@@ -25,7 +25,7 @@ from ._decoder import MOE_STATS
 from ._layers import RMSNorm, dropout_keys
 from ._moe import expert_splits
 from ._mtp import mtp_rows
-from ._stages import LAYER_INDEX, dense_stage_fn, numbered, pipeline_stage_fn, predict_ahead_fn
+from ._stages import dense_stage_fn, kept_whole, layer_state, numbered, pipeline_stage_fn, predict_ahead_fn
 from ._xent import cross_entropy_sum, vocab_chunks
 
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
@@ -193,8 +193,9 @@ def _loss_and_stats(
         if ahead is not None:
             per_row = (*(jnp.moveaxis(a, 0, 1) for a in ahead[:2]), jnp.moveaxis(ahead[2], 0, 1) / count_or_1(count))
         mean, stats = _pipelined_sum(
-            model.cfg, nn.unbox(params), inputs, targets, share, vocab_chunk, balanced, side, per_row
-        )
+            model.cfg, nn.unbox(params), inputs, targets, share, vocab_chunk, balanced, side, per_row,
+            layer_state(model_state or {}),
+        )  # fmt: skip
         if stats is None:
             return LossSum(mean * count, count), None
         aux, stats = stats  # the routers' losses, each microbatch's own, weighted by its share of the count
@@ -315,16 +316,18 @@ def count_or_1(count: jax.Array) -> jax.Array:
 
 def _pipelined_sum(
     cfg: DecoderConfig, params: Any, inputs: jax.Array, targets: jax.Array, weights: jax.Array,
-    vocab_chunk: int | None, balanced: bool, side: dict | None, ahead: tuple | None = None,
+    vocab_chunk: int | None, balanced: bool, side: dict | None, ahead: tuple | None = None, state: Any = None,
 ) -> tuple[jax.Array, Any]:  # fmt: skip
     """The weighted loss sum of a decoder run whole through :func:`zjax.pipeline.loss` (the table
     schedules): the embedding (and the dense layers, :func:`dense_stage_fn`) on stage 0, the final norm, head
     and cross-entropy on the last stage; ``side`` the per-token arrays every stage reads (positions, segment
     ids); ``ahead``: the multi-token prediction modules' ``(inputs, targets, weights)`` per row ``[B, depth, S]``,
-    run in the loss's stage after the final norm. Returns ``(sum, None)``; for a mixture of
+    run in the loss's stage after the final norm; ``state``: the stacked layers' model state (the routers'
+    selection biases, :func:`layer_state`), read by each layer where it runs. Returns ``(sum, None)``; for a mixture of
     experts ``(sum, (its routers' weighted losses, their sums per layer))``: each microbatch's losses (each
     stage's layers' part, :meth:`MoE.layers_loss`) weighted by its share of the count, in ``sum`` too."""
-    indexed = side is not None and "dropout_keys" in side  # each layer's index travels with it (its masks)
+    # each layer's index and state travel with it (its dropout masks, its routers' biases)
+    indexed = (side is not None and "dropout_keys" in side) or state is not None
     stage_fn = pipeline_stage_fn(cfg, load_balanced=balanced, numbered=indexed)
     norm = RMSNorm(cfg.embed, cfg.norm_eps)
     rows: dict[str, Any] = {"tokens": inputs, "targets": targets, "weights": weights}
@@ -362,7 +365,8 @@ def _pipelined_sum(
         layers = comm.gathered_tree(layers, ("layers",))
     split_over = None if cfg.moe is None else expert_splits(layers)
     if indexed:
-        layers, split_over = numbered(layers, cfg.dense_layers), split_over and {**split_over, LAYER_INDEX: None}
+        layers = numbered(layers, cfg.dense_layers, state)
+        split_over = kept_whole(split_over, layers)
     if cfg.moe is None:
         return pipeline.loss(stage_fn, layers, rows, first=first, last=last, params=edge, side=side), None
     moe, count = cfg.moe, cfg.layers - cfg.dense_layers

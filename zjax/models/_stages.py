@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from .. import comm, pipeline
 from ..context import load_balance
 from ..remat import RematPolicy
+from ._biases import ROUTER_STATE
 from ._block import Block
 from ._config import DecoderConfig
 from ._moe import check_experts_in_pipeline
@@ -28,42 +29,57 @@ same for every layer, each layer's index its own."""
 LAYER_INDEX = "zjax_layer_index"
 """The key under which :func:`numbered` layers carry their indices."""
 
+LAYER_STATE = "zjax_layer_state"
+"""The key under which :func:`numbered` layers carry their model state (the routers' selection biases)."""
 
-def numbered(layers: Any, start: int) -> dict:
+
+def numbered(layers: Any, start: int, state: Any = None) -> dict:
     """The stacked ``layers`` with each one's index in the model (``start``: the first's) beside its weights,
-    under :data:`LAYER_INDEX`: ``[L]`` float32. It travels with its layer through the functions that apply and
-    split stacked layers themselves (pipeline stages, nested remat) while the weights keep their paths; a float
-    gets the zero gradient such functions give any weight (an integer's would be ``float0``)."""
+    under :data:`LAYER_INDEX`: ``[L]`` float32, and its model state (``state``: collections of ``[L, ...]``
+    arrays, read only; ``None``: none) under :data:`LAYER_STATE`. Both travel with their layer through the
+    functions that apply and split stacked layers themselves (pipeline stages, nested remat) while the weights
+    keep their paths; floats, which such functions give a zero gradient like any weight (an integer's would be
+    ``float0``), never read by a gradient."""
     count = jax.tree.leaves(layers)[0].shape[0]
-    return {**layers, LAYER_INDEX: jnp.arange(start, start + count, dtype=jnp.float32)}
+    extra = {} if not state else {LAYER_STATE: state}
+    return {**layers, LAYER_INDEX: jnp.arange(start, start + count, dtype=jnp.float32), **extra}
 
 
 def unnumbered(layer: dict) -> tuple[dict, jax.Array]:
-    """One :func:`numbered` layer's weights and index."""
+    """One :func:`numbered` layer's variables (``{"params": weights, **state}``) and index."""
     layer = dict(layer)
-    return layer, layer.pop(LAYER_INDEX)
+    index, state = layer.pop(LAYER_INDEX), layer.pop(LAYER_STATE, {})
+    return {"params": layer, **jax.tree.map(jax.lax.stop_gradient, state)}, index
+
+
+def kept_whole(split_over: Any, layers: dict) -> Any:
+    """A pipeline's ``split_over`` (:func:`zjax.pipeline.apply`) for :func:`numbered` ``layers`` from the weights'
+    (``None``: none split): their state kept whole on every rank (``{}``), read as it is."""
+    if LAYER_STATE not in layers:
+        return split_over and {**split_over, LAYER_INDEX: None}
+    weights = {k: v for k, v in layers.items() if k not in (LAYER_INDEX, LAYER_STATE)}
+    split_over = split_over or jax.tree.map(lambda _: None, weights)
+    return {**split_over, LAYER_INDEX: None, LAYER_STATE: jax.tree.map(lambda _: {}, layers[LAYER_STATE])}
+
+
+def layer_state(variables: Any, stack: str = "layers") -> Any:
+    """The model state a stacked layer reads (each collection's ``stack`` entry; ``None``: none)."""
+    state = {k: v[stack] for k, v in variables.items() if k == ROUTER_STATE and stack in v}
+    return state or None
 
 
 def apply_numbered(
     block: Block, layer: dict, h: jax.Array, positions: Any, segment_ids: Any, router_mask: Any, keys: Any
 ) -> tuple[jax.Array, Any]:
     """One :func:`numbered` layer applied by ``block`` (its dropout masks drawn by its index): ``(h, stats)``."""
-    weights, index = unnumbered(layer)
-    return block.apply({"params": weights}, h, positions, segment_ids, router_mask, keys, index)
+    variables, index = unnumbered(layer)
+    return block.apply(variables, h, positions, segment_ids, router_mask, keys, index)
 
 
 def check_unsupported(c: DecoderConfig, schedule: Any) -> None:
     """Raise for what the decoder cannot run yet where it is traced: under pipeline parallelism (``schedule``; both
     engines' stages, :func:`pipeline_stage_fn`, check), nested remat or quantized gradient reductions."""
     policy = RematPolicy.from_str(c.remat)
-    biased = c.moe is not None and c.moe.bias_update_rate is not None
-    if biased and (schedule is not None or policy.kind == "nested"):
-        raise ValueError(
-            "Decoder: MoE(bias_update_rate=...) (the routers' selection biases, model state) is not supported "
-            f"under {'pipeline parallelism' if schedule is not None else f'remat={c.remat!r}'} yet: the "
-            "biases would have to travel with each stage's or group's parameters. Use bias_update_rate=None "
-            "(an auxiliary load-balancing loss), or pp=1 and a non-nested remat policy."
-        )
     qgz = c.scan and overlaps_reductions(c, policy)
     if c.bf16_edge_layers and (schedule is not None or qgz):
         raise ValueError(
@@ -124,12 +140,12 @@ def pipeline_stage_fn(
 
     def layer(w: Any, h: jax.Array, side: dict | None = None) -> Any:
         side = side or {}
-        w, index = unnumbered(w) if numbered else (w, 0)
+        variables, index = unnumbered(w) if numbered else ({"params": w}, 0)
+        variables = {**variables, "params": comm.gathered_tree(variables["params"], at)}
         positions = _stage_positions(side, h.shape[1], load_balanced)
         h, stats = one.apply(
-            {"params": comm.gathered_tree(w, at)}, h, positions, side.get("segment_ids"), side.get("router_mask"),
-            side.get("dropout_keys"), index,
-        )  # fmt: skip
+            variables, h, positions, side.get("segment_ids"), side.get("router_mask"), side.get("dropout_keys"), index
+        )
         return h if c.moe is None else (h, stats)
 
     return pipeline.scan_layers(layer, policy, outputs=c.moe is not None)
@@ -158,9 +174,9 @@ def dense_stage_fn(c: DecoderConfig, load_balanced: bool = False) -> Callable[..
     one = Block(dense_config(c), load_balanced)
 
     def layer(w: Any, h: jax.Array, side: dict) -> jax.Array:
-        w, index = unnumbered(w)
+        variables, index = unnumbered(w)
         positions = _stage_positions(side, h.shape[1], load_balanced)
-        return one.apply({"params": w}, h, positions, side.get("segment_ids"), None, side.get("dropout_keys"), index)[0]
+        return one.apply(variables, h, positions, side.get("segment_ids"), None, side.get("dropout_keys"), index)[0]
 
     stage = pipeline.scan_layers(layer, "full" if RematPolicy.from_str(c.remat).remat else "none")
     return lambda stacked, h, side: stage(numbered(stacked, 0), h, side)

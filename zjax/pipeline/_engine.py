@@ -129,7 +129,8 @@ def apply(
         microbatch and data-parallel rank, ``[L, ...]`` in the layers' order.
       split_over: a pytree like ``layers`` of ``{dim: mesh axis}`` (or ``None``) for leaves that a data axis
         splits (an expert weight's experts over ``ep``): they enter each rank as their own shard, not as a
-        copy of the whole, and ``stage_fn`` runs with that axis manual (its collectives are the stage's).
+        copy of the whole, and ``stage_fn`` runs with that axis manual (its collectives are the stage's);
+        ``{}`` for a leaf that ZeRO-3 never splits over ``dp`` in the stage (per-layer state read as it is).
 
     Returns:
       ``y[B, ...]``, split over the data axes and ``pp`` (embeddings, head and loss then run data
@@ -228,7 +229,7 @@ def apply(
         )
     if cfg.zero3_gather == "chunk" and DP in region:
         # each leaf's dim split over dp, in the [R, S, Lps, ...] view (the natural [L, ...] dim d is d + 2)
-        dims = [None if (d := _dp_dim(w.shape, sizes)) is None else d + 2 for w in jax.tree.leaves(layers)]
+        dims = [None if d is None else d + 2 for d in _dp_dims(layers, split_over, sizes)]
 
         def engine(w: Any, io: jax.Array, sd: Any, fn: Callable = stage_fn) -> Any:
             return _chunked(fn, w, io, cfg, stages, _bubble_fill, dims, sd)
@@ -360,6 +361,13 @@ def _enter(
         entries[dim + 1] = axis
     w = jnp.broadcast_to(w[None], (math.prod(sizes[a] for a in lead), *w.shape))
     return P(*entries), jax.lax.with_sharding_constraint(w, P(*[P.UNCONSTRAINED if e is None else e for e in entries]))
+
+
+def _dp_dims(layers: Any, split_over: Any, sizes: dict[str, int]) -> list[int | None]:
+    """Per leaf of ``layers``, :func:`_dp_dim`; ``None`` for a leaf ``split_over`` keeps whole (``{}``)."""
+    leaves = jax.tree.leaves(layers)
+    splits = split_leaves(split_over, len(leaves))
+    return [None if sp == {} else _dp_dim(w.shape, sizes) for w, sp in zip(leaves, splits, strict=True)]
 
 
 def _dp_dim(shape: tuple[int, ...], sizes: dict[str, int]) -> int | None:

@@ -14,7 +14,7 @@ from ..sharding._axes import PP
 from . import _ticks
 from ._config import Pipeline
 from ._context import current, data_axes_here, own_reads
-from ._engine import _dp_dim, _layer_count, apply, by_visit, natural, split_leaves
+from ._engine import _dp_dims, _layer_count, apply, by_visit, natural, split_leaves
 from ._stash import keep_of
 
 
@@ -95,7 +95,7 @@ def loss(
 
     side = jax.tree.map(jax.lax.stop_gradient, side)
 
-    dims = [_dp_dim(w.shape, sizes) for w in jax.tree.leaves(layers)] if cfg.zero3_gather == "layer" else None
+    dims = _dp_dims(layers, split_over, sizes) if cfg.zero3_gather == "layer" else None
     dims = dims if dims and any(d is not None for d in dims) else None  # nothing split over dp: as "step"
     staged = stage_fn if dims else own_reads(stage_fn)  # "layer": the table engine gathers each layer read
     mode, saving = keep_of(stage_fn, cfg.recompute)
