@@ -68,7 +68,13 @@ CASES = {  # mesh, plan, microbatches accumulated, model, gradients' tolerance
     "dp2-pp2-cp2-ring-zb-v": (dict(dp=2, pp=2, cp=2), dict(stage=2, pipeline=PIPE["zb-v"]), 1, DEEP, 3e-5),
     "qgz": (dict(dp=8), dict(stage=3, precision="bf16", quantized_comm="grads"), 1, DROPPING, QGZ),
 }
-SLOW = {"dp8-stage0-accum2-per-rank", "dp2-ep4-experts-accum2", "dp2-pp2-cp2-ring-zb-v", "qgz"}
+SLOW = {  # paths the fast cases share: the per-rank region's, the experts', the scan engine's, a zb-v table's
+    "dp8-stage0-accum2-per-rank",
+    "dp2-ep4-experts-accum2",
+    "dp2-pp2-cp2-ring-zb-v",
+    "qgz",
+    "dp4-pp2-gpipe-stage1-accum2",
+}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES])
@@ -90,7 +96,7 @@ EDGES = dict(matmul="fp8-current", bf16_edge_layers=1)  # the first and last lay
     "how, base",
     [
         (dict(remat="nested"), {}),
-        (dict(scan=False), {}),
+        pytest.param(dict(scan=False), {}, marks=pytest.mark.slow),  # per-layer blocks: the index given, as scanned
         pytest.param(EDGES, dict(EDGES, scan=False), marks=pytest.mark.slow),  # three scans of the nested path's kind
     ],
     ids=["nested-remat", "layer-by-layer", "bf16-edges"],
