@@ -113,7 +113,7 @@ class DecoderConfig:
     ``matmul="fp8-current"`` runs the attention and dense MLP projections as fp8 products with current scaling
     (:func:`zjax.fp8.matmul`; the embedding, the head, the router and the experts stay in the compute dtype);
     ``"fp8-delayed"`` scales them from amax histories (:func:`zjax.fp8.matmul_delayed`) kept in the model state
-    (``zjax.Variables.linen(model.init(...))``; not yet under pipelines, nested remat or qgZ); ``"mxfp8"`` in
+    (``zjax.Variables.linen(model.init(...))``; not yet under pipelines or qgZ); ``"mxfp8"`` in
     blocks of 32 (:func:`zjax.fp8.matmul_mx`). ``bf16_edge_layers=n`` keeps the first and the last ``n`` layers'
     products in the compute dtype (Megatron-Core's ``--first-last-layers-bf16``; the parameters' tree is the
     same; not under pipelines or qgZ). ``dropout`` zeroes each value of every attention and MLP (or experts')

@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .. import comm, pipeline
+from .. import comm, fp8, pipeline
 from ..context import load_balance
 from ..remat import RematPolicy
 from ._biases import ROUTER_STATE
@@ -30,7 +30,8 @@ LAYER_INDEX = "zjax_layer_index"
 """The key under which :func:`numbered` layers carry their indices."""
 
 LAYER_STATE = "zjax_layer_state"
-"""The key under which :func:`numbered` layers carry their model state (the routers' selection biases)."""
+"""The key under which :func:`numbered` layers carry their model state (the routers' selection biases, the fp8
+projections' amax histories)."""
 
 
 def numbered(layers: Any, start: int, state: Any = None) -> dict:
@@ -39,7 +40,8 @@ def numbered(layers: Any, start: int, state: Any = None) -> dict:
     arrays, read only; ``None``: none) under :data:`LAYER_STATE`. Both travel with their layer through the
     functions that apply and split stacked layers themselves (pipeline stages, nested remat) while the weights
     keep their paths; floats, which such functions give a zero gradient like any weight (an integer's would be
-    ``float0``), never read by a gradient."""
+    ``float0``). The amax histories' cotangents are the amaxes their products saw (:func:`zjax.fp8.matmul_delayed`),
+    as where the layers run in flax's scan; the rest of the state is read outside the gradient."""
     count = jax.tree.leaves(layers)[0].shape[0]
     extra = {} if not state else {LAYER_STATE: state}
     return {**layers, LAYER_INDEX: jnp.arange(start, start + count, dtype=jnp.float32), **extra}
@@ -48,8 +50,9 @@ def numbered(layers: Any, start: int, state: Any = None) -> dict:
 def unnumbered(layer: dict) -> tuple[dict, jax.Array]:
     """One :func:`numbered` layer's variables (``{"params": weights, **state}``) and index."""
     layer = dict(layer)
-    index, state = layer.pop(LAYER_INDEX), layer.pop(LAYER_STATE, {})
-    return {"params": layer, **jax.tree.map(jax.lax.stop_gradient, state)}, index
+    index, state = layer.pop(LAYER_INDEX), dict(layer.pop(LAYER_STATE, {}))
+    read = {k: v if k == fp8.COLLECTION else jax.tree.map(jax.lax.stop_gradient, v) for k, v in state.items()}
+    return {"params": layer, **read}, index
 
 
 def kept_whole(split_over: Any, layers: dict) -> Any:
@@ -64,7 +67,7 @@ def kept_whole(split_over: Any, layers: dict) -> Any:
 
 def layer_state(variables: Any, stack: str = "layers") -> Any:
     """The model state a stacked layer reads (each collection's ``stack`` entry; ``None``: none)."""
-    state = {k: v[stack] for k, v in variables.items() if k == ROUTER_STATE and stack in v}
+    state = {k: v[stack] for k, v in variables.items() if k in (ROUTER_STATE, fp8.COLLECTION) and stack in v}
     return state or None
 
 
@@ -87,18 +90,17 @@ def check_unsupported(c: DecoderConfig, schedule: Any) -> None:
             f"{'pipeline parallelism' if schedule is not None else 'quantized gradient reductions (qgZ)'} is not "
             "supported yet (their layers run one stack alike). Use bf16_edge_layers=0 there."
         )
-    functional = schedule is not None or policy.kind == "nested" or qgz
-    if c.matmul == "fp8-delayed" and functional:
-        where = (
-            "pipeline parallelism"
+    if c.matmul == "fp8-delayed" and (schedule is not None or qgz):
+        where, why = (
+            ("pipeline parallelism", "the amaxes each product sees come back as its history's cotangent, which a "
+             "pipeline sums over microbatches and ranks where they must be maximised")
             if schedule is not None
-            else (f"remat={c.remat!r}" if policy.kind == "nested" else "quantized gradient reductions (qgZ)")
-        )
-        raise ValueError(
-            f"Decoder: matmul='fp8-delayed' under {where} is not supported yet: the layers run from their "
-            "parameters alone there, and the amax histories (model state) would have to travel with them. "
-            "Use matmul='fp8-current' (no state), or pp=1, a non-nested remat policy and no qgZ."
+            else ("quantized gradient reductions (qgZ)", "its layer scan applies the layers' weights alone")
         )  # fmt: skip
+        raise ValueError(
+            f"Decoder: matmul='fp8-delayed' under {where} is not supported yet: {why}. Use matmul='fp8-current' "
+            "(no state), or pp=1 and no qgZ."
+        )
 
 
 def overlaps_reductions(c: DecoderConfig, policy: RematPolicy) -> bool:
