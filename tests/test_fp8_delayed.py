@@ -216,6 +216,7 @@ def test_where_the_histories_cannot_travel_it_says_so():
         jax.eval_shape(lambda: lm_loss(model, variables["params"], batch, history))
 
 
+@pytest.mark.slow  # three compiles of the model; the fast suite checks the channel with dropout's nested case
 def test_nested_remat_reads_the_histories_and_reports_the_amaxes_the_scan_reports():
     """Nested remat applies the stacked layers itself: each layer's history travels beside its weights (numbered
     layers), so its products scale from it and its cotangent is the amaxes they saw, as in flax's scan."""

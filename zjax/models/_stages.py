@@ -1,6 +1,7 @@
 """The decoder's layers applied from their parameters alone: a pipeline's stages (and the dense layers and
-multi-token prediction modules a table schedule runs at its ends), each layer's index beside its weights
-(:func:`numbered`: what its dropout masks are drawn from), and what those paths cannot run yet."""
+multi-token prediction modules a table schedule runs at its ends), each layer's index and model state beside its
+weights (:func:`numbered`: what its dropout masks are drawn from, its router's biases, its fp8 histories), and
+what those paths cannot run yet."""
 
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def apply_numbered(
 
 def check_unsupported(c: DecoderConfig, schedule: Any) -> None:
     """Raise for what the decoder cannot run yet where it is traced: under pipeline parallelism (``schedule``; both
-    engines' stages, :func:`pipeline_stage_fn`, check), nested remat or quantized gradient reductions."""
+    engines' stages, :func:`pipeline_stage_fn`, check) or quantized gradient reductions."""
     policy = RematPolicy.from_str(c.remat)
     qgz = c.scan and overlaps_reductions(c, policy)
     if c.bf16_edge_layers and (schedule is not None or qgz):
