@@ -26,7 +26,6 @@ from ..sharding import EP
 from ._block import Block, _constrain, _region
 from ._config import DecoderConfig
 from ._layers import RMSNorm
-from ._moe import expert_splits
 from ._mtp import MTP
 from ._params import param
 from ._stages import (
@@ -34,11 +33,11 @@ from ._stages import (
     apply_numbered,
     check_unsupported,
     dense_config,
-    kept_whole,
     layer_state,
     numbered,
     overlaps_reductions,
     pipeline_stage_fn,
+    pipelined_layers,
 )
 
 MOE_STATS = "moe"
@@ -121,12 +120,8 @@ class Decoder(nn.Module):
             layers = self.variables["params"]["layers"]
             if schedule.zero3_gather in (None, "step"):  # gathered once, before the loop: read as the rest (qwZ)
                 layers = comm.gathered_tree(layers, (*self.path, "layers"))
-            split_over = None if c.moe is None else expert_splits(layers)
-            state = layer_state(self.variables)  # the routers' selection biases: read by each layer's stage
-            carried = keys is not None or state is not None
-            if carried:  # each layer's index and state travel with it to its stage (its masks, its biases)
-                layers = numbered(layers, c.dense_layers, state)
-                split_over = kept_whole(split_over, layers)
+            # each layer's index and state travel with it to its stage (its masks, its biases)
+            layers, split_over, carried = pipelined_layers(c, layers, layer_state(self.variables), keys is not None)
             at = (*self.path, "layers")
             stage_fn = pipeline_stage_fn(c, load_balanced=load_balanced, at=at, numbered=carried)
             if c.moe is None:

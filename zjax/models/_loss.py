@@ -23,9 +23,8 @@ from ._biases import with_counted_loads
 from ._config import DecoderConfig
 from ._decoder import MOE_STATS
 from ._layers import RMSNorm, dropout_keys
-from ._moe import expert_splits
 from ._mtp import mtp_rows
-from ._stages import dense_stage_fn, kept_whole, layer_state, numbered, pipeline_stage_fn, predict_ahead_fn
+from ._stages import dense_stage_fn, layer_state, pipeline_stage_fn, pipelined_layers, predict_ahead_fn
 from ._xent import cross_entropy_sum, vocab_chunks
 
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
@@ -326,9 +325,6 @@ def _pipelined_sum(
     selection biases, :func:`layer_state`), read by each layer where it runs. Returns ``(sum, None)``; for a mixture of
     experts ``(sum, (its routers' weighted losses, their sums per layer))``: each microbatch's losses (each
     stage's layers' part, :meth:`MoE.layers_loss`) weighted by its share of the count, in ``sum`` too."""
-    # each layer's index and state travel with it (its dropout masks, its routers' biases)
-    indexed = (side is not None and "dropout_keys" in side) or state is not None
-    stage_fn = pipeline_stage_fn(cfg, load_balanced=balanced, numbered=indexed)
     norm = RMSNorm(cfg.embed, cfg.norm_eps)
     rows: dict[str, Any] = {"tokens": inputs, "targets": targets, "weights": weights}
     if cfg.dense_layers or ahead is not None:  # the stages' per-token arrays, read by the ends too
@@ -363,10 +359,9 @@ def _pipelined_sum(
     schedule = pipeline.current()
     if schedule is None or schedule.zero3_gather != "layer":  # "layer": each stage gathers each layer it applies
         layers = comm.gathered_tree(layers, ("layers",))
-    split_over = None if cfg.moe is None else expert_splits(layers)
-    if indexed:
-        layers = numbered(layers, cfg.dense_layers, state)
-        split_over = kept_whole(split_over, layers)
+    # each layer's index and state travel with it (its dropout masks, its routers' biases)
+    layers, split_over, indexed = pipelined_layers(cfg, layers, state, side is not None and "dropout_keys" in side)
+    stage_fn = pipeline_stage_fn(cfg, load_balanced=balanced, numbered=indexed)
     if cfg.moe is None:
         return pipeline.loss(stage_fn, layers, rows, first=first, last=last, params=edge, side=side), None
     moe, count = cfg.moe, cfg.layers - cfg.dense_layers

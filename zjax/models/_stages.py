@@ -19,7 +19,7 @@ from ..remat import RematPolicy
 from ._biases import ROUTER_STATE
 from ._block import Block
 from ._config import DecoderConfig
-from ._moe import check_experts_in_pipeline
+from ._moe import check_experts_in_pipeline, expert_splits
 from ._mtp import MTP
 
 EACH_LAYER = (nn.broadcast,) * 4 + (0,)
@@ -64,6 +64,18 @@ def kept_whole(split_over: Any, layers: dict) -> Any:
     weights = {k: v for k, v in layers.items() if k not in (LAYER_INDEX, LAYER_STATE)}
     split_over = split_over or jax.tree.map(lambda _: None, weights)
     return {**split_over, LAYER_INDEX: None, LAYER_STATE: jax.tree.map(lambda _: {}, layers[LAYER_STATE])}
+
+
+def pipelined_layers(c: DecoderConfig, layers: Any, state: Any, dropping: bool) -> tuple[Any, Any, bool]:
+    """A decoder's stacked layers as a pipeline takes them: ``(layers, split_over, numbered)``: the experts split
+    over ``ep``; :func:`numbered` (with their ``state``, kept whole) when the layers drop (``dropping``) or keep
+    state, so that each stage's layers draw their masks and read their state."""
+    split_over = None if c.moe is None else expert_splits(layers)
+    carried = dropping or state is not None
+    if carried:
+        layers = numbered(layers, c.dense_layers, state)
+        split_over = kept_whole(split_over, layers)
+    return layers, split_over, carried
 
 
 def layer_state(variables: Any, stack: str = "layers") -> Any:
