@@ -5,7 +5,8 @@ A page's fenced blocks follow four conventions, all visible to a reader:
 - A ``python`` block is whole: it runs alone in a fresh interpreter. A block whose first line is
   ``# continues the block above`` runs after the page's previous python block, in the same interpreter and
   namespace.
-- A ``bash`` block is a list of commands run from the repository root, one after the other.
+- A ``bash`` block is a list of commands run from the repository root, one after the other; one made of ``pip
+  install -e ".[extra]"`` lines is the page's install (``docs/_installs.py``): the blocks after it run with it.
 - A block whose first line starts with ``# needs`` (``# needs a GPU``, ``# needs a cluster``) or ``# run by``
   (a command ``.ci/run`` runs itself) is not run; a python one is still compiled, so it cannot hold a syntax
   error.

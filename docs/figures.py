@@ -10,14 +10,14 @@ every other number is, exactly, unless the command block's first line states a t
 0.5% across CPUs (fp32 sums)``). A figure whose first line is ``# measured on <date>, <device>, commit <sha>``
 holds what CI cannot recompute (a GPU's numbers, wall-clock times, a run longer than CI's budget): it is not
 recomputed, and the line must be there. Figures with the same commands (a headline figure repeated on its
-concept page) are computed once.
+concept page) are computed once. A figure's commands run with the install its page has told the reader to do by
+then (``docs/_installs.py``; ``--here``: in this environment).
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
-import os
 import re
 import subprocess
 import sys
@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _installs import Environments, extras_by_line  # noqa: E402
 from _pages import ROOT, Figure, figures, pages  # noqa: E402
 
 TIMEOUT_S = 900
@@ -34,11 +35,8 @@ _DURATION = re.compile(r"(?<![\w.])\d+(?:\.\d+)?\s?(?:ms|s)\b")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:e[+-]?\d+)?")
 
 
-def output_of(figure: Figure) -> str:
-    """What the figure's commands print to standard output now."""
-    env = dict(os.environ)
-    env.setdefault("JAX_PLATFORMS", "cpu")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+def output_of(figure: Figure, env: dict[str, str]) -> str:
+    """What the figure's commands print to standard output now (run with the environment variables ``env``)."""
     parts = []
     for command in figure.command.commands():
         proc = subprocess.run(command, shell=True, capture_output=True, text=True, cwd=ROOT, env=env, timeout=TIMEOUT_S)
@@ -73,11 +71,11 @@ def _rewrite(path: Path, read: str, updates: list[tuple[Figure, str]]) -> None:
     tmp.replace(path)  # never a half-written page
 
 
-def _timed(figure: Figure) -> tuple[str | None, float]:
+def _timed(figure: Figure, env: dict[str, str]) -> tuple[str | None, float]:
     """The figure's output now (``None`` when its command failed, with the error printed) and the seconds."""
     t0 = time.perf_counter()
     try:
-        return output_of(figure), time.perf_counter() - t0
+        return output_of(figure, env), time.perf_counter() - t0
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         print(f"FAIL {e}", flush=True)
         return None, time.perf_counter() - t0
@@ -89,23 +87,32 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--check", action="store_true", help="fail on a figure that changed")
     mode.add_argument("--write", action="store_true", help="rewrite the pages' figures")
     parser.add_argument("--jobs", type=int, default=2, help="figures computed at once (compiles are single-threaded)")
+    parser.add_argument("--here", action="store_true", help="run in this environment, not the pages' installs")
     parser.add_argument("pages", nargs="*", type=Path, help="pages (default: the README and docs/)")
     args = parser.parse_args(argv)
     stale: list[str] = []
     start = time.perf_counter()
     todo: dict[Path, tuple[str, list[Figure]]] = {}
+    extras: dict[str, frozenset[str]] = {}  # by the figure's commands: a figure on two pages needs one install
     for page in [p.resolve() for p in args.pages] or pages():
         recompute = []
+        installs = extras_by_line(page)
         for figure in figures(page):
             if not figure.command.first.startswith("# measured"):
                 recompute.append(figure)
+                extras[figure.command.text] = (
+                    extras.get(figure.command.text, frozenset()) | installs[figure.command.line]
+                )
             elif not figure.measured:
                 stale.append(figure.command.where)
                 print(f"FAIL {figure.command.where}: '# measured on <YYYY-MM-DD>, <device>, commit <sha>' expected")
         todo[page] = (page.read_text(encoding="utf-8"), recompute)
     distinct = {f.command.text: f for _, recompute in todo.values() for f in recompute}  # the same commands once
+    envs = Environments(here=args.here)
+    envs.prepare(extras.values())
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        results = dict(zip(distinct, pool.map(_timed, distinct.values()), strict=True))
+        runs = pool.map(lambda f: _timed(f, envs.env(extras[f.command.text])), distinct.values())
+        results = dict(zip(distinct, runs, strict=True))
     for page, (read, recompute) in todo.items():
         updates = []
         for figure in recompute:

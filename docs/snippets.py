@@ -3,9 +3,12 @@
     python docs/snippets.py                  # every page
     python docs/snippets.py docs/concepts/stages.md --list
     python docs/snippets.py --jobs 1         # one block at a time (default: two)
+    python docs/snippets.py --here           # in this environment, not the pages' own installs
 
 A python block runs in a fresh interpreter with the blocks that continue it; a bash block's commands run
-from the repository root. Units run two at a time (a compile is single-threaded); each writes only its own
+from the repository root. Each runs with the install its page has told the reader to do by then
+(``docs/_installs.py``: ``pip install -e .`` and the extras the page names), in a virtual environment of
+those packages alone. Units run two at a time (a compile is single-threaded); each writes only its own
 paths (a temporary directory, or a ``runs/`` folder no other block names).
 
 Figures (a command and its printed output) are left to ``docs/figures.py``, which runs them and compares.
@@ -16,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -25,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _installs import Environments, extras_by_line, install_of  # noqa: E402
 from _pages import ROOT, Block, blocks, figures, pages  # noqa: E402
 
 TIMEOUT_S = 600
@@ -41,13 +44,6 @@ for where, source in chain:
         traceback.print_exc()
         sys.exit(1)
 """
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("JAX_PLATFORMS", "cpu")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
-    return env
 
 
 def chains(page: Path) -> tuple[list[list[Block]], list[Block], list[Block]]:
@@ -68,41 +64,47 @@ def chains(page: Path) -> tuple[list[list[Block]], list[Block], list[Block]]:
             else:
                 runs.append([b])
         elif b.lang == "bash":
-            if b.needs or b.line in figure_commands:
+            if b.needs or b.line in figure_commands or install_of(b) is not None:
                 skipped.append(b)
             else:
                 commands.append(b)
     return runs, commands, skipped
 
 
-def run_chain(chain: list[Block]) -> tuple[bool, str]:
+def run_chain(chain: list[Block], envs: Environments, extras: frozenset[str]) -> tuple[bool, str]:
     payload = json.dumps([(b.page, "\n" * b.line + b.text) for b in chain])  # tracebacks give page lines
     proc = subprocess.run(
-        [sys.executable, "-c", _DRIVER],
+        [envs.python(extras), "-c", _DRIVER],
         input=payload,
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env=_env(),
+        env=envs.env(extras),
         timeout=TIMEOUT_S,
     )
     return proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
 
 
-def run_commands(block: Block) -> tuple[bool, str]:
+def run_commands(block: Block, envs: Environments, extras: frozenset[str]) -> tuple[bool, str]:
     for command in block.commands():
         proc = subprocess.run(
-            command, shell=True, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=TIMEOUT_S
+            command, shell=True, capture_output=True, text=True, cwd=ROOT, env=envs.env(extras), timeout=TIMEOUT_S
         )
         if proc.returncode != 0:
             return False, f"$ {command}\n(exit {proc.returncode})\n{proc.stdout[-2000:]}{proc.stderr[-6000:]}"
     return True, ""
 
 
-def _run(unit: list[Block] | Block) -> tuple[bool, str, float]:
+def _run(unit: list[Block] | Block, envs: Environments, extras: frozenset[str]) -> tuple[bool, str, float]:
     t0 = time.perf_counter()
-    ok, log = run_chain(unit) if isinstance(unit, list) else run_commands(unit)
+    ok, log = run_chain(unit, envs, extras) if isinstance(unit, list) else run_commands(unit, envs, extras)
     return ok, log, time.perf_counter() - t0
+
+
+def _why(block: Block) -> str:
+    if block.needs:
+        return block.needs
+    return "the page's install (its environment)" if install_of(block) is not None else "figure (docs/figures.py)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,23 +112,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("pages", nargs="*", type=Path, help="pages to run (default: the README and docs/)")
     parser.add_argument("--list", action="store_true", help="list the blocks and what runs them, run nothing")
     parser.add_argument("--jobs", type=int, default=2, help="units run at once (compiles are single-threaded)")
+    parser.add_argument("--here", action="store_true", help="run in this environment, not the pages' installs")
     args = parser.parse_args(argv)
-    units: list[tuple[str, str, list[Block] | Block]] = []
+    units: list[tuple[str, str, list[Block] | Block, frozenset[str]]] = []
     for page in [p.resolve() for p in args.pages] or pages():
         runs, commands, skipped = chains(page)
-        found = [(c[0].where, f"python x{len(c)}", c) for c in runs] + [(b.where, "bash", b) for b in commands]
+        extras = extras_by_line(page)
+        found = [(c[0].where, f"python x{len(c)}", c, extras[c[0].line]) for c in runs]
+        found += [(b.where, "bash", b, extras[b.line]) for b in commands]
         found.sort(key=lambda u: u[2][0].line if isinstance(u[2], list) else u[2].line)
         if args.list:
-            print("\n".join(f"run   {where}  {kind}" for where, kind, _ in found))
-            print("\n".join(f"skip  {b.where}  {b.lang}: {b.needs or 'figure (docs/figures.py)'}" for b in skipped))
+            print("\n".join(f"run   {where}  {kind}  [{','.join(sorted(x))}]" for where, kind, _, x in found))
+            print("\n".join(f"skip  {b.where}  {b.lang}: {_why(b)}" for b in skipped))
         units += found
     if args.list:
         return 0
+    envs = Environments(here=args.here)
+    envs.prepare(u[3] for u in units)
     failed: list[str] = []
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        results = pool.map(lambda u: _run(u[2]), units)  # printed in page order as each finishes
-        for (where, kind, _), (ok, log, seconds) in zip(units, results, strict=True):
+        results = pool.map(lambda u: _run(u[2], envs, u[3]), units)  # printed in page order as each finishes
+        for (where, kind, _, _), (ok, log, seconds) in zip(units, results, strict=True):
             print(f"{'ok  ' if ok else 'FAIL'} {where}  {kind}  {seconds:.1f}s", flush=True)
             if not ok:
                 failed.append(where)

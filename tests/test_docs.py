@@ -30,6 +30,7 @@ def _load(name: str) -> types.ModuleType:
 
 
 pages = _load("_pages")
+installs = _load("_installs")
 snippets = _load("snippets")
 figures = _load("figures")
 
@@ -111,27 +112,53 @@ def _page(tmp_path: Path, body: str) -> Path:
 
 def test_a_broken_snippet_fails_the_run(tmp_path):
     good = "```python\nx = 2\n```\n\n```python\n# continues the block above\nassert x == 2\n```\n"
-    assert snippets.main([str(_page(tmp_path, good))]) == 0
+    assert snippets.main(["--here", str(_page(tmp_path, good))]) == 0
     fragment = "```python\nx = 2\n```\n\n```python\nassert x == 2  # needs the block above, and says nothing\n```\n"
-    assert snippets.main([str(_page(tmp_path, fragment))]) == 1
-    assert snippets.main([str(_page(tmp_path, "```bash\nfalse\n```\n"))]) == 1
+    assert snippets.main(["--here", str(_page(tmp_path, fragment))]) == 1
+    assert snippets.main(["--here", str(_page(tmp_path, "```bash\nfalse\n```\n"))]) == 1
     skipped = "```python\n# needs a GPU\nraise SystemExit(1)\n```\n"
-    assert snippets.main([str(_page(tmp_path, skipped))]) == 0
+    assert snippets.main(["--here", str(_page(tmp_path, skipped))]) == 0
     with pytest.raises(SyntaxError):  # a block CI cannot run still parses
-        snippets.main([str(_page(tmp_path, "```python\n# needs a GPU\nfor\n```\n"))])
+        snippets.main(["--here", str(_page(tmp_path, "```python\n# needs a GPU\nfor\n```\n"))])
+
+
+def test_each_block_runs_with_the_extras_its_page_has_named_by_then(tmp_path):
+    page = _page(
+        tmp_path,
+        '```bash\n# run by .ci/run\npython3 -m venv .venv && . .venv/bin/activate && pip install -q -e ".[test]" '
+        "&& pytest\n```\n\n"  # CI's command: installs nothing for the page
+        "```python\nimport zjax\n```\n\n"
+        '```bash\npip install -e ".[hf]"\n```\n\n'  # the page's install block
+        "```python\nimport safetensors\n```\n\n"
+        '```bash\npython3 -m venv .venv && . .venv/bin/activate && pip install -e ".[plot]" && zjax train\n```\n\n'
+        "```bash\nzjax plan\n```\n",
+    )
+    assert list(installs.extras_by_line(page).values()) == [
+        set(),
+        set(),
+        {"hf"},
+        {"hf"},
+        {"hf", "plot"},
+        {"hf", "plot"},
+    ]
+    runs, commands, skipped = snippets.chains(page)
+    assert [b.line for b in skipped] == [1, 10]  # CI's own command, and the install block (the environment)
+    assert [b.line for b in commands] == [18, 22]
+    with pytest.raises(SystemExit, match="unknown extras"):
+        installs.Environments().prepare([frozenset({"hf"}), frozenset({"no-such-extra"})])
 
 
 def test_an_edited_figure_fails_the_check(tmp_path):
     figure = "```bash\necho 'stage 3: 1.474 GB, compiled in 6.9s'\n```\n\n```text\n{}\n```\n"
     page = _page(tmp_path, figure.format("stage 3: 1.474 GB, compiled in  12.0s"))
-    assert figures.main(["--check", str(page)]) == 0  # durations are wall-clock, not compared
+    assert figures.main(["--check", "--here", str(page)]) == 0  # durations are wall-clock, not compared
     page = _page(tmp_path, figure.format("stage 3: 1.475 GB, compiled in 6.9s"))
-    assert figures.main(["--check", str(page)]) == 1
-    assert figures.main(["--write", str(page)]) == 0
-    assert "1.474 GB" in page.read_text() and figures.main(["--check", str(page)]) == 0
+    assert figures.main(["--check", "--here", str(page)]) == 1
+    assert figures.main(["--write", "--here", str(page)]) == 0
+    assert "1.474 GB" in page.read_text() and figures.main(["--check", "--here", str(page)]) == 0
     tolerant = "```bash\n# figures within 1% across CPUs\necho 'loss 2.000'\n```\n\n```text\nloss {}\n```\n"
-    assert figures.main(["--check", str(_page(tmp_path, tolerant.format("2.010")))]) == 0
-    assert figures.main(["--check", str(_page(tmp_path, tolerant.format("2.100")))]) == 1
+    assert figures.main(["--check", "--here", str(_page(tmp_path, tolerant.format("2.010")))]) == 0
+    assert figures.main(["--check", "--here", str(_page(tmp_path, tolerant.format("2.100")))]) == 1
 
 
 def test_a_figure_repeated_on_two_pages_is_computed_once_and_checked_on_both(tmp_path):
@@ -140,14 +167,14 @@ def test_a_figure_repeated_on_two_pages_is_computed_once_and_checked_on_both(tmp
     a, b = tmp_path / "a.md", tmp_path / "b.md"
     a.write_text(figure.format("2.000"), encoding="utf-8")
     b.write_text(figure.format("2.000"), encoding="utf-8")
-    assert figures.main(["--check", str(a), str(b)]) == 0
+    assert figures.main(["--check", "--here", str(a), str(b)]) == 0
     assert count.read_text().count("x") == 1
     b.write_text(figure.format("2.001"), encoding="utf-8")
-    assert figures.main(["--check", str(a), str(b)]) == 1
+    assert figures.main(["--check", "--here", str(a), str(b)]) == 1
 
 
 def test_a_measured_figure_must_say_when_where_and_at_which_commit(tmp_path):
     measured = "```bash\n# measured on {}\nexit 1\n```\n\n```text\n0.197 s per step\n```\n"
     ok = measured.format("2026-11-26, one NVIDIA H200, commit 0e6ee88")
-    assert figures.main(["--check", str(_page(tmp_path, ok))]) == 0  # not recomputed
-    assert figures.main(["--check", str(_page(tmp_path, measured.format("a GPU, some day")))]) == 1
+    assert figures.main(["--check", "--here", str(_page(tmp_path, ok))]) == 0  # not recomputed
+    assert figures.main(["--check", "--here", str(_page(tmp_path, measured.format("a GPU, some day")))]) == 1
