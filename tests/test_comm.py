@@ -373,3 +373,23 @@ def test_a_model_that_does_not_read_through_gathered_is_gathered_before_its_loss
             losses.append(float(metrics["loss"]))
         runs.append(losses)
     np.testing.assert_allclose(runs[1], runs[0], rtol=1e-5)
+
+
+def test_an_fp8_products_weight_crosses_a_gather_as_e4m3_under_the_tensors_one_scale():
+    """zjax.comm.FLOAT8: each shard cast to e4m3 with the whole tensor's power-of-two scale (the shards' amaxes
+    max-reduced), so what arrives is the tensor zjax.fp8.quantize casts whole, exactly, in half of bf16's bytes;
+    the fp8 product's own cast of it then changes nothing."""
+    mesh = zjax.make_mesh(dp=8)
+    x = jax.random.normal(jax.random.key(0), (64, 48), jnp.bfloat16) * jnp.linspace(0.1, 30.0, 64)[:, None]
+    gather = jax.jit(
+        jax.shard_map(
+            lambda s: comm._quantize.all_gather(s, "dp", 0, comm.FLOAT8),
+            mesh=mesh, in_specs=P("dp"), out_specs=P(), check_vma=False,
+        )
+    )  # fmt: skip
+    q, scale = zjax.fp8.quantize(x, jnp.float8_e4m3fn)
+    whole = (q.astype(jnp.float32) * scale).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(gather(x), whole)
+    assert re.search(r"f8e4m3fn\[64,48\]\S* all-gather\(", gather.lower(x).as_text("hlo"))
+    again, rescale = zjax.fp8.quantize(whole, jnp.float8_e4m3fn)  # the product's cast of what arrived
+    np.testing.assert_array_equal(again.astype(jnp.float32) * rescale, q.astype(jnp.float32) * scale)

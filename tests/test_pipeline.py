@@ -283,6 +283,35 @@ def test_a_decoder_with_quantized_per_layer_gathers_trains_like_bf16():
     assert losses != plain_losses
 
 
+@pytest.mark.slow  # two compiles and steps of the WIDE decoder; the fast suite checks the e4m3 gather alone
+def test_a_table_schedule_gathers_the_fp8_products_weights_in_e4m3_with_the_same_step(monkeypatch):
+    """fp8 current scaling at stage 3 under 1F1B on dp=2 x pp=4, each layer gathered over dp inside the tick loop:
+    every projection's weight crosses as e4m3 (half its bf16 bytes; the norms stay bf16), and the step is bit for
+    bit the one whose gathers move bf16 (the product's cast of an e4m3-gathered weight is exact)."""
+    import zjax.models._stages as stages
+
+    model = dataclasses.replace(WIDE, matmul="fp8-current")
+    plan = zjax.Plan(zjax.make_mesh(**MESHES["dp2_pp4"]), stage=3, pipeline=Pipeline(8, schedule="1f1b"))
+    init_fn, loss_fn = decoder_task(model)
+    runs = []
+    for reads in (stages.FP8_PROJECTIONS, ()):
+        monkeypatch.setattr(stages, "FP8_PROJECTIONS", reads)  # () : gathered in bf16, cast after
+        state = plan.init(init_fn, optax.sgd(0.1), jax.random.key(0))
+        compiled, hlo = partitioned_hlo(plan.train_step(loss_fn).lower(state, plan.shard_batch(tokens(0))))
+        gathers: dict = {}  # each all-gather of the partitioned program once: its result's bytes by dtype
+        for dtype, dims in re.findall(r"= (\w+)\[([\d,]*)\]\{?[\d,]*\}? all-gather\(", hlo):
+            size = int(np.prod([int(d) for d in dims.split(",") if d])) * (1 if dtype == "f8e4m3fn" else 2)
+            gathers[dtype] = gathers.get(dtype, 0) + size
+        state, metrics = compiled(state, plan.shard_batch(tokens(0)))
+        runs.append((gathers, float(metrics["loss"]), jax.device_get(state.params)))
+    (e4m3, loss, params), (bf16, plain_loss, plain_params) = runs
+    assert "f8e4m3fn" not in bf16 and e4m3["f8e4m3fn"] > 0, (e4m3, bf16)
+    assert e4m3["f8e4m3fn"] == (bf16["bf16"] - e4m3["bf16"]) // 2, (e4m3, bf16)  # the projections', halved
+    assert e4m3["bf16"] < bf16["bf16"] / 8  # the norms' scales and the edges (the embedding, gathered once)
+    assert loss == plain_loss
+    jax.tree.map(np.testing.assert_array_equal, params, plain_params)
+
+
 def test_per_layer_quantized_gathers_need_the_stage_to_read_its_layers_through_zjax_comm():
     """A stage_fn of one's own under qwZ and zero3_gather="layer" that does not read its layers through
     zjax.comm.gathered_tree is refused (its gathers would cross dp in bf16); reading them so, it traces."""
@@ -537,32 +566,31 @@ def peak(mesh_kw, stage, cfg, model=WIDE):
 @pytest.mark.parametrize("schedule", ["circular_m_2s"])  # the circular schedule, which holds more in flight
 def test_default_mode_stage_3_and_2_peak_below_stage_1(schedule):
     """With a pipeline, the default mode at stages 2 and 3 keeps weights and gradients split over dp
-    through the loop: on a weight-heavy decoder stage 3 peaks well below stages 1 and 2, and with GPipe
-    stage 2 below stage 1 (with the circular schedule stage 2 saves about nothing: see docs/concepts/pipelines.md)."""
+    through the loop: on a weight-heavy decoder stage 3 peaks well below stage 1 (and with GPipe stage 2 below
+    stage 1; with the circular schedule stage 2 saves about nothing: see docs/concepts/pipelines.md)."""
     cfg = schedules(4)[schedule]
-    peaks = {stage: peak(MESHES["dp2_pp4"], stage, cfg) for stage in (1, 2, 3)}
+    peaks = {stage: peak(MESHES["dp2_pp4"], stage, cfg) for stage in ((1, 2, 3) if cfg.repeats == 1 else (1, 3))}
     print({k: f"{v / 2**20:.2f} MiB" for k, v in peaks.items()})
-    assert peaks[3] < 0.85 * min(peaks[1], peaks[2])
+    assert peaks[3] < 0.85 * peaks[1]
     if cfg.repeats == 1:
-        assert peaks[2] < peaks[1]
+        assert peaks[2] < peaks[1] and peaks[3] < 0.85 * peaks[2]
 
 
 @pytest.mark.slow
 def test_remat_policy_changes_pipeline_temps_and_the_program_is_flat_in_layers_per_stage():
     """The stage's layers run as a scan rematerialized by the model's policy: saving everything ("none") costs more
-    temp than saving layer inputs only ("full"), with a pipeline as without one. And 4x the layers per stage: the
-    same HLO size (one scan per stage), so compile time does not grow with it."""
+    temp than saving layer inputs only ("full"), as without a pipeline (the remat page's figure). And 4x the layers
+    per stage: the same HLO size (one scan per stage), so compile time does not grow with it."""
     temps, lines = {}, []
     for remat in ("none", "full"):
-        model = dataclasses.replace(WIDE, remat=remat)
-        for name, mesh_kw, cfg in (("pp", MESHES["dp2_pp4"], Pipeline(4)), ("no pp", {"dp": 8}, None)):
-            compiled, hlo = compiled_step(mesh_kw, 3, cfg, model=model)[4:]
-            temps[name, remat] = compiled.memory_analysis().temp_size_in_bytes
-            if (name, remat) == ("pp", "full"):  # WIDE's own remat: its 8 layers, 2 per stage
-                lines.append(len(hlo.splitlines()))
+        compiled, hlo = compiled_step(MESHES["dp2_pp4"], 3, Pipeline(4), model=dataclasses.replace(WIDE, remat=remat))[
+            4:
+        ]
+        temps[remat] = compiled.memory_analysis().temp_size_in_bytes
+        if remat == "full":  # WIDE's own remat: its 8 layers, 2 per stage
+            lines.append(len(hlo.splitlines()))
     print({k: f"{v / 2**20:.2f} MiB" for k, v in temps.items()})
-    for name in ("pp", "no pp"):
-        assert temps[name, "none"] > 1.2 * temps[name, "full"]
+    assert temps["none"] > 1.2 * temps["full"]
     hlo = compiled_step(MESHES["dp2_pp4"], 3, Pipeline(4), model=dataclasses.replace(WIDE, layers=32))[5]
     lines.append(len(hlo.splitlines()))
     assert lines[1] <= 1.02 * lines[0], lines

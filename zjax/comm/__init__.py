@@ -18,6 +18,7 @@ from ._gather import shard_reads as shard_reads
 from ._gather import use as use
 from ._lookup import lookup as lookup
 from ._quantize import DEFAULT_BLOCK as DEFAULT_BLOCK
+from ._quantize import FLOAT8 as FLOAT8
 from ._quantize import Wire as Wire
 from ._quantize import dequantize as dequantize
 from ._quantize import parse as parse

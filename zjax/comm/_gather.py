@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any, cast
 
 import jax
@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..sharding._axes import REPLICA
 from ..sharding._rules import spec_axes
-from ._quantize import PARTS, Wire, all_gather
+from ._quantize import FLOAT8, PARTS, Wire, all_gather
 from ._qwz import pinned_gather, quantized_gather
 from ._reduce import Reduction, reduce_all
 from ._shard import shard_gather
@@ -177,13 +177,17 @@ def gather_unread(params: Any, read: set[tuple[str, ...]]) -> Any:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def gathered_tree(tree: Any, prefix: Sequence[str]) -> Any:
+def gathered_tree(tree: Any, prefix: Sequence[str], float8: Collection[str] = ()) -> Any:
     """Every parameter of ``tree``, the subtree of the params at ``prefix`` (a decoder's stacked layers at
     ``("layers",)``), read through :func:`gathered`: a pipeline gathering its stages' weights once per step reads
     them so (quantized with ``Plan(quantized_comm="weights")``), and with ``zero3_gather="layer"`` a stage reads
-    each layer so, one layer's slice at the stacked layers' prefix (quantized per layer inside the loop)."""
+    each layer so, one layer's slice at the stacked layers' prefix (quantized per layer inside the loop).
+    ``float8``: the names of ``tree``'s own leaves that fp8 products read (``matmul="fp8-current"``): where a table
+    schedule gathers each layer itself, they cross as e4m3 (:data:`zjax.comm.FLOAT8`), as GSPMD's gathers of them
+    do elsewhere."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    return jax.tree_util.tree_unflatten(treedef, [gathered(v, (*prefix, *_path(kp))) for kp, v in flat])
+    out = [gathered(v, (*prefix, *_path(kp)), float8=_path(kp) in {(n,) for n in float8}) for kp, v in flat]
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _path(keypath: Any) -> tuple[str, ...]:
@@ -239,9 +243,9 @@ def shard_reads(
         yield read
 
 
-def _shard_gather(x: jax.Array, shards: _Shards, path: tuple[str, ...]) -> jax.Array:
+def _shard_gather(x: jax.Array, shards: _Shards, path: tuple[str, ...], float8: bool = False) -> jax.Array:
     """:func:`shard_reads`'s gather of the layer leaf at ``path`` (``x`` as it is unless ``path`` is a prefix and a
-    split leaf's keys)."""
+    split leaf's keys); as e4m3 for an fp8 product's weight (``float8``)."""
     # the layer read at its model path (a prefix, then the leaf's keys); the stage's own module paths (the keys
     # alone, a Block reading its parameters) pass through
     keys = [k for k in shards.dims if len(path) > len(k) and path[len(path) - len(k) :] == k]
@@ -252,14 +256,17 @@ def _shard_gather(x: jax.Array, shards: _Shards, path: tuple[str, ...]) -> jax.A
     if not shards.gather:
         return x
     # named, so that a stage that keeps its activations for the backward pass re-gathers this instead of keeping it
-    return checkpoint_name(shard_gather(x, shards.axis, shards.dims[key], shards.wire, shards.reduction), GATHERED)
+    wire = FLOAT8 if float8 else shards.wire
+    return checkpoint_name(shard_gather(x, shards.axis, shards.dims[key], wire, shards.reduction), GATHERED)
 
 
-def gathered(value: Any, path: Sequence[str], now: bool = False) -> Any:
+def gathered(value: Any, path: Sequence[str], now: bool = False, float8: bool = False) -> Any:
     """The parameter at ``path`` (its keys in the params tree, e.g. ``("layers", "wq")``), whole over the ZeRO
     axes: gathered as integer blocks under :func:`use` with a wire, else ``value`` as it is (GSPMD gathers it in its
     dtype where it is used). ``now``: gathered here in any case, for a reader that loops over it (GSPMD would
     gather it inside the loop, once per iteration forward and again backward, exposed: the LM head's chunks).
+    ``float8``: an fp8 product reads it; gathered by a table schedule's stage (:func:`shard_reads`) it crosses as
+    e4m3 (:data:`zjax.comm.FLOAT8`).
 
     Inside a layer scan ``value`` is one layer's slice of a stacked parameter: its spec is the stacked one
     without the leading layers entry.
@@ -276,7 +283,7 @@ def gathered(value: Any, path: Sequence[str], now: bool = False) -> Any:
     if key in active.memo:
         return active.memo[key][1]
     if active.shards is not None:
-        active.memo[key] = (value, _shard_gather(value, active.shards, tuple(path)))
+        active.memo[key] = (value, _shard_gather(value, active.shards, tuple(path), float8))
         return active.memo[key][1]
     if active.manual is not None:
         active.memo[key] = (value, _manual_gather(value, active, tuple(path)))

@@ -9,6 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from .. import fp8
 from ..pallas import quantize as one_pass
 
 DEFAULT_BLOCK = 256
@@ -25,15 +26,27 @@ PARTS = ("weights", "grads")
 @dataclasses.dataclass(frozen=True)
 class Wire:
     """How a collective's values cross the wire: ``bits`` per value (8, or 4 packed two to a byte) and one fp32
-    scale per ``block`` values of the last dim."""
+    scale per ``block`` values of the last dim; with ``float8``, e4m3 values under one power-of-two scale for the
+    whole gathered tensor (:data:`FLOAT8`)."""
 
     bits: int = 8
     block: int = DEFAULT_BLOCK
+    float8: bool = False
 
     @property
     def name(self) -> str:
-        """``int8``, ``int4``; ``int4@64`` where the block is not :data:`DEFAULT_BLOCK` (the grammar's spelling)."""
+        """``int8``, ``int4``; ``int4@64`` where the block is not :data:`DEFAULT_BLOCK` (the grammar's spelling);
+        ``e4m3``."""
+        if self.float8:
+            return "e4m3"
         return f"int{self.bits}" + (f"@{self.block}" if self.block != DEFAULT_BLOCK else "")
+
+
+FLOAT8 = Wire(bits=8, block=0, float8=True)
+"""How a weight that an fp8 product reads (``matmul="fp8-current"``) crosses a gather: each shard cast to e4m3 with
+the tensor's one power-of-two scale (the shards' amaxes max-reduced over the gather's axes), half of bf16's bytes.
+The product's own cast of what arrives is then exact (:func:`zjax.fp8.quantize`'s scale is a power of two and no
+entry saturates), so its result is the same as from a weight gathered in the compute dtype."""
 
 
 def parse(value: str | None) -> tuple[Wire | None, Wire | None]:
@@ -137,9 +150,14 @@ def _unpack(packed: jax.Array) -> jax.Array:
 
 def all_gather(x: jax.Array, axes: str | tuple[str, ...], dim: int, wire: Wire | None) -> jax.Array:
     """``x`` all-gathered over ``axes`` along ``dim`` (tiled, inside a manual region): as it is (``wire`` ``None``)
-    or as ``wire``'s integer blocks with their fp32 scales, dequantized to ``x``'s dtype on arrival."""
+    or as ``wire``'s integer blocks with their fp32 scales (or e4m3 values under one scale, :data:`FLOAT8`),
+    dequantized to ``x``'s dtype on arrival."""
     if wire is None:
         return jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+    if wire.float8:
+        amax = jax.lax.pmax(jnp.max(jnp.abs(x)).astype(jnp.float32), axes)
+        q8, scale = fp8.quantize(x, jnp.float8_e4m3fn, amax)
+        return (jax.lax.all_gather(q8, axes, axis=dim, tiled=True).astype(jnp.float32) * scale).astype(x.dtype)
     q, scale = quantize(x, wire.block, wire.bits)
     q = jax.lax.all_gather(q, axes, axis=dim, tiled=True)
     scale = jax.lax.all_gather(scale, axes, axis=dim, tiled=True)

@@ -48,12 +48,13 @@ def pow2_scale(amax: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return jnp.where(amax > 0, jnp.ldexp(jnp.float32(1.0), jnp.where(mantissa == 0.5, exponent - 1, exponent)), 1.0)
 
 
-def quantize(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+def quantize(x: jax.Array, dtype: jnp.dtype, amax: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """``(x / scale in dtype, scale)``: ``scale`` (fp32) the smallest power of two at least ``amax(|x|) / max(dtype)``
     (1 for an all-zero ``x``), so that no entry saturates and every rescale by it, in any float dtype, is exact
     (the largest entry lands in the format's top binade: a floating format's relative precision does not depend
-    on where in its range a value lies, so rounding the scale up to a power of two loses none)."""
-    scale = pow2_scale(jnp.max(jnp.abs(x)), dtype)
+    on where in its range a value lies, so rounding the scale up to a power of two loses none). ``amax``: the
+    whole tensor's, when ``x`` is a shard of it (every shard then takes the one scale)."""
+    scale = pow2_scale(jnp.max(jnp.abs(x)) if amax is None else amax, dtype)
     return (x.astype(F32) / scale).astype(dtype), scale
 
 

@@ -22,6 +22,9 @@ from ._mla import mla_attention
 from ._moe import MoELayer
 from ._params import param
 
+FP8_PROJECTIONS = ("wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "wkv_b", "w_gate", "w_up", "w_down")
+"""The block's parameters its fp8 products read (``DecoderConfig.matmul``; the experts' and the norms' are not)."""
+
 
 def _constrain(x: jax.Array) -> jax.Array:
     """Keep the residual stream split over the batch (without it, GSPMD may copy the parameters' ZeRO-3

@@ -17,7 +17,7 @@ from .. import comm, fp8, pipeline
 from ..context import load_balance
 from ..remat import RematPolicy
 from ._biases import ROUTER_STATE
-from ._block import Block
+from ._block import FP8_PROJECTIONS, Block
 from ._config import DecoderConfig
 from ._moe import check_experts_in_pipeline, expert_splits
 from ._mtp import MTP
@@ -152,11 +152,14 @@ def pipeline_stage_fn(
             f"remat={policy.name.removesuffix('+partitioned')!r} with a pipeline."
         )
     one = Block(c, load_balanced)
+    # a table schedule's per-layer gathers move the fp8 products' weights in e4m3 (current scaling: the product's
+    # cast of them is then exact), as GSPMD's gathers do elsewhere
+    fp8_reads = FP8_PROJECTIONS if c.matmul == "fp8-current" else ()
 
     def layer(w: Any, h: jax.Array, side: dict | None = None) -> Any:
         side = side or {}
         variables, index = unnumbered(w) if numbered else ({"params": w}, 0)
-        variables = {**variables, "params": comm.gathered_tree(variables["params"], at)}
+        variables = {**variables, "params": comm.gathered_tree(variables["params"], at, float8=fp8_reads)}
         positions = _stage_positions(side, h.shape[1], load_balanced)
         h, stats = one.apply(
             variables, h, positions, side.get("segment_ids"), side.get("router_mask"), side.get("dropout_keys"), index
