@@ -182,9 +182,7 @@ def gathered_tree(tree: Any, prefix: Sequence[str], float8: Collection[str] = ()
     ``("layers",)``), read through :func:`gathered`: a pipeline gathering its stages' weights once per step reads
     them so (quantized with ``Plan(quantized_comm="weights")``), and with ``zero3_gather="layer"`` a stage reads
     each layer so, one layer's slice at the stacked layers' prefix (quantized per layer inside the loop).
-    ``float8``: the names of ``tree``'s own leaves that fp8 products read (``matmul="fp8-current"``): where a table
-    schedule gathers each layer itself, they cross as e4m3 (:data:`zjax.comm.FLOAT8`), as GSPMD's gathers of them
-    do elsewhere."""
+    ``float8``: names of ``tree``'s own leaves read by fp8 products (:func:`gathered`'s ``float8``)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     out = [gathered(v, (*prefix, *_path(kp)), float8=_path(kp) in {(n,) for n in float8}) for kp, v in flat]
     return jax.tree_util.tree_unflatten(treedef, out)
@@ -221,13 +219,9 @@ def stage_reads() -> Iterator[dict[Any, Any] | None]:
 
 @contextlib.contextmanager
 def shard_reads(
-    axis: str,
-    layers: Any,
-    dims: Sequence[int | None],
-    wire: Wire | None,
-    gather: bool = True,
+    axis: str, layers: Any, dims: Sequence[int | None], wire: Wire | None, gather: bool = True,
     reduction: Reduction | None = None,
-) -> Iterator[set[tuple[str, ...]]]:
+) -> Iterator[set[tuple[str, ...]]]:  # fmt: skip
     """While a pipeline's stage is traced in a region manual over ``axis`` with its stacked ``layers`` entering as
     their shards (a table schedule at ZeRO-3, ``zero3_gather="layer"``): a layer read through :func:`gathered`
     with its model path (``gathered_tree`` of one layer's slice) is all-gathered over ``axis`` on its split dim
@@ -256,8 +250,8 @@ def _shard_gather(x: jax.Array, shards: _Shards, path: tuple[str, ...], float8: 
     if not shards.gather:
         return x
     # named, so that a stage that keeps its activations for the backward pass re-gathers this instead of keeping it
-    wire = FLOAT8 if float8 else shards.wire
-    return checkpoint_name(shard_gather(x, shards.axis, shards.dims[key], wire, shards.reduction), GATHERED)
+    gather = shard_gather(x, shards.axis, shards.dims[key], FLOAT8 if float8 else shards.wire, shards.reduction)
+    return checkpoint_name(gather, GATHERED)
 
 
 def gathered(value: Any, path: Sequence[str], now: bool = False, float8: bool = False) -> Any:
@@ -265,20 +259,16 @@ def gathered(value: Any, path: Sequence[str], now: bool = False, float8: bool = 
     axes: gathered as integer blocks under :func:`use` with a wire, else ``value`` as it is (GSPMD gathers it in its
     dtype where it is used). ``now``: gathered here in any case, for a reader that loops over it (GSPMD would
     gather it inside the loop, once per iteration forward and again backward, exposed: the LM head's chunks).
-    ``float8``: an fp8 product reads it; gathered by a table schedule's stage (:func:`shard_reads`) it crosses as
-    e4m3 (:data:`zjax.comm.FLOAT8`).
-
-    Inside a layer scan ``value`` is one layer's slice of a stacked parameter: its spec is the stacked one
-    without the leading layers entry.
-    """
+    ``float8``: an fp8 product reads it, so a table schedule's stage gathers it as e4m3 (:data:`zjax.comm.FLOAT8`).
+    Inside a layer scan ``value`` is one layer's slice of a stacked parameter (its spec the stacked one but the
+    leading layers entry)."""
     active = _ACTIVE.get()
     if active is None or not jnp.issubdtype(value.dtype, jnp.floating):
         return value
     if active.read is not None:
         active.read.add(tuple(path))
         return value
-    # a parameter read twice (a tied embedding: lookup and head) is gathered once, so that its two uses' gradients
-    # add up before the one reduction (two would move its bytes twice)
+    # read twice (a tied embedding), gathered once: its two uses' gradients add up before the one reduction
     key = (tuple(path), id(value))
     if key in active.memo:
         return active.memo[key][1]
