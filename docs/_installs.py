@@ -23,12 +23,12 @@ import tomllib
 from collections.abc import Iterable
 from pathlib import Path
 
-from _pages import ROOT, Block, blocks
+from _pages import PIP_INSTALL, ROOT, Block, blocks
 
 ENVS = ROOT / ".docs_envs"
-INSTALL = re.compile(r'^pip install (?:-q )?-e "?\.(?:\[([\w,+-]+)\])?"?$')
+INSTALL = re.compile(rf"^{PIP_INSTALL}$")
 # a reader's one-time setup line (docs/_pages.py's SETUP) names the extras it installs too
-_SETUP_EXTRAS = re.compile(r'pip install (?:-q )?-e "?\.(?:\[([\w,+-]+)\])?"? &&')
+_SETUP_EXTRAS = re.compile(rf"{PIP_INSTALL} &&")
 
 
 def _names(group: str | None) -> frozenset[str]:

@@ -29,8 +29,10 @@ NOT_RUN = ("# needs", "# run by")  # a GPU, a cluster; or a command CI runs else
 MEASURED = re.compile(r"^# measured on (\d{4}-\d{2}-\d{2}), (.+), commit ([0-9a-f]{7,40})\b")
 TOLERANCE = re.compile(r"^# figures? within (\d+(?:\.\d+)?)% ")
 _FENCE = re.compile(r"^(`{3,}|~{3,})(.*)$")
+# zjax installed from this checkout, with the extras (group 1) a reader asks for
+PIP_INSTALL = r'pip install (?:-q )?-e "?\.(?:\[([\w,+-]+)\])?"?'
 # the setup a reader runs once on a fresh machine; CI has run it (.ci/run) before the pages' commands
-SETUP = re.compile(r'^python3 -m venv \S+ && \. \S+/bin/activate && pip install (?:-q )?-e "?\.(?:\[[\w,+-]+\])?"? && ')
+SETUP = re.compile(rf"^python3 -m venv \S+ && \. \S+/bin/activate && {PIP_INSTALL} && ")
 
 
 @dataclasses.dataclass(frozen=True)

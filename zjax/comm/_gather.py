@@ -184,7 +184,8 @@ def gathered_tree(tree: Any, prefix: Sequence[str], float8: Collection[str] = ()
     each layer so, one layer's slice at the stacked layers' prefix (quantized per layer inside the loop).
     ``float8``: names of ``tree``'s own leaves read by fp8 products (:func:`gathered`'s ``float8``)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    out = [gathered(v, (*prefix, *_path(kp)), float8=_path(kp) in {(n,) for n in float8}) for kp, v in flat]
+    names = {(n,) for n in float8}  # the tree's own leaves, not a nested module's of the same name
+    out = [gathered(v, (*prefix, *_path(kp)), float8=_path(kp) in names) for kp, v in flat]
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
