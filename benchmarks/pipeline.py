@@ -144,9 +144,7 @@ def gpu_table(target: str) -> list[dict]:
         f"{'exposed':>9}"
     )
     for cfg, m, r in ((GPU_CFG, 4, 1), (GPU_CFG, 8, 4), (deep, 8, 8)):
-        for stage, gather in ((1, None), (3, "step"), (3, None), (3, "chunk")):
-            if r == 1 and gather == "chunk":
-                continue  # GPipe has one chunk per stage: "chunk" is "step" with a second gather
+        for stage, gather in ((1, None), (3, "step"), (3, None)):
             row = measure_gpu(target, stage, zjax.Pipeline(m, repeats=r, zero3_gather=gather), cfg=cfg)
             out.append(row)
             print(

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the pipeline's schedule (--schedule: the same)")  # fmt: skip
     add("--pipeline-table", type=Path, default=None, help="a schedule of one's own: a file of actions per stage "
         "(zjax.pipeline.parse_table's format), run in place of --pipeline-schedule")  # fmt: skip
-    add("--zero3-gather", choices=("step", "layer", "chunk"), default=None, help="pipeline weight gathering")
+    add("--zero3-gather", choices=("step", "layer"), default=None, help="pipeline weight gathering")
     add("--recompute", choices=zjax.pipeline.RECOMPUTE, default="once",
         help="table schedules, full remat: B recomputes once for B and W, or per-action (least memory)")  # fmt: skip
     add("--lr", type=float, default=3e-3)

@@ -14,10 +14,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zjax
-from zjax.comm import Wire
 from zjax.models import Decoder, DecoderConfig, lm_loss
 from zjax.pipeline import Pipeline, apply
-from zjax.pipeline._context import accumulating, quantizing
+from zjax.pipeline._context import accumulating
 from zjax.planner._compile import partitioned_hlo
 from zjax.planner._hlo import collectives, spanned_axes
 
@@ -107,29 +106,14 @@ def test_per_use_gathering_matches_the_sequential_model(mesh_name, schedule):
     check_engine(mesh_name, cfg, spec=P("pp", "dp"))
 
 
-@pytest.mark.parametrize(
-    ("mesh_name", "microbatches", "repeats"),
-    [("dp2_tp2_pp2", 4, 4),  # phases 1 .. R-2 in their scan, tp inside the stages
-     *[pytest.param(m, mb, r, marks=pytest.mark.slow)
-       for m, mb, r in [("dp2_pp4", 4, 1), ("dp2_pp4", 4, 2), ("dp2_pp4", 8, 2), ("dp2_tp2_pp2", 2, 4),
-                        ("dp2_tp2_pp2", 2, 1)]]],
-)  # fmt: skip
-def test_chunk_gathering_matches_the_sequential_model(mesh_name, microbatches, repeats):
-    """zero3_gather="chunk" (its own backward pass): the same loss, output and gradients as the sequential
-    model, for GPipe (one chunk), two repeats (no middle phases) and four."""
-    cfg = Pipeline(microbatches, repeats=repeats, zero3_gather="chunk")
-    check_engine(mesh_name, cfg, spec=P("pp", "dp"))
-
-
-def test_chunk_gathering_moves_zero3s_3_psi():
-    """zero3_gather="chunk" gathers every weight over dp twice (forward, backward) and reduce-scatters its
-    gradient once, all outside the pipeline's loops: ZeRO-3's 3 psi. "step" gathers once; "layer" gathers
-    inside the loop, per iteration."""
+def test_step_gathering_moves_each_weight_once_and_layer_gathering_per_iteration():
+    """zero3_gather="step" gathers every weight over dp once and reduce-scatters its gradient once, outside the
+    pipeline's loop; "layer" gathers inside the loop, per iteration."""
     mesh = zjax.make_mesh(**MESHES["dp2_pp4"])
     w, x = weights_and_input()
     stage_bytes = sum(a.nbytes for a in jax.tree.leaves(w)) // 4  # one stage's weights, whole (fp32)
     moved = {}
-    for mode in ("step", "layer", "chunk"):
+    for mode in ("step", "layer"):
         with jax.set_mesh(mesh):
             ws = jax.device_put(w, NamedSharding(mesh, P("pp", "dp")))
             xs = jax.device_put(x, NamedSharding(mesh, P("dp")))
@@ -143,49 +127,7 @@ def test_chunk_gathering_moves_zero3s_3_psi():
                 key = (c.kind, c.in_loop)
                 moved[mode][key] = moved[mode].get(key, 0) + c.volume * c.trips
     assert moved["step"] == {("all-gather", False): stage_bytes, ("reduce-scatter", False): stage_bytes}
-    assert moved["chunk"] == {("all-gather", False): 2 * stage_bytes, ("reduce-scatter", False): stage_bytes}
     assert moved["layer"].get(("all-gather", True), 0) > 8 * stage_bytes
-
-
-def test_quantized_chunk_gathers_move_int8_blocks_and_a_scale_each():
-    """qwZ under zero3_gather="chunk": each chunk crosses dp as int8 (a quarter of these fp32 weights' bytes)
-    with one fp32 scale per block (at most 256 values of the last dim), forward and backward; the gradient's
-    reduce-scatter stays in the weights' dtype; the loss is the unquantized one within the blocks' rounding."""
-    mesh = zjax.make_mesh(**MESHES["dp2_pp4"])
-    w, x = weights_and_input()
-    stage_bytes = sum(a.nbytes for a in jax.tree.leaves(w)) // 4  # one stage's weights, whole (fp32)
-    moved, losses = {}, {}
-    for wire in (None, Wire()):
-        with jax.set_mesh(mesh), quantizing(wire):
-            ws = jax.device_put(w, NamedSharding(mesh, P("pp", "dp")))
-            xs = jax.device_put(x, NamedSharding(mesh, P("dp")))
-            grad_fn = jax.value_and_grad(pipelined(Pipeline(8, repeats=2, zero3_gather="chunk")), has_aux=True)
-            fn = jax.jit(grad_fn, out_shardings=(None, NamedSharding(mesh, P("pp", "dp"))))
-            _, hlo = partitioned_hlo(fn.lower(ws, xs))
-            losses[wire] = float(fn(ws, xs)[0][0])
-        moved[wire] = {}
-        for c in collectives(hlo):
-            if "dp" in spanned_axes(c.groups, dict(mesh.shape)) and c.kind != "all-reduce":
-                moved[wire][c.kind, c.dtype] = moved[wire].get((c.kind, c.dtype), 0) + c.volume * c.trips
-    assert moved[None] == {("all-gather", "f32"): 2 * stage_bytes, ("reduce-scatter", "f32"): stage_bytes}
-    assert moved[Wire()] == {
-        ("all-gather", "s8"): 2 * stage_bytes // 4,
-        ("all-gather", "f32"): 2 * stage_bytes // 4 // D * 4,  # a scale per block: the last dim's D values
-        ("reduce-scatter", "f32"): stage_bytes,
-    }
-    assert losses[Wire()] == pytest.approx(losses[None], rel=1e-2) and losses[Wire()] != losses[None]
-
-
-@pytest.mark.slow  # two Decoder compiles and runs; the fast test above checks the engine's bytes
-def test_a_decoder_with_quantized_chunk_gathers_trains_like_bf16():
-    """Stage 3, circular R=2 on dp=2 x pp=4, zero3_gather="chunk": with quantized_comm="weights" the chunks cross
-    dp as int8 (about half of bf16's gather bytes with the scales), and three steps follow bf16's losses within
-    the blocks' rounding (measured: 3e-4 relative)."""
-    (plain, plain_losses), (quantized, losses) = _bf16_and_int8_runs(Pipeline(8, repeats=2, zero3_gather="chunk"), 3)
-    plain, quantized = ({d: b for (k, d), b in r.items() if k == "all-gather"} for r in (plain, quantized))
-    # every chunk gather int8 (half the bytes); what stays bf16 is gathered outside the pipeline (the edges)
-    assert quantized["s8"] == (plain["bf16"] - quantized["bf16"]) // 2 and quantized["bf16"] < plain["bf16"] / 32
-    np.testing.assert_allclose(losses, plain_losses, rtol=1e-3)
 
 
 def _bf16_and_int8_runs(cfg: Pipeline, steps: int) -> tuple[tuple[dict, list[float]], tuple[dict, list[float]]]:
@@ -685,25 +627,22 @@ def test_config_errors():
     for stage in (0, 1):
         with pytest.raises(ValueError, match=rf"zero3_gather='layer' .* stage={stage} keeps whole gradients"):
             zjax.Plan(mesh, stage=stage, pipeline=Pipeline(4, zero3_gather="layer"))
-    for stage in (1, 2):  # chunk by chunk needs weights split over dp
-        with pytest.raises(ValueError, match=rf"zero3_gather='chunk' .* stage={stage} keeps whole weights"):
-            zjax.Plan(mesh, stage=stage, pipeline=Pipeline(4, zero3_gather="chunk"))
-    assert zjax.Plan(mesh, stage=3, pipeline=Pipeline(4, zero3_gather="chunk")).pipeline.zero3_gather == "chunk"
+    with pytest.raises(ValueError, match=r"zero3_gather='chunk' was removed: 'step' .* 'layer' .* memory does"):
+        Pipeline(4, zero3_gather="chunk")
     # the default gathering mode is settled by the plan: per use where gradients are split over dp
     modes = {stage: zjax.Plan(mesh, stage=stage, pipeline=Pipeline(4)).pipeline.zero3_gather for stage in range(4)}
     assert modes == {0: "step", 1: "step", 2: "layer", 3: "layer"}
     # reduce_dtype reduces each rank's whole gradients once per step: "step" by default, per use refused
     wide = {s: zjax.Plan(mesh, stage=s, reduce_dtype="float32", pipeline=Pipeline(4)).pipeline for s in range(4)}
     assert {s: p.zero3_gather for s, p in wide.items()} == dict.fromkeys(range(4), "step")
-    for gather in ("layer", "chunk"):
-        with pytest.raises(ValueError, match=rf"zero3_gather='{gather}' with Plan\(reduce_dtype='float32'\).*'step'"):
-            zjax.Plan(mesh, stage=3, reduce_dtype="float32", pipeline=Pipeline(4, zero3_gather=gather))
+    with pytest.raises(ValueError, match=r"zero3_gather='layer' with Plan\(reduce_dtype='float32'\).*'step'"):
+        zjax.Plan(mesh, stage=3, reduce_dtype="float32", pipeline=Pipeline(4, zero3_gather="layer"))
     # qwZ under a pipeline, in every gathering mode (the default "layer" included), weights only
-    for gather in ("chunk", "step", "layer", None):
+    for gather in ("step", "layer", None):
         quantized = zjax.Plan(mesh, stage=3, quantized_comm="weights", pipeline=Pipeline(4, zero3_gather=gather))
         assert quantized.quantizes_weights and not quantized.reduces_gradients
-        assert (quantized.read_wire is None) == (gather == "chunk")  # the chunks quantize, not the model's reads
-    for q, gather in (("weights+grads", "layer"), ("weights+grads", "chunk"), ("grads", "step")):
+        assert quantized.read_wire is not None  # the model's reads (and "step"'s one gather) quantize
+    for q, gather in (("weights+grads", "layer"), ("grads", "step")):
         with pytest.raises(ValueError, match=rf"'{re.escape(q)}' under pipeline schedule='gpipe', zero3_gather"):
             zjax.Plan(mesh, stage=3, quantized_comm=q, pipeline=Pipeline(4, zero3_gather=gather))
     # the table schedules reduce quantized per layer (zero3_gather="layer", their default at stage 3)

@@ -174,8 +174,7 @@ def plan_parser(sub) -> None:
         "--zero3-gather",
         choices=GATHER_MODES,
         default=None,
-        help="pipeline at stages 2-3: weights gathered once per step, per use, or per repeat's chunk (stage 3) "
-        "(default: layer at 2-3, step below)",
+        help="pipeline at stages 2-3: weights gathered once per step or per use (default: layer at 2-3, step below)",
     )
     p.add_argument(
         "--recompute",

@@ -201,9 +201,8 @@ class PlanConfig:
     @property
     def read_wire(self) -> Wire | None:
         """How the weights the model reads through :func:`zjax.comm.gathered` cross the ZeRO axes: ``weights_wire``,
-        except with hpZ (its node gathers quantize instead) and in a pipeline's chunk mode (the chunks do)."""
-        chunked = self.pipeline is not None and self.pipeline.zero3_gather == "chunk"
-        return None if self.hpz or chunked else self.weights_wire
+        except with hpZ (its node gathers quantize instead)."""
+        return None if self.hpz else self.weights_wire
 
     @property
     def quantizes_weights(self) -> bool:

@@ -13,9 +13,8 @@ TABLE_SCHEDULES = SCHEDULES[1:]
 RECOMPUTE = ("once", "per-action")
 """How the table schedules' B and W recompute layers that the remat policy recomputes whole (see ``Pipeline``)."""
 
-GATHER_MODES = ("step", "layer", "chunk")
-"""How dp-split weights meet the pipeline: once per step, per use inside the loop, or per repeat's chunk
-(see ``Pipeline``)."""
+GATHER_MODES = ("step", "layer")
+"""How dp-split weights meet the pipeline: once per step, or per use inside the loop (see ``Pipeline``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,16 +50,12 @@ class Pipeline:
         into a ``dp``-split accumulator, per iteration (stage 2's weights are whole: only the gradient
         reduction moves into the loop). Whole weights then live for one layer, and the memory
         promise of stages 2 and 3 holds under a pipeline, at ``dp`` traffic that grows with the
-        iterations (``benchmarks/pipeline.py``). ``"chunk"`` (stage 3): split over ``dp`` through the
-        loop, which runs in R phases of M iterations; each repeat's chunk is gathered once forward and
-        once backward (two chunks whole at a time) and its gradient reduce-scattered once, when both
-        phases that use it are done: ZeRO-3's 3 psi, with the memory of about ten whole chunks, so it
-        pays with many repeats (a chunk of one or two layers). ``None`` (the default): the plan picks
-        ``"layer"`` at stages 2 and 3, ``"step"`` below; ``"layer"`` is refused at stages 0 and 1,
-        ``"chunk"`` below stage 3. The table schedules run ``"step"`` and, at stage 3, ``"layer"`` (their
-        default there): every F, B and W action gathers each layer of its chunk over ``dp`` as it applies
-        it (int8 with qwZ) and reduce-scatters the layer's gradient into a ``dp``-split fp32 accumulator
-        after each W, so a stage never holds more than one whole layer and its gradient at a time.
+        iterations (``benchmarks/pipeline.py``). ``None`` (the default): the plan picks ``"layer"`` at
+        stages 2 and 3, ``"step"`` below; ``"layer"`` is refused at stages 0 and 1. The table schedules
+        run ``"step"`` and, at stage 3, ``"layer"`` (their default there): every F, B and W action gathers
+        each layer of its chunk over ``dp`` as it applies it (int8 with qwZ) and reduce-scatters the layer's
+        gradient into a ``dp``-split fp32 accumulator after each W, so a stage never holds more than one
+        whole layer and its gradient at a time.
       remat: rematerialize each iteration of GPipe's scan in the backward pass, saving only its input (the
         table schedules keep what the model's remat policy saves).
       recompute: the table schedules' backward passes under a remat policy that recomputes whole layers
@@ -89,6 +84,12 @@ class Pipeline:
                 raise ValueError(f"Pipeline: {name}={value!r} must be a positive int.")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"Pipeline: recompute={self.recompute!r} is not one of {RECOMPUTE}.")
+        if self.zero3_gather == "chunk":
+            raise ValueError(
+                "Pipeline: zero3_gather='chunk' was removed: 'step' moves two thirds of its dp bytes at 0.88-1.05x its "
+                "peak, 'layer' overlaps its gathers with compute at 0.69-0.81x its peak (docs/concepts/pipelines.md). "
+                "Use zero3_gather='step' where dp bandwidth binds, 'layer' where memory does."
+            )
         if self.zero3_gather is not None and self.zero3_gather not in GATHER_MODES:
             raise ValueError(
                 f"Pipeline: zero3_gather={self.zero3_gather!r} is not a gathering mode; use one of {GATHER_MODES}."
@@ -121,12 +122,6 @@ class Pipeline:
                 f"Pipeline: schedule='1f1b' with repeats={self.repeats}: chunks per stage are the interleaved "
                 "schedule; use schedule='interleaved-1f1b' (or 'zero-bubble', which takes repeats too)."
             )
-        if self.tabled and self.zero3_gather == "chunk":
-            raise ValueError(
-                f"Pipeline: schedule={self.name!r} gathers weights split over dp once per step "
-                f"(zero3_gather='step') or per layer as each action runs ('layer', stage 3); "
-                f"zero3_gather='chunk' runs with schedule='gpipe'."
-            )
 
     @property
     def tabled(self) -> bool:
@@ -148,8 +143,7 @@ class Pipeline:
         (``reduce_dtype=...``): the mode is then ``"step"``.
 
         Raises:
-          ValueError: ``"layer"`` at stage 0 or 1; ``"chunk"`` below stage 3; ``"layer"`` or ``"chunk"`` with
-            ``whole_gradients``.
+          ValueError: ``"layer"`` at stage 0 or 1, or with ``whole_gradients``.
         """
         if whole_gradients is not None and self.zero3_gather not in (None, "step"):
             raise ValueError(
@@ -181,11 +175,6 @@ class Pipeline:
                 f"but stage={stage.level} keeps whole gradients on every dp rank: their reduction over dp would "
                 f"only move inside the loop, once per iteration, and save no memory. Use stage 2 or 3, or "
                 f"zero3_gather='step'."
-            )
-        if self.zero3_gather == "chunk" and not stage.shard_parameters:
-            return (
-                f"Pipeline: zero3_gather='chunk' gathers weights split over dp chunk by chunk, but stage={stage.level} "
-                f"keeps whole weights on every dp rank. Use stage 3, or zero3_gather='layer' (stage 2) or 'step'."
             )
         return None
 

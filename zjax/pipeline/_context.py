@@ -71,9 +71,9 @@ _QUANTIZE: contextvars.ContextVar[tuple[Wire | None, Wire | None]] = contextvars
 
 @contextlib.contextmanager
 def quantizing(wire: Wire | None, grads: Wire | None = None) -> Iterator[None]:
-    """While a step traces its loss: ``zero3_gather="chunk"`` gathers each chunk over ``dp`` as ``wire``'s integer
-    blocks with fp32 scales (``Plan(quantized_comm="weights")``; ``None``: in the compute dtype), and the table
-    schedules' per-layer gathers reduce-scatter each gradient as ``grads``' blocks (``"grads"``; ``None``: not)."""
+    """While a step traces its loss: the table schedules' per-layer gathers move each layer over ``dp`` as ``wire``'s
+    integer blocks with fp32 scales (``Plan(quantized_comm="weights")``; ``None``: in the compute dtype) and
+    reduce-scatter each gradient as ``grads``' blocks (``"grads"``; ``None``: not)."""
     token = _QUANTIZE.set((wire, grads))
     try:
         yield
@@ -150,7 +150,7 @@ def own_reads(
     stage_fn: Callable[[Any, jax.Array], Any], per_layer: bool = False, reads: list | None = None
 ) -> Callable[[Any, jax.Array], Any]:
     """``stage_fn`` traced with :func:`zjax.comm.gathered` passing values through: the stage's weights arrive as
-    the pipeline gathered them ("step", "chunk") or as GSPMD gathers them per use ("layer"). ``per_layer``
+    the pipeline gathered them ("step") or as GSPMD gathers them per use ("layer"). ``per_layer``
     ("layer"): under qwZ, a layer read with its model path crosses the ZeRO axes as integer blocks
     (:func:`zjax.comm._gather.stage_reads`); each trace appends its reads to ``reads`` (``None``: nothing
     quantizes)."""

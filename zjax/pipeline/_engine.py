@@ -17,9 +17,6 @@ Design (measured on CPU, see docs/concepts/pipelines.md):
   with ``zero3_gather="layer"`` (the plan's default at stages 2 and 3) weights and gradients stay
   split over ``dp`` (the region then covers the other data axes only): a stage that scans its layers
   (:func:`scan_layers`) gathers one layer at a time inside the loop and reduce-scatters its gradient.
-  With ``zero3_gather="chunk"`` the region covers every data axis and the weights enter split over
-  ``dp``: :func:`_chunked` gathers each repeat's chunk once forward and once backward and
-  reduce-scatters its gradient once (its own backward pass).
 - Stream io: the local batch ``[B, ...]`` is split over ``pp`` and read as ``[S, K, mb, ...]``
   (K = M / S); stage 0 takes microbatch ``t`` from column ``t % K``, which is shifted one stage
   left each visit while the last stage writes its outputs there. No collective at the boundary.
@@ -43,7 +40,6 @@ from ..comm import GATHERED
 from ..remat import RematPolicy, nested_scan
 from ..sharding._axes import DP, PP
 from ..stages._placement import add_axis
-from ._chunked import _chunked
 from ._config import Pipeline
 from ._context import _INITIALIZING, call_stage, current, data_axes_here, mesh_sizes, own_reads, summed_wide
 from ._scan import _pipeline
@@ -138,8 +134,7 @@ def apply(
 
     Raises:
       ValueError: ``pp > 1`` in the mesh and no schedule; a table schedule (``"1f1b"`` and the like),
-        which needs the loss inside the pipeline (:func:`zjax.pipeline.loss`); ``outputs`` with
-        ``zero3_gather="chunk"`` (its hand-written backward carries none).
+        which needs the loss inside the pipeline (:func:`zjax.pipeline.loss`).
     """
     cfg = current() if pipeline is None else pipeline
     reads: list = []  # per trace of the stage, its quantized layer reads (None: nothing quantizes)
@@ -202,46 +197,24 @@ def apply(
         a = a.reshape(s_ * k_, *a.shape[2:])
         return jax.lax.with_sharding_constraint(a, P(None, inner or None))
 
-    def run(w: Any, hs: tuple, engine: Callable[..., Any]) -> Any:
+    def run(w: Any, hs: tuple, fn: Callable = stage_fn) -> Any:  # w: [R, S, Lps, ...]
         h, sd = hs
-        io = microbatched(h)
         sd = jax.tree.map(every_stage, sd)
-        io, *sums = engine(w, io, sd) if outputs else (engine(w, io, sd),)
+        out = _pipeline(fn, w, microbatched(h), cfg, stages, _bubble_fill, inner or None, outputs, sd)
+        io = out[0] if outputs else out
         y = io.reshape(s_, k_, n, -1, *rest).swapaxes(1, 2).swapaxes(0, 1).reshape(h.shape)
-        return (y, *sums) if outputs else y
-
-    def engine(w: Any, io: jax.Array, sd: Any, fn: Callable = stage_fn) -> Any:
-        return _pipeline(fn, w, io, cfg, stages, _bubble_fill, inner or None, outputs, sd)
+        return (y, out[1]) if outputs else y
 
     if not region:  # the data axes are manual already (each rank's gradients, Plan(reduce_dtype=...))
-
-        def loop(fn: Callable, w: Any, hs: tuple) -> Any:
-            return run(by_visit(w, cfg.repeats, stages), hs, lambda w, io, sd: engine(w, io, sd, fn))
-
+        loop = lambda fn, w, hs: run(by_visit(w, cfg.repeats, stages), hs, fn)  # noqa: E731
         return _read_per_layer(summed_wide(stage_fn, loop, layers, (x, side)), reads)
     leaves, treedef = jax.tree.flatten(stacked)
-    dims: list[int | None] = [None] * len(leaves)
-    if cfg.zero3_gather == "chunk" and DP in region and outputs:
-        raise ValueError(
-            "zjax.pipeline.apply: outputs=True (per-layer sums, e.g. a mixture of experts' router statistics) "
-            "with zero3_gather='chunk' is not supported: its hand-written backward carries no sums. Use "
-            "zero3_gather='layer' or 'step'."
-        )
-    if cfg.zero3_gather == "chunk" and DP in region:
-        # each leaf's dim split over dp, in the [R, S, Lps, ...] view (the natural [L, ...] dim d is d + 2)
-        dims = [None if d is None else d + 2 for d in _dp_dims(layers, split_over, sizes)]
-
-        def engine(w: Any, io: jax.Array, sd: Any, fn: Callable = stage_fn) -> Any:
-            return _chunked(fn, w, io, cfg, stages, _bubble_fill, dims, sd)
-
     # a leaf that a region axis already splits (split_over, in the natural [L, ...] dims) enters split over it
     views = [{d + 2: a for d, a in sp.items()} if sp else None for sp in split_leaves(split_over, len(leaves))]
-    specs, entered = zip(
-        *[_enter(w, d, region, sizes, v) for w, d, v in zip(leaves, dims, views, strict=True)], strict=True
-    )
+    specs, entered = zip(*[_enter(w, region, sizes, v) for w, v in zip(leaves, views, strict=True)], strict=True)
 
     def body(w: Any, hs: tuple) -> Any:
-        out = run(jax.tree.map(lambda a: a[0], w), hs, engine)
+        out = run(jax.tree.map(lambda a: a[0], w), hs)
         if not outputs:
             return out
         return out[0], jax.lax.psum(out[1], region)  # each rank summed its own rows
@@ -264,7 +237,7 @@ def _read_per_layer(out: Any, reads: list) -> Any:
             "over dp as integer blocks where the stage reads it through zjax.comm.gathered_tree(layer, "
             "('layers',)) (the model's path of the stacked layers); this stage_fn read none, so its gathers "
             "would cross dp in the compute dtype. Read each layer so in layer_fn (zjax.models.Decoder does), "
-            "or use Pipeline(zero3_gather='step') or 'chunk'."
+            "or use Pipeline(zero3_gather='step')."
         )
     return out
 
@@ -338,11 +311,7 @@ def split_leaves(split_over: Any, count: int) -> list[dict[int, str] | None]:
 
 
 def _enter(
-    w: jax.Array,
-    dp_dim: int | None,
-    region: tuple[str, ...],
-    sizes: dict[str, int],
-    split: dict[int, str] | None = None,
+    w: jax.Array, region: tuple[str, ...], sizes: dict[str, int], split: dict[int, str] | None = None
 ) -> tuple[P, jax.Array]:
     """A layer weight entering the region manual over ``region``: its ``shard_map`` spec and the array.
 
@@ -350,11 +319,10 @@ def _enter(
     ZeRO-3's all-gather in "step" mode); the gradient is summed over that dim outside the region, so it is
     reduced over those axes once per step, not per layer per iteration inside the loop. (Entering as P()
     and letting shard_map psum the cotangent does the same, but that psum's reducer carries a sharding
-    constraint on which XLA:CPU's bf16 all-reduce promotion aborts.) With ``dp_dim`` (``"chunk"`` mode)
-    the weight stays split over ``dp`` on that dim and the copies are over the other axes only; ``split``
-    (``{dim: axis}``, e.g. an expert weight's experts over ``ep``) keeps region axes the same way.
+    constraint on which XLA:CPU's bf16 all-reduce promotion aborts.) ``split`` (``{dim: axis}``, e.g. an
+    expert weight's experts over ``ep``) keeps a region axis split on that dim, the copies over the others.
     """
-    kept = {**({} if dp_dim is None else {dp_dim: DP}), **{d: a for d, a in (split or {}).items() if a in region}}
+    kept = {d: a for d, a in (split or {}).items() if a in region}
     lead = tuple(a for a in region if a not in kept.values())
     entries: list[Any] = [lead or None] + [None] * w.ndim
     for dim, axis in kept.items():

@@ -139,8 +139,8 @@ class PlanSection:
 @dataclasses.dataclass(frozen=True)
 class PipelineSection:
     """``[pipeline]``, used on a mesh with ``pp > 1``: ``schedule`` (gpipe, 1f1b, interleaved-1f1b, zero-bubble, zb-v),
-    ``microbatches`` (default 2 x pp), ``repeats`` (chunks of layers per stage), ``zero3_gather`` (step, layer,
-    chunk), ``recompute`` (once, per-action: :class:`zjax.Pipeline`'s), ``table`` (a file holding a schedule of
+    ``microbatches`` (default 2 x pp), ``repeats`` (chunks of layers per stage), ``zero3_gather`` (step,
+    layer), ``recompute`` (once, per-action: :class:`zjax.Pipeline`'s), ``table`` (a file holding a schedule of
     one's own, :func:`zjax.pipeline.read_table`: it runs in place of ``schedule``, its microbatches and chunks
     those of the run)."""
 
