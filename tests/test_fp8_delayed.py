@@ -210,10 +210,38 @@ def test_where_the_histories_cannot_travel_it_says_so():
     variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, DELAYED.max_len), jnp.int32)))
     with pytest.raises(ValueError, match=r"amax histories \(matmul=fp8-delayed\), which are model state"):
         jax.eval_shape(lambda: lm_loss(model, variables["params"], batch))
-    history = {zjax.fp8.COLLECTION: variables[zjax.fp8.COLLECTION]}
-    refused = r"matmul='fp8-delayed' under pipeline parallelism is not supported yet"
-    with zjax.pipeline.use(zjax.Pipeline(2)), pytest.raises(ValueError, match=refused):
-        jax.eval_shape(lambda: lm_loss(model, variables["params"], batch, history))
+    refused = r"matmul='fp8-delayed' under pipeline parallelism runs in zjax.models.lm_loss .* would sum them"
+    with zjax.pipeline.use(zjax.Pipeline(2)), pytest.raises(ValueError, match=refused):  # the model's own call
+        jax.eval_shape(lambda: model.apply(variables, jnp.asarray(batch["tokens"])))
+
+
+@pytest.mark.slow  # two plans, two steps each; the fast suite checks the refusal of the model's own call
+@pytest.mark.parametrize(("schedule", "stage"), [("gpipe", 3), ("1f1b", 1)])
+def test_under_a_pipeline_the_histories_take_the_largest_amax_over_microbatches_and_ranks(schedule, stage):
+    """dp=4 x pp=2, 4 microbatches per rank, on uneven masks and packed rows: the table engine (GPipe's order too)
+    keeps each history's cotangent as the maximum over the microbatches and ranks where a pipeline would sum it, so
+    after a step every newest column holds the amaxes one device sees on the whole batch, and with the histories
+    filled the step's gradient is one device's ``jax.grad`` (at stage 3 each layer gathered per action)."""
+    init_fn, loss_fn = train_functions(Decoder(DELAYED), DELAYED.max_len)
+    pipe = zjax.Pipeline(4, schedule=schedule)
+    plan = zjax.Plan(zjax.make_mesh(dp=4, pp=2), stage=stage, precision="fp32", pipeline=pipe)
+    state = plan.init(init_fn, optax.chain(optax.trace(decay=0.0), optax.scale(-0.05)), jax.random.key(0))
+    batch = uneven_batch(16, DELAYED)
+    step = plan.train_step(loss_fn)
+    state, _ = step(state, plan.shard_batch(batch))  # fills the histories (their first step scales per microbatch)
+    params = nn.unbox(jax.device_get(state.params))
+    before = jax.device_get(state.model_state[zjax.fp8.COLLECTION])
+    state, metrics = step(state, plan.shard_batch(batch))
+    after = jax.device_get(state.model_state[zjax.fp8.COLLECTION])
+    want = _reference_amaxes(params, before, batch, 1)
+    for name, h in after["layers"].items():
+        np.testing.assert_allclose(h[..., 0], want["layers"][name][..., 0], rtol=2e-6, err_msg=name)
+        np.testing.assert_array_equal(h[..., 1:], before["layers"][name][..., :-1], err_msg=name)
+    assert int(metrics["fp8_saturated"]) == 0 and not bool(metrics["skipped"])
+    model_state = {zjax.fp8.COLLECTION: before}
+    one = jax.jit(jax.grad(lambda p, b: lm_loss(Decoder(DELAYED), p, b, model_state)[0].mean))(params, batch)
+    applied = jax.tree.map(lambda x: np.asarray(x, np.float64), jax.device_get(state.opt_state.inner[0].trace))
+    assert relative(applied, jax.tree.map(lambda x: np.asarray(x, np.float64), one)) < 3e-5
 
 
 @pytest.mark.slow  # three compiles of the model; the fast suite checks the channel with dropout's nested case

@@ -230,6 +230,42 @@ def toy_layer(layer, h):
     return h + jnp.tanh(h @ layer["w"] + layer["b"])
 
 
+@jax.custom_vjp
+def _seen(h, slot):
+    """``h``, reporting ``max |h|`` as the cotangent of ``slot`` (as an fp8 product reports its amaxes)."""
+    return h
+
+
+_seen.defvjp(lambda h, slot: (h, (jnp.max(jnp.abs(h)), slot)), lambda res, g: (g, jnp.full_like(res[1], res[0])))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_maxed_leaf_gets_the_largest_cotangent_over_microbatches_and_ranks(schedule):
+    """``zjax.pipeline.loss(maxed=...)``: a leaf whose cotangents are amaxes (fp8 delayed scaling's histories) gets
+    their maximum over the microbatches and the data ranks, unscaled, on every schedule (GPipe's through the table
+    engine: its scan would sum them); the other gradients are unchanged."""
+    layers, embedding, head = toy()
+    layers = {**layers, "seen": jnp.zeros((L, 1))}
+
+    def fn(w, h):
+        step = lambda h, layer: (toy_layer(layer, _seen(h, layer["seen"])), None)  # noqa: E731
+        return jax.lax.scan(step, h, w)[0]
+
+    def loss(p, tokens, cfg, maxed):
+        rows, edge = {"x": tokens[:, :-1], "y": tokens[:, 1:]}, {"embedding": p[1], "head": p[2]}
+        return 2.0 * pipeline.loss(fn, p[0], rows, first=first, last=last, params=edge, pipeline=cfg, maxed=maxed)
+
+    params, maxed = (layers, embedding, head), {"w": False, "b": False, "seen": True}
+    want = jax.jit(jax.grad(lambda p, t: loss(p, t, None, maxed)))(params, TOKENS)  # one microbatch, one rank
+    with jax.set_mesh(zjax.make_mesh(dp=2, pp=4)):
+        got = jax.jit(jax.grad(lambda p, t: loss(p, t, Pipeline(4, schedule=schedule), maxed)))(params, TOKENS)
+    np.testing.assert_allclose(got[0]["seen"], want[0]["seen"], rtol=1e-6)
+    assert np.all(np.asarray(want[0]["seen"]) > 0)
+    rest = lambda g: jax.tree.leaves((g[0]["w"], g[0]["b"], g[1], g[2]))  # noqa: E731
+    for a, b in zip(rest(got), rest(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(b))))
+
+
 @pytest.mark.slow  # fast budget: the decoder's actions below (fast) and the objective grid's zero-bubble case
 @pytest.mark.parametrize(("remat", "recompute", "b", "w"), [
     ("full", "once", 2, 2),  # B recomputes the stage keeping its products; W pulls back from them

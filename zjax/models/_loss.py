@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from .. import comm, pipeline
+from .. import comm, fp8, pipeline
 from ..context import context_size, load_balance
 from ..core import LossSum
 from ..experts import local_experts
@@ -24,7 +24,7 @@ from ._config import DecoderConfig
 from ._decoder import MOE_STATS
 from ._layers import RMSNorm, dropout_keys
 from ._mtp import mtp_rows
-from ._stages import dense_stage_fn, layer_state, pipeline_stage_fn, pipelined_layers, predict_ahead_fn
+from ._stages import LAYER_STATE, dense_stage_fn, layer_state, pipeline_stage_fn, pipelined_layers, predict_ahead_fn
 from ._xent import cross_entropy_sum, vocab_chunks
 
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
@@ -151,7 +151,10 @@ def _loss_and_stats(
         rows = jnp.arange(inputs.shape[0], dtype=jnp.int32) if rows is None else jnp.asarray(rows, jnp.int32)
         ids = rows[:, None] * length + jnp.arange(length, dtype=jnp.int32)
     schedule = pipeline.current()
-    if depth and schedule is not None and schedule.tabled and model.cfg.moe is not None:
+    # the table engine runs the whole model per microbatch; GPipe's schedule too where the amax histories' cotangents
+    # must be maximised over the microbatches (the scan would sum them)
+    tabled = schedule is not None and (schedule.tabled or getattr(model.cfg, "matmul", None) == "fp8-delayed")
+    if depth and tabled and model.cfg.moe is not None:
         raise ValueError(
             f"lm_loss: mtp_layers={depth} of a mixture of experts under the table schedule {schedule.name!r} is not "
             "supported yet: the modules run in the loss's stage with the parameters outside the layers, whole on "
@@ -177,7 +180,7 @@ def _loss_and_stats(
     w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights
     count = jnp.sum(w)
     keys = None if ids is None else dropout_keys(rng, ids)  # per token: they travel with the rows everywhere
-    if schedule is not None and schedule.tabled:
+    if tabled:
         # each target weighted by its share of the mean: the microbatches' sums add up to the mean, whose
         # cotangent (the loss scale) then seeds the pipeline's backward passes at the magnitude GPipe's get
         share = w / count_or_1(count)
@@ -362,8 +365,14 @@ def _pipelined_sum(
     # each layer's index and state travel with it (its dropout masks, its routers' biases)
     layers, split_over, indexed = pipelined_layers(cfg, layers, state, side is not None and "dropout_keys" in side)
     stage_fn = pipeline_stage_fn(cfg, load_balanced=balanced, numbered=indexed)
+    maxed = None  # the fp8 amax histories' cotangents: the largest each product saw, over microbatches and ranks
+    if indexed and fp8.COLLECTION in layers.get(LAYER_STATE, {}):
+        maxed = jax.tree.map(lambda _: False, layers)
+        maxed[LAYER_STATE] = {**maxed[LAYER_STATE], fp8.COLLECTION: jax.tree.map(lambda _: True, state[fp8.COLLECTION])}
     if cfg.moe is None:
-        return pipeline.loss(stage_fn, layers, rows, first=first, last=last, params=edge, side=side), None
+        return pipeline.loss(
+            stage_fn, layers, rows, first=first, last=last, params=edge, side=side, split_over=split_over, maxed=maxed
+        ), None
     moe, count = cfg.moe, cfg.layers - cfg.dense_layers
 
     def tally(stats: dict, mb: dict) -> jax.Array:  # the microbatch's routers' losses, its share of the mean
@@ -373,5 +382,5 @@ def _pipelined_sum(
     with local_experts(int(jax.sharding.get_abstract_mesh().shape.get(EP, 1))):
         return pipeline.loss(
             stage_fn, layers, rows, first=first, last=last, params=edge, side=side, tally=tally,
-            split_over=split_over,
+            split_over=split_over, maxed=maxed,
         )  # fmt: skip

@@ -92,9 +92,10 @@ def apply_numbered(
     return block.apply(variables, h, positions, segment_ids, router_mask, keys, index)
 
 
-def check_unsupported(c: DecoderConfig, schedule: Any) -> None:
+def check_unsupported(c: DecoderConfig, schedule: Any, maximised: bool = False) -> None:
     """Raise for what the decoder cannot run yet where it is traced: under pipeline parallelism (``schedule``; both
-    engines' stages, :func:`pipeline_stage_fn`, check) or quantized gradient reductions."""
+    engines' stages, :func:`pipeline_stage_fn`, check) or quantized gradient reductions. ``maximised``: the stages
+    run where the amax histories' cotangents are maximised (:func:`zjax.models.lm_loss`'s table engine)."""
     policy = RematPolicy.from_str(c.remat)
     qgz = c.scan and overlaps_reductions(c, policy)
     if c.bf16_edge_layers and (schedule is not None or qgz):
@@ -103,16 +104,17 @@ def check_unsupported(c: DecoderConfig, schedule: Any) -> None:
             f"{'pipeline parallelism' if schedule is not None else 'quantized gradient reductions (qgZ)'} is not "
             "supported yet (their layers run one stack alike). Use bf16_edge_layers=0 there."
         )
-    if c.matmul == "fp8-delayed" and (schedule is not None or qgz):
-        where, why = (
-            ("pipeline parallelism", "the amaxes each product sees come back as its history's cotangent, which a "
-             "pipeline sums over microbatches and ranks where they must be maximised")
-            if schedule is not None
-            else ("quantized gradient reductions (qgZ)", "its layer scan applies the layers' weights alone")
-        )  # fmt: skip
+    if c.matmul == "fp8-delayed" and schedule is not None and not maximised:
         raise ValueError(
-            f"Decoder: matmul='fp8-delayed' under {where} is not supported yet: {why}. Use matmul='fp8-current' "
-            "(no state), or pp=1 and no qgZ."
+            "Decoder: matmul='fp8-delayed' under pipeline parallelism runs in zjax.models.lm_loss (train_functions' "
+            "loss), whose table engine keeps the largest amax each product saw over the microbatches and ranks: "
+            "the model's own call under a pipeline would sum them. Compute the loss with lm_loss, or use "
+            "matmul='fp8-current' (no state)."
+        )
+    if c.matmul == "fp8-delayed" and qgz:
+        raise ValueError(
+            "Decoder: matmul='fp8-delayed' under quantized gradient reductions (qgZ) is not supported yet: its layer "
+            "scan applies the layers' weights alone. Use matmul='fp8-current' (no state), or no qgZ."
         )
 
 
@@ -142,7 +144,7 @@ def pipeline_stage_fn(
     schedule = pipeline.current()
     if not c.scan:
         raise ValueError("Decoder: pipeline parallelism needs scan=True (layers stacked on one axis).")
-    check_unsupported(c, schedule)
+    check_unsupported(c, schedule, maximised=True)
     if c.moe is not None:
         check_experts_in_pipeline(c.moe, schedule)
     if policy.partition:

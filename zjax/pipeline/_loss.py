@@ -30,6 +30,7 @@ def loss(
     side: Any = None,
     tally: Callable[[Any, Any], jax.Array] | None = None,
     split_over: Any = None,
+    maxed: Any = None,
 ) -> Any:
     """``last(params, layers(first(params, inputs)), inputs)`` summed over microbatches.
 
@@ -60,6 +61,10 @@ def loss(
         routers' load-balancing loss, differentiated with it). Every schedule then runs on the table engine.
       split_over: as for :func:`apply`: leaves of ``layers`` that a data axis splits (the experts over ``ep``)
         enter each rank as its own shard, and ``stage_fn`` runs with that axis manual.
+      maxed: a pytree like ``layers`` of bools (or ``None``): leaves whose gradient is the maximum of their
+        cotangents over the microbatches and data-parallel ranks, not their sum, and not scaled by the loss's
+        cotangent (fp8 amax histories: :func:`zjax.fp8.matmul_delayed` reports each call's amaxes as one).
+        Every schedule then runs on the table engine (GPipe's scan would sum them).
 
     Returns:
       The fp32 sum of ``last`` (and ``tally``) over all microbatches. Its gradients are made during the
@@ -75,11 +80,12 @@ def loss(
         term = jnp.asarray(tally(sums, inputs), jnp.float32)
         value = jnp.asarray(last(params, y, inputs), jnp.float32) + term
         return value, jax.lax.stop_gradient((term, sums))
-    if cfg is None or (not cfg.tabled and tally is None):
+    most = [bool(m) for m in jax.tree.leaves(maxed)] if maxed is not None else None
+    if cfg is None or (not cfg.tabled and tally is None and not any(most or ())):
         h = first(params, inputs)
         y = apply(stage_fn, layers, h, cfg, side=side, split_over=split_over)
         return jnp.asarray(last(params, y, inputs), jnp.float32)
-    if not cfg.tabled:  # a term per microbatch: GPipe's order on the table engine
+    if not cfg.tabled:  # a term per microbatch, or a maximum: GPipe's order on the table engine
         cfg = dataclasses.replace(cfg, schedule=cfg.table(stages))
     ranks = math.prod(sizes[a] for a in data_axes_here(sizes))
     rows = jax.tree.leaves(inputs)[0].shape[0]
@@ -107,7 +113,7 @@ def loss(
         stacked = by_visit(layers, cfg.repeats, stages, placement)
         split = split_leaves(split_over, len(jax.tree.leaves(layers)))
         value, dw, dep, sums = _ticks.run(
-            staged, first, last, cfg, stacked, ep, inputs, scale, side, dims, keep, tally, split, forward_only
+            staged, first, last, cfg, stacked, ep, inputs, scale, side, dims, keep, tally, split, forward_only, most
         )
         dw = None if forward_only else natural(dw, placement)
         out = value if tally is None else (value, (sums[0], natural(sums[1], placement)))
@@ -131,6 +137,12 @@ def loss(
         g = g if tally is None else g[0]  # the sums are not differentiated
         k = g / scale
         scaled = jax.tree.map(lambda a, dt: (a * k).astype(dt), grads, dtypes)
+        if most is not None:  # the maxima as they are
+            dw = [
+                a if m else b
+                for a, b, m in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(scaled[0]), most, strict=True)
+            ]
+            scaled = (jax.tree.unflatten(jax.tree.structure(grads[0]), dw), scaled[1])
         return (*scaled, None, None, None)
 
     run.defvjp(fwd, bwd)

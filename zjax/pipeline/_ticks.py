@@ -140,7 +140,7 @@ def _zeros(tree: Any, dtype: Any = None) -> Any:
 def _tick_loop(
     stage_fn: Callable, first: Callable, last: Callable, cfg: Pipeline, stages: int,
     w: Any, ep: Any, inputs: Any, scale: jax.Array, side: Any = None, keep: tuple[Keep, Callable] | None = None,
-    tally: Callable | None = None, forward_only: bool = False,
+    tally: Callable | None = None, forward_only: bool = False, maxed: list[bool] | None = None,
 ) -> tuple:  # fmt: skip
     """One device's part of the schedule (inside the manual region): ``w`` its chunks ``[v, Lps, ...]``, ``ep``
     (the parameters ``first`` and ``last`` read) whole, ``inputs`` its rows. Returns ``(loss, dw, dep, sums)``
@@ -150,7 +150,8 @@ def _tick_loop(
     ``tally``: the stage returns ``(h, sums)`` (per-layer sums ``[Lps, ...]``) and ``tally(sums, mb)`` is the
     microbatch's loss term of them, part of ``loss`` and differentiated with it; ``sums`` is then ``(the terms'
     sum, the sums per chunk [v, Lps, ...])`` over the microbatches (``None`` without ``tally``). ``forward_only``
-    (an evaluation): the table's forwards alone (:meth:`Table.forwards`); ``dw`` and ``dep`` are then ``None``."""
+    (an evaluation): the table's forwards alone (:meth:`Table.forwards`); ``dw`` and ``dep`` are then ``None``.
+    ``maxed``: per leaf of ``w``, whether its cotangents combine by their maximum, not their sum."""
     mode, saving = keep or ("F", stage_fn)
     if tally is not None:  # the stage's sums: the loss term of the microbatch's own, and the sums themselves
         stage_fn, saving = _tallied(stage_fn, tally), _tallied(saving, tally)
@@ -244,11 +245,13 @@ def _tick_loop(
         loss, dw, dep_acc, sums_acc = acc
         return h_zero, dx, h_zero, h_zero, rbuf, (loss, dw, jax.tree.map(jnp.add, dep_acc, dep), sums_acc)
 
+    most = jax.tree.unflatten(jax.tree.structure(w), maxed or [False] * len(jax.tree.leaves(w)))
+
     def weights(row, mb, sd, wc, x, dy, rbuf, acc):
         dwc = pulled(read_res(rbuf, row, wc), cotangent(dy), 0)
         loss, dw, dep, sums_acc = acc
-        c = row["chunk"]
-        dw = jax.tree.map(lambda a, g: a.at[c].add(g.astype(a.dtype)), dw, dwc)
+        into = lambda m, a, g: getattr(a.at[row["chunk"]], "max" if m else "add")(g.astype(a.dtype))  # noqa: E731
+        dw = jax.tree.map(into, most, dw, dwc)
         return h_zero, h_zero, h_zero, h_zero, rbuf, (loss, dw, dep, sums_acc)
 
     # indexed by _schedule.IDLE, F, B, W (a table of forwards alone runs no B or W); each action's ops named for the
@@ -303,6 +306,7 @@ def run(
     stage_fn: Callable, first: Callable, last: Callable, cfg: Pipeline, stacked: Any, ep: Any, inputs: Any,
     scale: jax.Array, side: Any = None, dims: list[int | None] | None = None, keep: tuple[Keep, Callable] | None = None,
     tally: Callable | None = None, split: list[dict[int, str] | None] | None = None, forward_only: bool = False,
+    maxed: list[bool] | None = None,
 ) -> tuple:  # fmt: skip
     """The schedule over the mesh: ``(loss, dw, dep, sums)`` with ``stacked`` leaves ``[R, S, Lps, ...]``;
     gradients seeded with ``scale``, accumulated in fp32 on each rank and summed over the ranks in the
@@ -321,7 +325,7 @@ def run(
     weight's experts over ``ep``): it enters as that axis's shard and is copied over the other data axes only.
 
     ``tally`` (:func:`zjax.pipeline.loss`'s): ``sums`` is ``(the loss terms' sum, the per-layer sums [R, S, Lps,
-    ...])`` over every microbatch and rank (``None`` without it). ``forward_only``: as for :func:`_tick_loop`."""
+    ...])`` over every microbatch and rank (``None`` without it). ``forward_only``, ``maxed``: :func:`_tick_loop`'s."""
     sizes = dict(jax.sharding.get_abstract_mesh().shape)
     stages = sizes.get(PP, 1)
     data = data_axes_here(sizes)
@@ -365,7 +369,7 @@ def run(
         w = jax.tree.map(lambda a: a[0, :, 0], w)  # [R, Lps, ...]: this stage's chunks
         ep = jax.tree.map(lambda a: a[0], ep)
         loss, dw, dep, sums = _tick_loop(
-            stage_fn, first, last, cfg, stages, w, ep, rows[0], scale, rows[1], keep, tally, forward_only
+            stage_fn, first, last, cfg, stages, w, ep, rows[0], scale, rows[1], keep, tally, forward_only, maxed
         )
         if sums is not None:  # the terms per rank; the sums over the data ranks, [R, 1, Lps, ...] per stage
             per_layer = jax.tree.map(lambda a: (jax.lax.psum(a, data) if data else a)[:, None], sums[1])
@@ -381,17 +385,16 @@ def run(
         check_vma=False,
     )(w_in, ep_in, (inputs, side), scale)
 
-    # the reduction over the ranks in the parameters' (compute) dtype: ZeRO's bytes, as under GPipe
-    # (lax.reduce: jnp.sum would accumulate a 16-bit sum in fp32, and the all-reduce with it); in
-    # Plan(reduce_dtype=...)'s dtype when the step asks
+    # the reduction over the ranks in the parameters' (compute) dtype, ZeRO's bytes (lax.reduce: jnp.sum would
+    # accumulate a 16-bit sum in fp32, and the all-reduce with it); in Plan(reduce_dtype=...)'s if it asks
     wide = accumulate_dtype()
 
-    def total(tree: Any, like: Any) -> Any:
-        def one(a: jax.Array, p: jax.Array) -> jax.Array:
+    def total(tree: Any, like: Any, maxed: list[bool] | None = None) -> Any:
+        def one(a: jax.Array, p: jax.Array, most: bool = False) -> jax.Array:
             dtype = p.dtype if wide is None or p.dtype.itemsize >= wide.itemsize else wide
-            return jax.lax.reduce(a.astype(dtype), jnp.zeros((), dtype), jax.lax.add, (0,))
+            return jax.lax.reduce(a.astype(dtype), jnp.zeros((), dtype), jax.lax.max if most else jax.lax.add, (0,))
 
-        return jax.tree.map(one, tree, like)
+        return jax.tree.map(one, tree, like, *([] if maxed is None else [jax.tree.unflatten(treedef, maxed)]))
 
     sums = None if sums is None else (jnp.sum(sums[0]), sums[1])
-    return jnp.sum(loss), *((None, None) if forward_only else (total(dw, stacked), total(dep, ep))), sums
+    return jnp.sum(loss), *((None, None) if forward_only else (total(dw, stacked, maxed), total(dep, ep))), sums
