@@ -154,11 +154,16 @@ def _loss_and_stats(
     # the table engine runs the whole model per microbatch; GPipe's schedule too where the amax histories' cotangents
     # must be maximised over the microbatches (the scan would sum them)
     tabled = schedule is not None and (schedule.tabled or getattr(model.cfg, "matmul", None) == "fp8-delayed")
-    if depth and tabled and model.cfg.moe is not None:
+    if depth and tabled and schedule is not None and model.cfg.moe is not None:
+        where, fix = (
+            (f"the table schedule {schedule.name!r}", "schedule='gpipe' (the modules after the last stage)")
+            if schedule.tabled
+            else ("GPipe with matmul='fp8-delayed' (run on the table engine)", "matmul='fp8-current'")
+        )
         raise ValueError(
-            f"lm_loss: mtp_layers={depth} of a mixture of experts under the table schedule {schedule.name!r} is not "
-            "supported yet: the modules run in the loss's stage with the parameters outside the layers, whole on "
-            "every rank, and their experts would be too. Use schedule='gpipe' (the modules after the last stage)."
+            f"lm_loss: mtp_layers={depth} of a mixture of experts under {where} is not supported yet: the modules "
+            "run in the loss's stage with the parameters outside the layers, whole on every rank, and their experts "
+            f"would be too. Use {fix}."
         )
     balanced = context_size() > 1
     if balanced:
