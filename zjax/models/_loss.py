@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from .. import comm, fp8, pipeline
+from .. import comm, pipeline
 from ..context import context_size, load_balance
 from ..core import LossSum
 from ..experts import local_experts
@@ -24,7 +24,14 @@ from ._config import DecoderConfig
 from ._decoder import MOE_STATS
 from ._layers import RMSNorm, dropout_keys
 from ._mtp import mtp_rows
-from ._stages import LAYER_STATE, dense_stage_fn, layer_state, pipeline_stage_fn, pipelined_layers, predict_ahead_fn
+from ._stages import (
+    dense_stage_fn,
+    layer_state,
+    maxed_leaves,
+    pipeline_stage_fn,
+    pipelined_layers,
+    predict_ahead_fn,
+)
 from ._xent import cross_entropy_sum, vocab_chunks
 
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
@@ -370,10 +377,7 @@ def _pipelined_sum(
     # each layer's index and state travel with it (its dropout masks, its routers' biases)
     layers, split_over, indexed = pipelined_layers(cfg, layers, state, side is not None and "dropout_keys" in side)
     stage_fn = pipeline_stage_fn(cfg, load_balanced=balanced, numbered=indexed)
-    maxed = None  # the fp8 amax histories' cotangents: the largest each product saw, over microbatches and ranks
-    if indexed and fp8.COLLECTION in layers.get(LAYER_STATE, {}):
-        maxed = jax.tree.map(lambda _: False, layers)
-        maxed[LAYER_STATE] = {**maxed[LAYER_STATE], fp8.COLLECTION: jax.tree.map(lambda _: True, state[fp8.COLLECTION])}
+    maxed = maxed_leaves(layers)  # the fp8 amax histories: the largest amax each product saw
     if cfg.moe is None:
         return pipeline.loss(
             stage_fn, layers, rows, first=first, last=last, params=edge, side=side, split_over=split_over, maxed=maxed

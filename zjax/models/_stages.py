@@ -66,6 +66,17 @@ def kept_whole(split_over: Any, layers: dict) -> Any:
     return {**split_over, LAYER_INDEX: None, LAYER_STATE: jax.tree.map(lambda _: {}, layers[LAYER_STATE])}
 
 
+def maxed_leaves(layers: Any) -> Any:
+    """For :func:`numbered` ``layers``, the pytree of bools :func:`zjax.pipeline.loss` takes as ``maxed``: ``True`` at
+    the fp8 amax histories, whose gradient is the largest amax any microbatch and rank saw; ``None`` without them."""
+    histories = layers.get(LAYER_STATE, {}).get(fp8.COLLECTION) if isinstance(layers, dict) else None
+    if histories is None:
+        return None
+    maxed = jax.tree.map(lambda _: False, layers)
+    maxed[LAYER_STATE][fp8.COLLECTION] = jax.tree.map(lambda _: True, histories)
+    return maxed
+
+
 def pipelined_layers(c: DecoderConfig, layers: Any, state: Any, dropping: bool) -> tuple[Any, Any, bool]:
     """A decoder's stacked layers as a pipeline takes them: ``(layers, split_over, numbered)``: the experts split
     over ``ep``; :func:`numbered` (with their ``state``, kept whole) when the layers drop (``dropping``) or keep

@@ -200,10 +200,9 @@ def apply(
     def run(w: Any, hs: tuple, fn: Callable = stage_fn) -> Any:  # w: [R, S, Lps, ...]
         h, sd = hs
         sd = jax.tree.map(every_stage, sd)
-        out = _pipeline(fn, w, microbatched(h), cfg, stages, _bubble_fill, inner or None, outputs, sd)
-        io = out[0] if outputs else out
+        io, sums = _pipeline(fn, w, microbatched(h), cfg, stages, _bubble_fill, inner or None, outputs, sd)
         y = io.reshape(s_, k_, n, -1, *rest).swapaxes(1, 2).swapaxes(0, 1).reshape(h.shape)
-        return (y, out[1]) if outputs else y
+        return (y, sums) if outputs else y
 
     if not region:  # the data axes are manual already (each rank's gradients, Plan(reduce_dtype=...))
         loop = lambda fn, w, hs: run(by_visit(w, cfg.repeats, stages), hs, fn)  # noqa: E731

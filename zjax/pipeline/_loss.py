@@ -80,8 +80,7 @@ def loss(
         term = jnp.asarray(tally(sums, inputs), jnp.float32)
         value = jnp.asarray(last(params, y, inputs), jnp.float32) + term
         return value, jax.lax.stop_gradient((term, sums))
-    most = [bool(m) for m in jax.tree.leaves(maxed)] if maxed is not None else None
-    if cfg is None or (not cfg.tabled and tally is None and not any(most or ())):
+    if cfg is None or (not cfg.tabled and tally is None and not any(jax.tree.leaves(maxed))):
         h = first(params, inputs)
         y = apply(stage_fn, layers, h, cfg, side=side, split_over=split_over)
         return jnp.asarray(last(params, y, inputs), jnp.float32)
@@ -113,7 +112,7 @@ def loss(
         stacked = by_visit(layers, cfg.repeats, stages, placement)
         split = split_leaves(split_over, len(jax.tree.leaves(layers)))
         value, dw, dep, sums = _ticks.run(
-            staged, first, last, cfg, stacked, ep, inputs, scale, side, dims, keep, tally, split, forward_only, most
+            staged, first, last, cfg, stacked, ep, inputs, scale, side, dims, keep, tally, split, forward_only, maxed
         )
         dw = None if forward_only else natural(dw, placement)
         out = value if tally is None else (value, (sums[0], natural(sums[1], placement)))
@@ -137,12 +136,8 @@ def loss(
         g = g if tally is None else g[0]  # the sums are not differentiated
         k = g / scale
         scaled = jax.tree.map(lambda a, dt: (a * k).astype(dt), grads, dtypes)
-        if most is not None:  # the maxima as they are
-            dw = [
-                a if m else b
-                for a, b, m in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(scaled[0]), most, strict=True)
-            ]
-            scaled = (jax.tree.unflatten(jax.tree.structure(grads[0]), dw), scaled[1])
+        if maxed is not None:  # the maxima as they are
+            scaled = (jax.tree.map(lambda m, a, b: a if m else b, maxed, grads[0], scaled[0]), scaled[1])
         return (*scaled, None, None, None)
 
     run.defvjp(fwd, bwd)

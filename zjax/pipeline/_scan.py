@@ -74,9 +74,9 @@ def _pipeline(
 ) -> Any:
     """The pipeline on microbatches ``state_io[S, K, mb, ...]`` (S over ``pp``, mb over ``rows``), weights
     ``stacked`` ``[R, S, Lps, ...]``; ``side`` (or ``None``): the side inputs ``[M, mb, ...]`` of every
-    microbatch, each stage reading those of the microbatch it works on. With ``outputs`` (``stage_fn``
-    returns ``(h, per-layer sums [Lps, ...])``), also the stages' per-layer sums over every microbatch,
-    ``[L, ...]`` in the layers' order."""
+    microbatch, each stage reading those of the microbatch it works on. Returns ``(y, sums)``: with ``outputs``
+    (``stage_fn`` returns ``(h, per-layer sums [Lps, ...])``) the stages' per-layer sums over every microbatch,
+    ``[L, ...]`` in the layers' order, else ``None``."""
     s_, m_, r_ = stages, cfg.microbatches, cfg.repeats
     k_ = m_ // s_
     wsc = jax.lax.with_sharding_constraint
@@ -141,6 +141,5 @@ def _pipeline(
     steps = jnp.arange(cfg.iterations(stages))
     (_, state_io, _, *sums), _ = jax.lax.scan(iteration, (shift, state_io, circ, *sums), steps, unroll=cfg.unroll)
     y = jnp.roll(state_io, -(((r_ - 1) * m_ + s_ - 1) % k_), axis=1)
-    if not outputs:
-        return y
-    return y, jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(-1, *a.shape[3:]), sums[0])  # [L, ...]: (r*S + s)*Lps + j
+    # the sums in the layers' order [L, ...]: layer (r*S + s)*Lps + j
+    return y, jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(-1, *a.shape[3:]), sums[0]) if outputs else None

@@ -140,7 +140,7 @@ def _zeros(tree: Any, dtype: Any = None) -> Any:
 def _tick_loop(
     stage_fn: Callable, first: Callable, last: Callable, cfg: Pipeline, stages: int,
     w: Any, ep: Any, inputs: Any, scale: jax.Array, side: Any = None, keep: tuple[Keep, Callable] | None = None,
-    tally: Callable | None = None, forward_only: bool = False, maxed: list[bool] | None = None,
+    tally: Callable | None = None, forward_only: bool = False, maxed: Any = None,
 ) -> tuple:  # fmt: skip
     """One device's part of the schedule (inside the manual region): ``w`` its chunks ``[v, Lps, ...]``, ``ep``
     (the parameters ``first`` and ``last`` read) whole, ``inputs`` its rows. Returns ``(loss, dw, dep, sums)``
@@ -151,7 +151,7 @@ def _tick_loop(
     microbatch's loss term of them, part of ``loss`` and differentiated with it; ``sums`` is then ``(the terms'
     sum, the sums per chunk [v, Lps, ...])`` over the microbatches (``None`` without ``tally``). ``forward_only``
     (an evaluation): the table's forwards alone (:meth:`Table.forwards`); ``dw`` and ``dep`` are then ``None``.
-    ``maxed``: per leaf of ``w``, whether its cotangents combine by their maximum, not their sum."""
+    ``maxed``: a pytree like ``w`` of bools: leaves whose cotangents combine by their maximum, not their sum."""
     mode, saving = keep or ("F", stage_fn)
     if tally is not None:  # the stage's sums: the loss term of the microbatch's own, and the sums themselves
         stage_fn, saving = _tallied(stage_fn, tally), _tallied(saving, tally)
@@ -245,7 +245,7 @@ def _tick_loop(
         loss, dw, dep_acc, sums_acc = acc
         return h_zero, dx, h_zero, h_zero, rbuf, (loss, dw, jax.tree.map(jnp.add, dep_acc, dep), sums_acc)
 
-    most = jax.tree.unflatten(jax.tree.structure(w), maxed or [False] * len(jax.tree.leaves(w)))
+    most = jax.tree.map(lambda _: False, w) if maxed is None else maxed
 
     def weights(row, mb, sd, wc, x, dy, rbuf, acc):
         dwc = pulled(read_res(rbuf, row, wc), cotangent(dy), 0)
@@ -306,7 +306,7 @@ def run(
     stage_fn: Callable, first: Callable, last: Callable, cfg: Pipeline, stacked: Any, ep: Any, inputs: Any,
     scale: jax.Array, side: Any = None, dims: list[int | None] | None = None, keep: tuple[Keep, Callable] | None = None,
     tally: Callable | None = None, split: list[dict[int, str] | None] | None = None, forward_only: bool = False,
-    maxed: list[bool] | None = None,
+    maxed: Any = None,
 ) -> tuple:  # fmt: skip
     """The schedule over the mesh: ``(loss, dw, dep, sums)`` with ``stacked`` leaves ``[R, S, Lps, ...]``;
     gradients seeded with ``scale``, accumulated in fp32 on each rank and summed over the ranks in the
@@ -389,12 +389,12 @@ def run(
     # accumulate a 16-bit sum in fp32, and the all-reduce with it); in Plan(reduce_dtype=...)'s if it asks
     wide = accumulate_dtype()
 
-    def total(tree: Any, like: Any, maxed: list[bool] | None = None) -> Any:
+    def total(tree: Any, like: Any, maxed: Any = None) -> Any:
         def one(a: jax.Array, p: jax.Array, most: bool = False) -> jax.Array:
             dtype = p.dtype if wide is None or p.dtype.itemsize >= wide.itemsize else wide
             return jax.lax.reduce(a.astype(dtype), jnp.zeros((), dtype), jax.lax.max if most else jax.lax.add, (0,))
 
-        return jax.tree.map(one, tree, like, *([] if maxed is None else [jax.tree.unflatten(treedef, maxed)]))
+        return jax.tree.map(one, tree, like, *([] if maxed is None else [maxed]))
 
     sums = None if sums is None else (jnp.sum(sums[0]), sums[1])
     return jnp.sum(loss), *((None, None) if forward_only else (total(dw, stacked, maxed), total(dep, ep))), sums
